@@ -1,0 +1,489 @@
+"""Contrastive and probabilistic losses. Every pairwise loss computes local rows x global columns.
+
+Interface (every loss): ``create_loss(name, **params)`` builds an ``nn.Module`` whose constructor
+takes plain typed scalars (the papers' hyperparameter names); ``forward(out, world=None)`` reads
+the model's output dict and returns ``{"loss": scalar with grad, <part>: detached scalars}``.
+
+Distributed contract: ``out`` holds this worker's B_local rows. Columns (negatives) are gathered
+from all workers with gradient (``World.gather``); each worker's loss is a mean over its local
+rows, so the mean of the workers' losses, and the averaged gradients, equal the single-process
+full-batch loss and gradients (tests/test_losses_distributed.py).
+
+Learnable scales are stored as logs and clamped in the forward (``max_scale``), never by editing
+parameter data, which stays correct under DeepSpeed ZeRO-3. Inputs in half precision are
+upcast to float32 and autocast is disabled inside the losses.
+
+Keys read from ``out`` (B = local batch, N = global batch, D = embedding width):
+  image_mu, text_mu                 (B, D) L2-normalised means
+  image_logvar, text_logvar         (B, D) log sigma^2                      (probabilistic losses)
+  masked_rows                       (M,) long, rows of the local batch that have masked copies
+  image_masked_mu/_logvar, text_masked_mu/_logvar   (M, D)                  (ProLIP, optional)
+  mix_lambda (B,) float, mix_partner (B,) long      PCME++ MSDA soft labels   (PML, optional)
+  pair_cos                          (B, N) Llip contextualised cosines (models.llip.LlipMixer)
+  image_hat/_alpha/_beta/_target, text_hat/_alpha/_beta/_target   (B, D)   (ProbVLM)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.distributions import (
+    contextual_ppcl_logits,
+    ggd_nll,
+    inclusion_test,
+    pml_logits,
+    ppcl_logits,
+    vib_kl,
+)
+from models.gather import World
+
+_LOSSES: dict[str, type[nn.Module]] = {}
+
+
+def register_loss(name: str):
+    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        _LOSSES[name] = cls
+        cls.loss_name = name
+        return cls
+
+    return wrap
+
+
+def create_loss(name: str, **params) -> nn.Module:
+    if name not in _LOSSES:
+        raise KeyError(f"unknown loss {name!r}; known: {', '.join(sorted(_LOSSES))}")
+    return _LOSSES[name](**params)
+
+
+def loss_class(name: str) -> type[nn.Module]:
+    if name not in _LOSSES:
+        raise KeyError(f"unknown loss {name!r}; known: {', '.join(sorted(_LOSSES))}")
+    return _LOSSES[name]
+
+
+def list_losses() -> list[str]:
+    return sorted(_LOSSES)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def _fp(x: torch.Tensor) -> torch.Tensor:
+    """Upcast half/bfloat16 to float32 (losses are computed in >= float32)."""
+    return x.float() if x.is_floating_point() and x.element_size() < 4 else x
+
+
+def _no_autocast(x: torch.Tensor):
+    return torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else contextlib.nullcontext()
+
+
+def _need(out: dict[str, torch.Tensor], loss: nn.Module, *keys: str) -> list[torch.Tensor]:
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise KeyError(f"loss {getattr(loss, 'loss_name', type(loss).__name__)!r} needs out[{missing}]")
+    return [_fp(out[k]) for k in keys]
+
+
+def _positive_columns(rows: int, world: World, device) -> torch.Tensor:
+    """Global column index of each local row's matching pair."""
+    return torch.arange(rows, device=device) + world.offset(rows)
+
+
+def sigmoid_pair_loss(logits: torch.Tensor, pos_cols: torch.Tensor) -> torch.Tensor:
+    """-sum_ij log sigmoid(y_ij logit_ij) / B_local, y = +1 at (i, pos_cols[i]), -1 elsewhere."""
+    # SigLIP (Zhai et al. 2023) Eq. 1 / ProLIP Eq. 2 / Llip Eq. 3: sum of -log sigmoid(y * logit), / |B|
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    pos = logits[rows, pos_cols]
+    neg_all = F.softplus(logits)  # -log sigmoid(-x) for every pair ...
+    total = neg_all.sum() - neg_all[rows, pos_cols].sum() + F.softplus(-pos).sum()  # ... positives swapped
+    return total / logits.shape[0]
+
+
+def inclusion_loss(
+    mu1: torch.Tensor, logvar1: torch.Tensor, mu2: torch.Tensor, logvar2: torch.Tensor, eps: float, c: float, form: str
+) -> torch.Tensor:
+    """Mean over rows and dimensions of -log sigmoid(c * H(Z1 in Z2))."""
+    # ProLIP Eq. 5: L_inclusion = -log 1 / (1 + exp(-c H(Z1 in Z2)))
+    return F.softplus(-c * inclusion_test(mu1, logvar1, mu2, logvar2, eps=eps, form=form)).mean()
+
+
+class _ScaleBias(nn.Module):
+    """Learnable logit scale s = exp(t) (clamped at max_scale in the forward) and bias b."""
+
+    def __init__(self, init_scale: float, init_bias: float, max_scale: float):
+        super().__init__()
+        if init_scale <= 0 or max_scale <= 0:
+            raise ValueError("init_scale and max_scale must be > 0")
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
+        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
+        self.max_scale = float(max_scale)
+
+    def scale_bias(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.logit_scale.exp().clamp(max=self.max_scale).to(like.dtype)
+        return s, self.logit_bias.to(like.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# deterministic baselines
+# --------------------------------------------------------------------------------------------
+@register_loss("infonce")
+class InfoNCELoss(nn.Module):
+    """CLIP's symmetric InfoNCE with a learnable temperature (Radford et al. 2021).
+
+    Params: init_temperature (0.07), max_logit_scale (100, clamp in the forward).
+    Reads image_mu, text_mu. Returns loss, i2t, t2i, logit_scale.
+    """
+
+    def __init__(self, init_temperature: float = 0.07, max_logit_scale: float = 100.0):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
+        self.max_logit_scale = max_logit_scale
+
+    def scale(self) -> torch.Tensor:
+        # Clamping in the forward (not by editing the parameter) stays correct under ZeRO-3 sharding.
+        return self.logit_scale.exp().clamp(max=self.max_logit_scale)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        img, txt = _need(out, self, "image_mu", "text_mu")
+        with _no_autocast(img):
+            img_all, txt_all = world.gather(img), world.gather(txt)
+            target = _positive_columns(img.shape[0], world, img.device)
+            s = self.scale().to(img.dtype)
+            i2t = F.cross_entropy(s * img @ txt_all.T, target)  # InfoNCE (CLIP Eq. in Fig. 3)
+            t2i = F.cross_entropy(s * txt @ img_all.T, target)
+            loss = (i2t + t2i) / 2
+        return {"loss": loss, "i2t": i2t.detach(), "t2i": t2i.detach(), "logit_scale": s.detach()}
+
+
+@register_loss("siglip")
+class SigLIPLoss(_ScaleBias):
+    """SigLIP sigmoid loss on s * mu_v.mu_t + b (Zhai et al. 2023), s = exp(t), init 10 / -10.
+
+    Params: init_scale (10), init_bias (-10), max_scale (100). Reads image_mu, text_mu.
+    Returns loss, siglip, scale, bias.
+    """
+
+    def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0, max_scale: float = 100.0):
+        super().__init__(init_scale, init_bias, max_scale)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        img, txt = _need(out, self, "image_mu", "text_mu")
+        with _no_autocast(img):
+            s, b = self.scale_bias(img)
+            # SigLIP Eq. 1 logits: t * x_i . y_j + b
+            logits = torch.addmm(b.reshape(1, 1), img * s, world.gather(txt).T)
+            loss = sigmoid_pair_loss(logits, _positive_columns(img.shape[0], world, img.device))
+        return {"loss": loss, "siglip": loss.detach(), "scale": s.detach(), "bias": b.detach()}
+
+
+# --------------------------------------------------------------------------------------------
+# ProLIP
+# --------------------------------------------------------------------------------------------
+@register_loss("ppcl")
+class PPCLLoss(_ScaleBias):
+    """ProLIP's probabilistic pairwise contrastive loss (Eq. 2): sigmoid loss on
+    s * (mu_v.mu_t - (tr Sigma_v + tr Sigma_t) / 2) + b, with learnable s, b (init 10, -10).
+
+    Params: init_scale (10), init_bias (-10), max_scale (100).
+    Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, ppcl, scale, bias.
+    """
+
+    def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0, max_scale: float = 100.0):
+        super().__init__(init_scale, init_bias, max_scale)
+
+    def ppcl(self, out: dict[str, torch.Tensor], world: World) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
+        s, b = self.scale_bias(img_mu)
+        logits = ppcl_logits(img_mu, img_lv, world.gather(txt_mu), world.gather(txt_lv), s, b)
+        return sigmoid_pair_loss(logits, _positive_columns(img_mu.shape[0], world, img_mu.device)), s, b
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        with _no_autocast(out["image_mu"]):
+            loss, s, b = self.ppcl(out, world)
+        return {"loss": loss, "ppcl": loss.detach(), "scale": s.detach(), "bias": b.detach()}
+
+
+@register_loss("inclusion")
+class InclusionLoss(nn.Module):
+    """ProLIP inclusion loss (Eq. 3-5) for image-in-its-caption, mean over rows and dimensions.
+
+    Params: eps (-10; inverse variances scaled by e^eps), c (10; paper's main runs: eps=-20, c=1000),
+    form ("paper": Eq. 3 as printed; "exact": the exact log-integral).
+    Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, inclusion_v_t.
+    """
+
+    def __init__(self, eps: float = -10.0, c: float = 10.0, form: str = "paper"):
+        super().__init__()
+        if form not in ("paper", "exact"):
+            raise ValueError(f"form must be 'paper' or 'exact', got {form!r}")
+        self.eps, self.c, self.form = float(eps), float(c), form
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
+        with _no_autocast(img_mu):
+            loss = inclusion_loss(img_mu, img_lv, txt_mu, txt_lv, self.eps, self.c, self.form)
+        return {"loss": loss, "inclusion_v_t": loss.detach()}
+
+
+@register_loss("vib")
+class VIBLoss(nn.Module):
+    """Variational information bottleneck, beta * (KL_image + KL_text) against N(0, I).
+
+    Params: beta (1e-4). Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, vib (unweighted).
+    """
+
+    def __init__(self, beta: float = 1e-4):
+        super().__init__()
+        self.beta = float(beta)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
+        with _no_autocast(img_mu):
+            vib = vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+        return {"loss": self.beta * vib, "vib": vib.detach()}
+
+
+@register_loss("prolip")
+class ProLIPLoss(PPCLLoss):
+    """ProLIP's objective (Eq. 6):
+    PPCL + alpha1 * inc(image in caption) + alpha2 * [inc(x in masked x), images + texts] + beta * VIB.
+
+    Params: init_scale (10), init_bias (-10), max_scale (100), alpha1 (1e-7), alpha2 (1e-3),
+    beta (1e-4), eps (-10), c (10), form ("paper" | "exact").
+    Reads image_mu/_logvar, text_mu/_logvar and, when present, masked_rows,
+    image_masked_mu/_logvar, text_masked_mu/_logvar. The masked term is 0 when they are absent.
+    Returns loss, ppcl, inclusion_v_t, inclusion_masked (= image + text), inclusion_masked_image,
+    inclusion_masked_text, vib (all unweighted), scale, bias.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 10.0,
+        init_bias: float = -10.0,
+        max_scale: float = 100.0,
+        alpha1: float = 1e-7,
+        alpha2: float = 1e-3,
+        beta: float = 1e-4,
+        eps: float = -10.0,
+        c: float = 10.0,
+        form: str = "paper",
+    ):
+        super().__init__(init_scale, init_bias, max_scale)
+        if form not in ("paper", "exact"):
+            raise ValueError(f"form must be 'paper' or 'exact', got {form!r}")
+        self.alpha1, self.alpha2, self.beta = float(alpha1), float(alpha2), float(beta)
+        self.eps, self.c, self.form = float(eps), float(c), form
+
+    def pairwise(self, out: dict[str, torch.Tensor], world: World):
+        return self.ppcl(out, world)
+
+    def _inc(self, mu1, lv1, mu2, lv2) -> torch.Tensor:
+        return inclusion_loss(mu1, lv1, mu2, lv2, self.eps, self.c, self.form)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
+        with _no_autocast(img_mu):
+            pair, s, b = self.pairwise(out, world)
+            inc_vt = self._inc(img_mu, img_lv, txt_mu, txt_lv)
+            zero = img_mu.new_zeros(())
+            inc_img = inc_txt = zero
+            if "masked_rows" in out and out["masked_rows"].numel() > 0:
+                rows = out["masked_rows"].long()
+                if "image_masked_mu" in out:
+                    m_mu, m_lv = _need(out, self, "image_masked_mu", "image_masked_logvar")
+                    inc_img = self._inc(img_mu[rows], img_lv[rows], m_mu, m_lv)
+                if "text_masked_mu" in out:
+                    m_mu, m_lv = _need(out, self, "text_masked_mu", "text_masked_logvar")
+                    inc_txt = self._inc(txt_mu[rows], txt_lv[rows], m_mu, m_lv)
+            vib = vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+            # ProLIP Eq. 6: PPCL + alpha1 inc(v in t) + alpha2 (inc(v in v_masked) + inc(t in t_masked)) + beta VIB
+            loss = pair + self.alpha1 * inc_vt + self.alpha2 * (inc_img + inc_txt) + self.beta * vib
+        return {
+            "loss": loss,
+            self._pair_name: pair.detach(),
+            "inclusion_v_t": inc_vt.detach(),
+            "inclusion_masked": (inc_img + inc_txt).detach(),
+            "inclusion_masked_image": inc_img.detach(),
+            "inclusion_masked_text": inc_txt.detach(),
+            "vib": vib.detach(),
+            "scale": s.detach(),
+            "bias": b.detach(),
+        }
+
+    _pair_name = "ppcl"
+
+
+# --------------------------------------------------------------------------------------------
+# PCME++
+# --------------------------------------------------------------------------------------------
+def match_labels(rows: int, cols: int, offset: int, out: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Soft match labels m_ij (B_local, N): 1 on (i, offset + i), or with MSDA lambda_i there and
+    1 - lambda_i on (i, offset + mix_partner[i])."""
+    m = like.new_zeros(rows, cols)
+    r = torch.arange(rows, device=like.device)
+    if "mix_lambda" in out:
+        lam = out["mix_lambda"].to(like.dtype)
+        partner = out["mix_partner"].long().to(like.device)
+        # PCME++ Sec. 2.4: m_vt = lambda for the image's own caption, 1 - lambda for the mixed-in one
+        m.index_put_((r, r + offset), lam)
+        m.index_put_((r, partner + offset), 1.0 - lam, accumulate=True)
+    else:
+        m[r, r + offset] = 1.0
+    return m
+
+
+def soft_bce(logits: torch.Tensor, labels: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Sum over local rows of mean-over-columns BCE with logits, divided by B_local * N."""
+    # PCME++ Eq. 2: -m log sigmoid(logit) - (1 - m) log sigmoid(-logit)
+    return (F.softplus(logits) - labels * logits).sum() / (logits.shape[0] * n_cols)
+
+
+@register_loss("pml")
+class PMLLoss(nn.Module):
+    """PCME++ objective: probabilistic matching loss (Eq. 2) with logits -a * CSD + b (a, b learnable,
+    init 5 / 5), soft labels (MSDA), pseudo-positives weighted alpha, and beta * VIB (Eq. 3).
+
+    Pseudo-positives (Sec. 2.3, Fig. A.2): in each image row, captions whose logit is >= the
+    ground-truth caption's logit get the ground-truth label; the loss recomputed with those
+    labels is added with weight alpha. BCE is a mean over all (image, caption) pairs.
+
+    Params: init_a (5), init_b (5), alpha (0.1), beta (1e-4).
+    Reads image_mu/_logvar, text_mu/_logvar, and optionally mix_lambda, mix_partner.
+    Returns loss, pml, pseudo_match, vib (unweighted), a, b, n_pseudo (pseudo-positives per row, mean).
+    """
+
+    def __init__(self, init_a: float = 5.0, init_b: float = 5.0, alpha: float = 0.1, beta: float = 1e-4):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(float(init_a)))
+        self.b = nn.Parameter(torch.tensor(float(init_b)))
+        self.alpha, self.beta = float(alpha), float(beta)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
+        with _no_autocast(img_mu):
+            a, b = self.a.to(img_mu.dtype), self.b.to(img_mu.dtype)
+            logits = pml_logits(img_mu, img_lv, world.gather(txt_mu), world.gather(txt_lv), a, b)
+            rows, cols = logits.shape
+            labels = match_labels(rows, cols, world.offset(rows), out, logits)
+            match = soft_bce(logits, labels, cols)
+            loss = match
+            pseudo = logits.new_zeros(())
+            n_pseudo = logits.new_zeros(())
+            if self.alpha != 0.0:
+                with torch.no_grad():
+                    gt_label, gt_idx = labels.max(dim=1)
+                    gt_logit = logits.gather(1, gt_idx[:, None])
+                    pp = logits >= gt_logit
+                    pp_labels = torch.where(pp, gt_label[:, None].expand_as(labels), labels)
+                    n_pseudo = (pp.sum(1) - 1).to(logits.dtype).mean()
+                pseudo = soft_bce(logits, pp_labels, cols)
+                loss = loss + self.alpha * pseudo
+            vib = vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+            # PCME++ Eq. 3: L_match + alpha L_pseudo-match + beta L_VIB
+            loss = loss + self.beta * vib
+        return {
+            "loss": loss,
+            "pml": match.detach(),
+            "pseudo_match": pseudo.detach(),
+            "vib": vib.detach(),
+            "a": a.detach(),
+            "b": b.detach(),
+            "n_pseudo": n_pseudo,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Llip
+# --------------------------------------------------------------------------------------------
+@register_loss("llip")
+class LlipLoss(_ScaleBias):
+    """Llip's sigmoid loss (Eq. 3) on contextualised cosines s * cos(z_hat_ij, z_hat'_j) + b.
+
+    The cosines come from ``models.llip.LlipMixer`` in the model's forward (where the mixer's
+    temperature ``tau`` and ``heads`` are set): out["pair_cos"] is (B_local, N_global), local
+    image rows against all captions gathered with gradient. Positives are (i, offset + i).
+    Params: init_scale (10), init_bias (-10), max_scale (100) (SigLIP's initialisation, as in Llip).
+    Returns loss, llip, scale, bias.
+    """
+
+    def __init__(self, init_scale: float = 10.0, init_bias: float = -10.0, max_scale: float = 100.0):
+        super().__init__(init_scale, init_bias, max_scale)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        (cos,) = _need(out, self, "pair_cos")
+        with _no_autocast(cos):
+            s, b = self.scale_bias(cos)
+            # Llip Eq. 3: sigmoid loss on a z_hat_ij . z_hat'_j + b
+            loss = sigmoid_pair_loss(s * cos + b, _positive_columns(cos.shape[0], world, cos.device))
+        return {"loss": loss, "llip": loss.detach(), "scale": s.detach(), "bias": b.detach()}
+
+
+@register_loss("prob_llip")
+class ProbLlipLoss(ProLIPLoss):
+    """Probabilistic Llip (beyond the papers): ProLIP's objective with PPCL's mean term mu_v.mu_t
+    replaced by Llip's contextualised cosine out["pair_cos"] (B_local, N_global); variances from
+    image_logvar / text_logvar ([UNC]), inclusion and VIB on image_mu / text_mu as in ProLIP.
+
+    Params and returned parts as ``prolip``, with "prob_llip" in place of "ppcl".
+    """
+
+    _pair_name = "prob_llip"
+
+    def pairwise(self, out: dict[str, torch.Tensor], world: World):
+        cos, img_lv, txt_lv = _need(out, self, "pair_cos", "image_logvar", "text_logvar")
+        s, b = self.scale_bias(cos)
+        logits = contextual_ppcl_logits(cos, img_lv, world.gather(txt_lv), s, b)
+        return sigmoid_pair_loss(logits, _positive_columns(cos.shape[0], world, cos.device)), s, b
+
+
+# --------------------------------------------------------------------------------------------
+# ProbVLM
+# --------------------------------------------------------------------------------------------
+@register_loss("probvlm")
+class ProbVLMLoss(nn.Module):
+    """ProbVLM adapter objective (Eq. 3, 7, 8): L_rec^V + L_rec^T + lambda_cross * L_cross,
+    each a generalized-Gaussian NLL averaged over rows and dimensions, plus an optional L1
+    reconstruction term l1 * (|z_hat_V - z_V| + |z_hat_T - z_T|).mean().
+
+    Params: lambda_cross (1e-4, ProbVLM's released training script), l1 (0.0; that script uses
+    1.0 with ggd 0.05), ggd (1.0, weight of the three GGD terms), approx (False; True uses Eq. 16).
+    Reads image_hat, image_alpha, image_beta, image_target, text_hat, text_alpha, text_beta,
+    text_target, all (B, D): z_hat, alpha_hat > 0, beta_hat > 0 predicted by the adapter, and the
+    frozen encoder's embedding z. Returns loss, rec_image, rec_text, cross, l1 (unweighted).
+    """
+
+    def __init__(self, lambda_cross: float = 1e-4, l1: float = 0.0, ggd: float = 1.0, approx: bool = False):
+        super().__init__()
+        self.lambda_cross, self.l1, self.ggd, self.approx = float(lambda_cross), float(l1), float(ggd), bool(approx)
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        keys = [f"{m}_{k}" for m in ("image", "text") for k in ("hat", "alpha", "beta", "target")]
+        i_hat, i_alpha, i_beta, i_z, t_hat, t_alpha, t_beta, t_z = _need(out, self, *keys)
+        with _no_autocast(i_hat):
+            rec_i = ggd_nll(i_z, i_hat, i_alpha, i_beta, approx=self.approx).mean()
+            rec_t = ggd_nll(t_z, t_hat, t_alpha, t_beta, approx=self.approx).mean()
+            # ProbVLM Eq. 7: L_cross = GGD NLL of z_T under (z_hat_V, alpha_V, beta_V) + z_V under the text's
+            cross = (
+                ggd_nll(t_z, i_hat, i_alpha, i_beta, approx=self.approx).mean()
+                + ggd_nll(i_z, t_hat, t_alpha, t_beta, approx=self.approx).mean()
+            )
+            l1 = (i_hat - i_z).abs().mean() + (t_hat - t_z).abs().mean()
+            # ProbVLM Eq. 8: L = L_rec^V + L_rec^T + lambda_cross L_cross (+ optional L1 term)
+            loss = self.ggd * (rec_i + rec_t + self.lambda_cross * cross) + self.l1 * l1
+        return {
+            "loss": loss,
+            "rec_image": rec_i.detach(),
+            "rec_text": rec_t.detach(),
+            "cross": cross.detach(),
+            "l1": l1.detach(),
+        }
