@@ -150,10 +150,14 @@ def inclusion_test(
     _check_form(form)
     weight = 1.0 if form == "paper" else 0.5
     log_ratio = torch.logaddexp(-logvar2, -logvar1 - _LN2) - torch.logaddexp(-logvar1, -logvar2 - _LN2)
-    m = torch.maximum(logvar1, logvar2).detach()  # the expression does not depend on m: detach is exact
+    m = torch.maximum(logvar1, logvar2).detach()  # H does not depend on m: detaching it is exact
     u1, u2 = torch.exp(logvar1 - m), torch.exp(logvar2 - m)
     delta = logvar1 - logvar2
-    diff = torch.sign(delta) * -torch.expm1(-delta.abs())  # u1 - u2 without cancellation
+    # u1 - u2 without cancellation (the larger of u1, u2 is exactly 1); both branches stay bounded
+    pos = delta >= 0
+    zero = torch.zeros_like(delta)
+    d_pos, d_neg = torch.where(pos, delta, zero), torch.where(pos, zero, delta)  # (clamp has 0 grad at 0)
+    diff = torch.where(pos, -u1 * torch.expm1(-d_pos), u2 * torch.expm1(d_neg))
     mean_term = (mu1 - mu2).pow(2) * torch.exp(eps - m) * diff / (2.0 * (u2 + 0.5 * u1) * (u1 + 0.5 * u2))
     return weight * (logvar2 - logvar1) + 0.5 * log_ratio - 0.5 * mean_term
 

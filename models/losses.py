@@ -118,13 +118,13 @@ class _ScaleBias(nn.Module):
         super().__init__()
         if init_scale <= 0 or max_scale <= 0:
             raise ValueError("init_scale and max_scale must be > 0")
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
-        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)).reshape(1))  # (1,): DeepSpeed cannot broadcast 0-dim params
+        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)).reshape(1))
         self.max_scale = float(max_scale)
 
     def scale_bias(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.logit_scale.exp().clamp(max=self.max_scale).to(like.dtype)
-        return s, self.logit_bias.to(like.dtype)
+        s = self.logit_scale.exp().clamp(max=self.max_scale).to(like.dtype).reshape(())
+        return s, self.logit_bias.to(like.dtype).reshape(())
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class InfoNCELoss(nn.Module):
 
     def __init__(self, init_temperature: float = 0.07, max_logit_scale: float = 100.0):
         super().__init__()
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)).reshape(1))  # (1,): DeepSpeed cannot broadcast 0-dim params
         self.max_logit_scale = max_logit_scale
 
     def scale(self) -> torch.Tensor:
@@ -153,7 +153,7 @@ class InfoNCELoss(nn.Module):
         with _no_autocast(img):
             img_all, txt_all = world.gather(img), world.gather(txt)
             target = _positive_columns(img.shape[0], world, img.device)
-            s = self.scale().to(img.dtype)
+            s = self.scale().to(img.dtype).reshape(())
             i2t = F.cross_entropy(s * img @ txt_all.T, target)  # InfoNCE (CLIP Eq. in Fig. 3)
             t2i = F.cross_entropy(s * txt @ img_all.T, target)
             loss = (i2t + t2i) / 2
@@ -330,7 +330,7 @@ def match_labels(rows: int, cols: int, offset: int, out: dict[str, torch.Tensor]
     m = like.new_zeros(rows, cols)
     r = torch.arange(rows, device=like.device)
     if "mix_lambda" in out:
-        lam = out["mix_lambda"].to(like.dtype)
+        lam = out["mix_lambda"].detach().to(like.dtype)
         partner = out["mix_partner"].long().to(like.device)
         # PCME++ Sec. 2.4: m_vt = lambda for the image's own caption, 1 - lambda for the mixed-in one
         m.index_put_((r, r + offset), lam)
@@ -362,15 +362,15 @@ class PMLLoss(nn.Module):
 
     def __init__(self, init_a: float = 5.0, init_b: float = 5.0, alpha: float = 0.1, beta: float = 1e-4):
         super().__init__()
-        self.a = nn.Parameter(torch.tensor(float(init_a)))
-        self.b = nn.Parameter(torch.tensor(float(init_b)))
+        self.a = nn.Parameter(torch.tensor(float(init_a)).reshape(1))  # (1,): DeepSpeed cannot broadcast 0-dim params
+        self.b = nn.Parameter(torch.tensor(float(init_b)).reshape(1))
         self.alpha, self.beta = float(alpha), float(beta)
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         world = world or World.current()
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
         with _no_autocast(img_mu):
-            a, b = self.a.to(img_mu.dtype), self.b.to(img_mu.dtype)
+            a, b = self.a.to(img_mu.dtype).reshape(()), self.b.to(img_mu.dtype).reshape(())
             logits = pml_logits(img_mu, img_lv, world.gather(txt_mu), world.gather(txt_lv), a, b)
             rows, cols = logits.shape
             labels = match_labels(rows, cols, world.offset(rows), out, logits)

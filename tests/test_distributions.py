@@ -238,3 +238,20 @@ def test_extreme_logvars_are_finite(lv_value, eps):
         assert torch.isfinite(o)
         grads = torch.autograd.grad(o, (mu, other, lv1, lv2), allow_unused=True)
         assert all(gr is None or torch.isfinite(gr).all() for gr in grads)
+
+
+def test_inclusion_gradients_match_literal_formula_including_ties():
+    """Gradients of the cancellation-free form equal those of inc(1,2) - inc(2,1) written literally."""
+    g = _gen(7)
+    mu1, mu2 = torch.randn(5, 4, generator=g, dtype=f64), torch.randn(5, 4, generator=g, dtype=f64)
+    l1, l2 = torch.randn(5, 4, generator=g, dtype=f64), torch.randn(5, 4, generator=g, dtype=f64)
+    l2[0] = l1[0]  # exact ties of the log-variances
+    mu2[1] = mu1[1]
+    leaves = [t.requires_grad_() for t in (mu1, l1, mu2, l2)]
+    for form in ("paper", "exact"):
+        for eps in (0.0, -2.0):
+            got = inclusion_test(mu1, l1, mu2, l2, eps=eps, form=form)
+            ref = log_inclusion(mu1, l1, mu2, l2, eps, form) - log_inclusion(mu2, l2, mu1, l1, eps, form)
+            w = torch.randn(5, 4, generator=g, dtype=f64)
+            for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
