@@ -1,0 +1,28 @@
+# The whole set-up is `make demo` or `make test`: each creates .venv if needed,
+# installs the project (skipped when pyproject.toml and constraints.txt are unchanged), then runs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install clean bench
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m jobs.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.losses
+
+clean:
+	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

@@ -1,0 +1,45 @@
+"""Create models by name, like timm's `create_model`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    build: Callable[..., nn.Module]
+    default_loss: str
+
+
+_MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str, *, default_loss: str):
+    def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _MODELS:
+            raise ValueError(f"model {name!r} registered twice")
+        _MODELS[name] = ModelEntry(fn, default_loss)
+        return fn
+
+    return wrap
+
+
+def _entry(name: str) -> ModelEntry:
+    if name not in _MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(_MODELS))}")
+    return _MODELS[name]
+
+
+def create_model(name: str, **overrides) -> nn.Module:
+    """Build a registered model; `overrides` replace the entry's default constructor arguments."""
+    return _entry(name).build(**overrides)
+
+
+def default_loss(name: str) -> str:
+    return _entry(name).default_loss
+
+
+def list_models() -> list[str]:
+    return sorted(_MODELS)

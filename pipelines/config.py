@@ -1,0 +1,219 @@
+"""Typed experiment configuration loaded from YAML.
+
+Every section rejects unknown keys, wrong types and out-of-range values with a one-line
+message naming the key (`ConfigError`). Plain dicts appear only at the Ray boundary
+(`Config.to_dict()` / `Config.from_dict()`).
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as one line naming the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "probvlp"
+    experiment: str = "probvlp"
+    seed: int = 0
+    # Ray Train storage (checkpoints, results): local folder, NFS or s3://.
+    storage_path: str = ".probvlp/ray_results"
+
+
+class DataConfig(Section):
+    source: Literal["digits", "shards"] = "digits"
+    # Folder (or fsspec URI) holding {train,val,test}/*.tar webdataset shards.
+    root: str = ".probvlp/data/digits"
+    image_size: int = Field(32, ge=8, le=1024)
+    shard_size: int = Field(500, ge=1)
+    # Probability of drawing a mid-level / general caption instead of a specific one (digits only).
+    mid_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
+    general_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _probs(self) -> "DataConfig":
+        if self.mid_caption_prob + self.general_caption_prob > 1.0:
+            raise ValueError("data.mid_caption_prob + data.general_caption_prob must be <= 1")
+        return self
+
+
+class ModelConfig(Section):
+    name: str = "clip_tiny"
+    # Keyword overrides passed to the registry's constructor, e.g. {embed_dim: 128}.
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class LossConfig(Section):
+    # None: the model's default loss (its method).
+    name: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(Section):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    batch_size: int = Field(64, ge=1, description="per worker")
+    steps: int = Field(1000, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.2, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    zero_stage: int = Field(2, ge=0, le=3)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    grad_clip: float = Field(1.0, ge=0)
+    log_every: int = Field(10, ge=1)
+
+
+class EvalConfig(Section):
+    split: Literal["val", "test"] = "test"
+    batch_size: int = Field(256, ge=1)
+
+
+class TrackingConfig(Section):
+    # None: $MLFLOW_TRACKING_URI, else a sqlite store in the project folder.
+    uri: str | None = None
+
+
+class RayConfig(Section):
+    # None: $RAY_ADDRESS if set (ray job submit), else a local Ray on 127.0.0.1.
+    address: str | None = None
+    # Logical CPUs of a local Ray; None: enough for the workers plus Ray Data tasks.
+    num_cpus: int | None = Field(None, ge=1)
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        from models.registry import list_models
+
+        if self.model.name not in list_models():
+            raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        return _validate(data)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> scalar values, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    kind, msg = first["type"], first["msg"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if kind.startswith("value_error"):
+        msg = msg.removeprefix("Value error, ")
+        return msg if not loc else f"{loc}: {msg}"
+    got = first.get("input")
+    got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
+    return f"{loc}: {msg}{got_text}"
+
+
+def _validate(data: dict[str, Any]) -> Config:
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+    _check_loss(cfg)
+    return cfg
+
+
+def _check_loss(cfg: Config) -> None:
+    """Validate loss params against the loss constructor's signature (names and annotated types)."""
+    from models.losses import list_losses, loss_class
+    from models.registry import default_loss
+
+    name = cfg.loss.name or default_loss(cfg.model.name)
+    if name not in list_losses():
+        raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
+    sig = inspect.signature(loss_class(name).__init__)
+    for key, value in cfg.loss.params.items():
+        param = sig.parameters.get(key)
+        if param is None or key == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            known = [p for p in sig.parameters if p != "self"]
+            raise ConfigError(f"loss.params.{key}: unknown key for loss {name!r}; known: {', '.join(known)}")
+        if param.annotation is not inspect.Parameter.empty:
+            ann = param.annotation
+            if isinstance(ann, str):
+                ann = eval(ann, vars(inspect.getmodule(loss_class(name))))  # annotations are module-level types
+            try:
+                TypeAdapter(ann).validate_python(value, strict=not isinstance(value, int))
+            except ValidationError as err:
+                raise ConfigError(f"loss.params.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {text!r}: {part} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return _validate(apply_overrides(data, overrides or []))

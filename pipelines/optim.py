@@ -1,0 +1,27 @@
+"""AdamW parameter groups and the warmup + cosine schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on gains, biases, embeddings-like vectors and learnable scalars (ndim < 2)."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and "positional_embedding" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,38 @@
+"""Starting or joining Ray. Local runs stay on 127.0.0.1; `ray job submit` runs join the cluster."""
+from __future__ import annotations
+
+import os
+
+import ray
+
+# Measured here (see FACTS.md): without this, a single-node Ray advertises the machine's
+# external address and torch.distributed's MASTER_ADDR follows it. Local runs only.
+_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Per-operator progress bars flood job logs; Ray Train and our own metrics report progress.
+_QUIET_ENV = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join `address` / $RAY_ADDRESS if given (cluster, job submission), else start a local Ray on loopback."""
+    if ray.is_initialized():
+        return
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    # The env var is read when ray.data is imported, which may already have happened.
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    os.environ.update(_LOOPBACK_ENV)
+    ray.init(
+        address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {**_LOOPBACK_ENV, **_QUIET_ENV}},
+    )
+
+
+def local_cpus(num_workers: int, cpus_per_worker: float) -> int:
+    """Logical CPUs for a local Ray: the training workers plus room for Ray Data's tasks."""
+    return max(os.cpu_count() or 1, int(num_workers * cpus_per_worker) + 2)

@@ -1,0 +1,110 @@
+"""MLflow: where runs go, the run's params/config/tags, and rank 0's buffered step metrics."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import PROJECT_ROOT
+
+LOCAL_DIR = PROJECT_ROOT / ".probvlp"
+_SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential)", re.I)
+_URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")
+
+
+def tracking_uri(configured: str | None = None) -> str:
+    """Config value, else $MLFLOW_TRACKING_URI, else a sqlite store in the project folder."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    LOCAL_DIR.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{LOCAL_DIR / 'mlflow.db'}"
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Hide values of secret-looking keys and credentials embedded in URIs."""
+    out = {}
+    for key, value in params.items():
+        if _SECRET_KEY.search(key):
+            out[key] = "***"
+        elif isinstance(value, str):
+            out[key] = _URI_CREDENTIALS.sub(r"\1***@", value)
+        else:
+            out[key] = value
+    return out
+
+
+def experiment_id(client, uri: str, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if uri.startswith("sqlite:"):
+        # Absolute artifact root, so Ray workers (other working directories) write to the same place.
+        location = (LOCAL_DIR / "mlartifacts").as_uri() if uri == tracking_uri(None) else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], config_yaml: str,
+              tags: dict[str, str]) -> str:
+    """Create the run (driver side); returns its id, which Ray workers use to log into it."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    client = MlflowClient(uri)
+    run = client.create_run(experiment_id(client, uri, experiment), run_name=run_name,
+                            tags={k: v for k, v in tags.items() if v})
+    items = [Param(k, str(v)[:6000]) for k, v in redact(params).items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run.info.run_id, params=items[i : i + 100])
+    client.log_text(run.info.run_id, config_yaml, "config.yaml")
+    return run.info.run_id
+
+
+class StepLogger:
+    """Buffers per-step metrics and writes them in batches (one MLflow call per flush)."""
+
+    def __init__(self, uri: str, run_id: str, flush_every: int = 50):
+        from mlflow import MlflowClient
+
+        self.client, self.run_id, self.flush_every = MlflowClient(uri), run_id, flush_every
+        self.buffer: list = []
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if len(self.buffer) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        for i in range(0, len(self.buffer), 1000):
+            self.client.log_batch(self.run_id, metrics=self.buffer[i : i + 1000])
+        self.buffer = []
+
+    def tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
+    def artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    from mlflow import MlflowClient
+
+    MlflowClient(uri).set_terminated(run_id, status=status)

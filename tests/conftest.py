@@ -1,0 +1,39 @@
+"""Shared fixtures: a local Ray on 127.0.0.1 and throwaway MLflow stores."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the session, on loopback (see pipelines.ray_env)."""
+    import ray
+
+    from pipelines.ray_env import init_ray
+
+    os.environ.pop("RAY_ADDRESS", None)
+    init_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="session")
+def digits_root(tmp_path_factory) -> str:
+    from pipelines.digits import write_digit_shards
+
+    root = tmp_path_factory.mktemp("digits")
+    write_digit_shards(root, image_size=32, shard_size=500)
+    return str(root)

@@ -1,0 +1,89 @@
+"""Config loading: typed sections, one-line errors naming the key, overrides, CLI exit codes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_demo_config_loads_and_overrides():
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["train.steps=7", "model.overrides.embed_dim=32"])
+    assert cfg.train.steps == 7 and cfg.model.overrides == {"embed_dim": 32}
+    assert cfg.train.zero_stage == 2 and cfg.train.num_workers == 2
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg
+    assert cfg.flat()["train.steps"] == 7
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"train": {"stepz": 3}}, "train.stepz: unknown key"),
+        ({"bogus": {}}, "bogus: unknown key"),
+        ({"train": {"steps": "many"}}, "train.steps:"),
+        ({"train": {"zero_stage": 4}}, "train.zero_stage:"),
+        ({"train": {"lr": -1}}, "train.lr:"),
+        ({"model": {"name": "nope"}}, "model.name: unknown model 'nope'"),
+        ({"loss": {"name": "infonce", "params": {"temperature": 1}}}, "loss.params.temperature: unknown key"),
+        ({"loss": {"name": "infonce", "params": {"init_temperature": "hot"}}}, "loss.params.init_temperature:"),
+        ({"data": {"mid_caption_prob": 0.7, "general_caption_prob": 0.7}}, "mid_caption_prob + data.general"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, data, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, data))
+    msg = str(err.value)
+    assert expected in msg and "\n" not in msg
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(ROOT / "configs" / "demo.yaml", ["train.steps"])
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config", "{tmp}/unknown.yaml"], "config error: train.nonsense: unknown key"),
+        (["--config", "{tmp}/wrongtype.yaml"], "config error: train.batch_size:"),
+        (["--config", "{tmp}/absent.yaml"], "config error: config file not found"),
+        (["--config", "configs/demo.yaml", "--set", "train.zero_stage=9"], "config error: train.zero_stage:"),
+    ],
+)
+def test_cli_fails_fast_with_one_line(tmp_path, args, expected):
+    write(tmp_path, {"train": {"nonsense": 1}}).rename(tmp_path / "unknown.yaml")
+    write(tmp_path, {"train": {"batch_size": [1, 2]}}).rename(tmp_path / "wrongtype.yaml")
+    argv = [a.format(tmp=tmp_path) for a in args]
+    # Run the real entry point, then report whether Ray was ever imported: the error must come first.
+    code = ("import sys, jobs.pretrain as job; rc = job.main(sys.argv[1:]); "
+            "print('ray imported' if 'ray' in sys.modules else 'ray not imported'); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert proc.stdout.strip() == "ray not imported"
+
+
+def test_cli_exit_code_through_module_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jobs.pretrain", "--config", str(tmp_path / "absent.yaml")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("config error: config file not found")
