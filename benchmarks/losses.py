@@ -1,0 +1,371 @@
+"""Pairwise-logit benchmarks: PPCL / PML logits and Llip contextualised cosines, side by side on CPU.
+
+Run (one command; writes the "losses" section of docs/BENCHMARKS.md):
+
+    .venv/bin/python -m benchmarks.losses            # or: make bench
+    .venv/bin/python -m benchmarks.losses --quick    # small sizes, prints the table, writes nothing
+
+What is compared (all float32, same inputs, same process type, one run):
+- PPCL and PML logits (models.distributions.ppcl_logits / pml_logits, one augmented matrix product)
+  against (a) the broadcast (B, B, D) form of the papers' pseudo-code and (b) one plain
+  (B, D) @ (D, B) matrix product, the floor for any B x B similarity.
+- Llip cosines (models.llip.LlipMixer, chunked + checkpointed) against LlipMixer.naive_pair_cos,
+  which materialises the (B, N, D) contextualised features at once.
+
+How it is measured (subprocesses run with MALLOC_MMAP_THRESHOLD_=131072, so freed tensors go
+back to the OS at once):
+- memory: each (form, size, mode) in its own fresh subprocess. After a small warm-up and building
+  the inputs it resets the kernel's peak-RSS counter (writes "5" to /proc/self/clear_refs), runs
+  the operation once and reports VmHWM - VmRSS(before): the extra resident memory the call
+  needed, output included.
+- time: all forms of one (size, mode) in one subprocess, called round-robin after a warm-up, so
+  load from other jobs on the machine hits them alike; the minimum over the repeats is reported
+  (the median is printed too).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------------------------
+# measurement inside one subprocess
+# --------------------------------------------------------------------------------------------
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _pair_inputs(b: int, d: int, grad: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mu1 = F.normalize(torch.randn(b, d, generator=g), dim=-1)
+    mu2 = F.normalize(torch.randn(b, d, generator=g), dim=-1)
+    lv1 = torch.randn(b, d, generator=g) - 8
+    lv2 = torch.randn(b, d, generator=g) - 8
+    xs = [t.requires_grad_(grad) for t in (mu1, lv1, mu2, lv2)]
+    return xs, torch.randn(b, b, generator=g)
+
+
+def _pair_fn(form: str, b: int, d: int, grad: bool):
+    from models.distributions import pml_logits, ppcl_logits
+
+    (mu1, lv1, mu2, lv2), upstream = _pair_inputs(b, d, grad)
+    s, bias = torch.tensor(10.0), torch.tensor(-10.0)
+    a, shift = torch.tensor(5.0), torch.tensor(5.0)
+
+    def ppcl_broadcast():
+        dots = (mu1[:, None, :] * mu2[None, :, :]).sum(-1)
+        var = (lv1.exp()[:, None, :] + lv2.exp()[None, :, :]).sum(-1)
+        return s * (dots - 0.5 * var) + bias
+
+    def pml_broadcast():
+        mu_d = (mu1[:, None, :] - mu2[None, :, :]).pow(2).sum(-1)
+        var = (lv1.exp()[:, None, :] + lv2.exp()[None, :, :]).sum(-1)
+        return -a * (mu_d + var) + shift
+
+    forms = {
+        "ppcl": lambda: ppcl_logits(mu1, lv1, mu2, lv2, s, bias),
+        "pml": lambda: pml_logits(mu1, lv1, mu2, lv2, a, shift),
+        "matmul": lambda: mu1 @ mu2.T,
+        "ppcl_broadcast": ppcl_broadcast,
+        "pml_broadcast": pml_broadcast,
+    }
+    fn = forms[form]
+    if not grad:
+        return fn
+
+    def fwd_bwd():
+        out = fn()
+        out.backward(upstream)
+        for t in (mu1, lv1, mu2, lv2):
+            t.grad = None
+        return out
+
+    return fwd_bwd
+
+
+def _llip_fn(form: str, b: int, d: int, grad: bool, k: int = 64, heads: int = 8):
+    from models.llip import LlipMixer
+
+    torch.manual_seed(0)
+    mixer = LlipMixer(d, heads=heads, tau=5.0)
+    for p in mixer.parameters():
+        p.requires_grad_(grad)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randn(b, k, d, generator=g).requires_grad_(grad)
+    query = torch.randn(b, d, generator=g).requires_grad_(grad)
+    text = torch.randn(b, d, generator=g).requires_grad_(grad)
+    upstream = torch.randn(b, b, generator=g)
+    fn = {"llip_chunked": mixer.forward, "llip_naive": mixer.naive_pair_cos}[form]
+    if not grad:
+        return lambda: fn(tokens, query, text)
+
+    def fwd_bwd():
+        out = fn(tokens, query, text)
+        out.backward(upstream)
+        for t in (tokens, query, text, *mixer.parameters()):
+            t.grad = None
+        return out
+
+    return fwd_bwd
+
+
+def _make(form: str, b: int, d: int, grad: bool):
+    return (_llip_fn if form.startswith("llip") else _pair_fn)(form, b, d, grad)
+
+
+def measure_memory(form: str, b: int, d: int, mode: str) -> dict:
+    """Runs in a fresh process: extra peak RSS (MB) of one call, after a small warm-up."""
+    grad = mode == "fwd+bwd"
+    with torch.enable_grad() if grad else torch.no_grad():
+        _make(form, 32, d, grad)()  # warm-up: kernels, thread pool, allocator
+        fn = _make(form, b, d, grad)
+        before = _status_kb("VmRSS")
+        if not _reset_peak():
+            raise RuntimeError("cannot reset the peak-RSS counter (/proc/self/clear_refs)")
+        out = fn()
+        peak_kb = _status_kb("VmHWM") - before
+        del out
+    return {"form": form, "b": b, "d": d, "mode": mode, "peak_mb": peak_kb / 1024}
+
+
+def measure_time(forms: list[str], b: int, d: int, mode: str, repeats: int) -> dict:
+    """Runs in one process: the forms are called round-robin (so machine load hits all alike);
+    returns the minimum and median wall time of each."""
+    grad = mode == "fwd+bwd"
+    times: dict[str, list[float]] = {f: [] for f in forms}
+    with torch.enable_grad() if grad else torch.no_grad():
+        fns = {f: _make(f, b, d, grad) for f in forms}
+        for f in forms:
+            fns[f]()  # warm-up at full size
+        for _ in range(repeats):
+            for f in forms:
+                t0 = time.perf_counter()
+                out = fns[f]()
+                times[f].append(time.perf_counter() - t0)
+                del out
+    return {f: {"min": min(t), "median": statistics.median(t)} for f, t in times.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------
+
+
+def _sub(args: list[str]) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    cmd = [sys.executable, "-m", "benchmarks.losses", *args]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_group(forms: list[str], b: int, d: int, mode: str, repeats: int) -> dict[str, dict]:
+    """Time all forms side by side in one subprocess, then each form's memory in its own."""
+    t = _sub(["--time", ",".join(forms), "--b", str(b), "--d", str(d), "--mode", mode, "--repeats", str(repeats)])
+    result = {}
+    for f in forms:
+        m = _sub(["--memory", f, "--b", str(b), "--d", str(d), "--mode", mode])
+        result[f] = {"seconds": t[f]["min"], "median": t[f]["median"], "peak_mb": m["peak_mb"]}
+        print(
+            f"  {f:15s} B={b:5d} D={d:4d} {mode:8s} min {t[f]['min'] * 1e3:10.1f} ms "
+            f"(median {t[f]['median'] * 1e3:10.1f})  peak {m['peak_mb']:10.1f} MB",
+            flush=True,
+        )
+    return result
+
+
+def _fmt_ms(s: float) -> str:
+    return f"{s * 1e3:,.1f}"
+
+
+def _fmt_mb(mb: float) -> str:
+    return f"{mb:,.1f}"
+
+
+def pair_section(sizes: dict) -> tuple[str, list[str]]:
+    big, small, d, rep = sizes["pair_big"], sizes["pair_small"], sizes["pair_d"], sizes["repeats"]
+    rows, verdicts = [], []
+    for kind in ("ppcl", "pml"):
+        r = {}
+        g = run_group([kind, "matmul", f"{kind}_broadcast"], small, d, "fwd", max(3, rep // 2))
+        r[("ours", small)], r[("matmul", small)], r[("broadcast", small)] = g[kind], g["matmul"], g[f"{kind}_broadcast"]
+        g = run_group([kind, "matmul"], big, d, "fwd", rep)
+        r[("ours", big)], r[("matmul", big)] = g[kind], g["matmul"]
+        g = run_group([kind, "matmul"], big, d, "fwd+bwd", rep)
+        r[("ours_bwd", big)], r[("matmul_bwd", big)] = g[kind], g["matmul"]
+        scale = (big / small) ** 2  # the broadcast form is O(B^2 D) in time and memory
+        bc_time, bc_mem = r[("broadcast", small)]["seconds"] * scale, r[("broadcast", small)]["peak_mb"] * scale
+        for b in (small, big):
+            ours, mm = r[("ours", b)], r[("matmul", b)]
+            if b == small:
+                bc = r[("broadcast", small)]
+                bc_t, bc_m, note = bc["seconds"], bc["peak_mb"], "measured"
+            else:
+                bc_t, bc_m, note = bc_time, bc_mem, f"extrapolated x{scale:.0f} from B={small}"
+            rows.append(
+                f"| {kind.upper()} logits | {b} | {d} | fwd | {_fmt_ms(ours['seconds'])} | {_fmt_mb(ours['peak_mb'])} "
+                f"| {_fmt_ms(mm['seconds'])} / {_fmt_mb(mm['peak_mb'])} | {_fmt_ms(bc_t)} / {_fmt_mb(bc_m)} ({note}) "
+                f"| {ours['seconds'] / mm['seconds']:.2f}x | {bc_m / ours['peak_mb']:,.0f}x |"
+            )
+        ob, mb_ = r[("ours_bwd", big)], r[("matmul_bwd", big)]
+        rows.append(
+            f"| {kind.upper()} logits | {big} | {d} | fwd+bwd | {_fmt_ms(ob['seconds'])} | {_fmt_mb(ob['peak_mb'])} "
+            f"| {_fmt_ms(mb_['seconds'])} / {_fmt_mb(mb_['peak_mb'])} | not run | {ob['seconds'] / mb_['seconds']:.2f}x | - |"
+        )
+        ours, mm = r[("ours", big)], r[("matmul", big)]
+        t_ratio, m_ratio = ours["seconds"] / mm["seconds"], bc_mem / ours["peak_mb"]
+        ok_t, ok_m = t_ratio <= 1.3, m_ratio >= 50
+        verdicts.append(
+            f"- {kind.upper()} at B={big}, D={d}: time {t_ratio:.2f}x the plain matmul (target <= 1.3x: "
+            f"{'met' if ok_t else 'MISSED'}); peak memory {m_ratio:,.0f}x below the broadcast form "
+            f"(target >= 50x: {'met' if ok_m else 'MISSED'}; broadcast extrapolated from B={small}, "
+            f"where the measured ratio is {r[('broadcast', small)]['peak_mb'] / r[('ours', small)]['peak_mb']:,.0f}x)."
+        )
+    header = (
+        "| logits | B | D | mode | ours ms | ours peak MB | plain matmul ms / MB | broadcast B x B x D ms / MB "
+        "| ours / matmul time | broadcast / ours memory |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    return header + "\n" + "\n".join(rows), verdicts
+
+
+def llip_section(sizes: dict) -> tuple[str, list[str]]:
+    b, b_small, d, rep = sizes["llip_b"], sizes["llip_b_small"], sizes["llip_d"], sizes["llip_repeats"]
+    rows, verdicts = [], []
+    res = {}
+    for mode, bb in (("fwd", b), ("fwd+bwd", b_small)):
+        g = run_group(["llip_chunked", "llip_naive"], bb, d, mode, rep)
+        c, n = g["llip_chunked"], g["llip_naive"]
+        res[(mode, bb)] = (c, n)
+        rows.append(
+            f"| {bb} x {bb} | {d} | {mode} | {_fmt_ms(c['seconds'])} | {_fmt_mb(c['peak_mb'])} | {_fmt_ms(n['seconds'])} "
+            f"| {_fmt_mb(n['peak_mb'])} | {c['seconds'] / n['seconds']:.2f}x | {n['peak_mb'] / c['peak_mb']:,.0f}x |"
+        )
+    c = run_group(["llip_chunked"], b, d, "fwd+bwd", rep)["llip_chunked"]
+    scale = (b / b_small) ** 2
+    n_small = res[("fwd+bwd", b_small)][1]
+    rows.append(
+        f"| {b} x {b} | {d} | fwd+bwd | {_fmt_ms(c['seconds'])} | {_fmt_mb(c['peak_mb'])} | "
+        f"~{_fmt_ms(n_small['seconds'] * scale)} (extrapolated x{scale:.0f}) | ~{_fmt_mb(n_small['peak_mb'] * scale)} (extrapolated) "
+        f"| ~{c['seconds'] / (n_small['seconds'] * scale):.2f}x | ~{n_small['peak_mb'] * scale / c['peak_mb']:,.0f}x |"
+    )
+    cf, nf = res[("fwd", b)]
+    cb, nb = res[("fwd+bwd", b_small)]
+    bnd_mb = b * b * d * 4 / 2**20
+    verdicts.append(
+        f"- Llip forward at B = N = {b}: chunked {cf['seconds'] / nf['seconds']:.2f}x the naive time "
+        f"(target <= 1.0x: {'met' if cf['seconds'] <= nf['seconds'] else 'MISSED'}), peak {_fmt_mb(cf['peak_mb'])} MB vs "
+        f"{_fmt_mb(nf['peak_mb'])} MB; one B x N x D float32 tensor is {_fmt_mb(bnd_mb)} MB, so none is resident "
+        f"({'met' if cf['peak_mb'] < bnd_mb else 'MISSED'})."
+    )
+    verdict_bwd = "met" if cb["seconds"] <= nb["seconds"] else "MISSED"
+    why = (
+        ""
+        if verdict_bwd == "met"
+        else " (why: checkpointing recomputes each chunk's forward during backward, about one extra forward)"
+    )
+    verdicts.append(
+        f"- Llip forward+backward at B = N = {b_small}: chunked {cb['seconds'] / nb['seconds']:.2f}x the naive time "
+        f"(target <= 1.0x: {verdict_bwd}{why}), {nb['peak_mb'] / cb['peak_mb']:,.0f}x less peak memory."
+    )
+    header = (
+        "| B x N | D | mode | chunked ms | chunked peak MB | naive ms | naive peak MB | chunked / naive time "
+        "| naive / chunked memory |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    return header + "\n" + "\n".join(rows), verdicts
+
+
+FULL = dict(pair_big=4096, pair_small=1024, pair_d=768, repeats=5, llip_b=1024, llip_b_small=256, llip_d=512, llip_repeats=2)
+QUICK = dict(pair_big=512, pair_small=128, pair_d=64, repeats=3, llip_b=64, llip_b_small=32, llip_d=64, llip_repeats=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes; print only, do not write docs/BENCHMARKS.md")
+    ap.add_argument("--time", help=argparse.SUPPRESS)
+    ap.add_argument("--memory", help=argparse.SUPPRESS)
+    ap.add_argument("--b", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--d", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="fwd", help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.time:
+        print(json.dumps(measure_time(args.time.split(","), args.b, args.d, args.mode, args.repeats)))
+        return
+    if args.memory:
+        print(json.dumps(measure_memory(args.memory, args.b, args.d, args.mode)))
+        return
+
+    from benchmarks.report import machine, write_section
+
+    sizes = QUICK if args.quick else FULL
+    print("PPCL / PML logits", flush=True)
+    pair_table, pair_verdicts = pair_section(sizes)
+    print("Llip cosines", flush=True)
+    llip_table, llip_verdicts = llip_section(sizes)
+    md = f"""## Losses: pairwise logits (`python -m benchmarks.losses`)
+
+Machine: {machine()}; CPU, float32, measured side by side in one run ({time.strftime('%Y-%m-%d')}).
+**Peak MB** is the extra resident memory one call needed, output included, measured in a fresh
+subprocess per cell: the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` = 5) just
+before the call and read back after it (VmHWM - VmRSS), with `MALLOC_MMAP_THRESHOLD_=131072` so
+freed tensors leave the process at once. **ms** is the minimum wall time over repeated calls, the
+forms of one row group timed round-robin in one subprocess. The machine is shared with other
+jobs, so absolute times are noisy; the side-by-side ratios are what matter.
+
+### PPCL / PML logits (`models.distributions.ppcl_logits`, `pml_logits`)
+
+Ours: one matrix product of (B, D + 2) augmented operands (the squared norms and variance traces
+ride along as extra columns), no (B, B, D) intermediate. Plain matmul: `mu1 @ mu2.T`, the floor
+for any B x B similarity. Broadcast: the papers' pseudo-code form with (B, B, D) intermediates.
+At B = {sizes['pair_big']}, D = {sizes['pair_d']} one (B, B, D) float32 tensor is
+{sizes['pair_big'] ** 2 * sizes['pair_d'] * 4 / 1e9:.0f} GB, more than this machine has, so the broadcast form is measured at
+B = {sizes['pair_small']} and extrapolated by (B / {sizes['pair_small']})^2 (it is exactly quadratic in B).
+
+{pair_table}
+
+{chr(10).join(pair_verdicts)}
+
+### Llip contextualised cosines (`models.llip.LlipMixer`), K = 64 mixture tokens, 8 heads
+
+Chunked: rows of images in chunks (~32 MiB per intermediate), each chunk under
+`torch.utils.checkpoint`, so only the (B, N) cosines and the (B, K, D) keys / values stay resident.
+Naive: `LlipMixer.naive_pair_cos`, the same formulas with the (B, N, D) features (and (heads, B, N, K)
+attention weights) materialised. Forward+backward at the full size would need tens of GB for the
+naive form, so it is measured at B = N = {sizes['llip_b_small']} and extrapolated (x(B / {sizes['llip_b_small']})^2).
+
+{llip_table}
+
+{chr(10).join(llip_verdicts)}
+"""
+    print(md)
+    if not args.quick:
+        write_section("losses", md)
+        print("wrote the 'losses' section of docs/BENCHMARKS.md")
+
+
+if __name__ == "__main__":
+    main()
