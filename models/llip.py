@@ -72,7 +72,10 @@ class LlipMixer(nn.Module):
         self.q_proj = nn.Linear(dim, dim, bias=False) if query_proj else nn.Identity()
         self.k_proj = nn.Linear(dim, dim, bias=False)
         self.v_proj = nn.Linear(dim, dim, bias=False)
-        self.out_proj = nn.Linear(dim, dim, bias=False)  # W_O
+        # W_O is a direct parameter (not a child nn.Linear): it is used inside checkpointed chunks,
+        # and DeepSpeed ZeRO-3 gathers a module's own parameters around its forward and backward.
+        self.out_weight = nn.Parameter(torch.empty(dim, dim))
+        nn.init.kaiming_uniform_(self.out_weight, a=5**0.5)  # nn.Linear's default initialisation
 
     # -- shared preparation -------------------------------------------------------------------
     def _split(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +113,7 @@ class LlipMixer(nn.Module):
         """
         q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
         rows = self.rows_per_chunk(text_hat.shape[0], k.shape[2], text_hat.element_size())
-        w_o = self.out_proj.weight
+        w_o = self.out_weight
         need_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, k, v, text_hat, w_o)
         )
@@ -128,12 +131,12 @@ class LlipMixer(nn.Module):
     ) -> torch.Tensor:
         """Reference: the same cosine matrix with the full (B, N, D) tensor materialised."""
         q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
-        return self._block(q, k, v, text_hat, self.out_proj.weight)
+        return self._block(q, k, v, text_hat, self.out_weight)
 
     def contextualise(self, image_mix_tokens: torch.Tensor, text_query: torch.Tensor) -> torch.Tensor:
         """Normalised z_hat_ij, (B, N, D), for small B x N (analysis / zero-shot on few classes)."""
         q, k, v, _ = self._prepare(image_mix_tokens, text_query, text_query)
-        return F.normalize(llip_mix(llip_attention(q, k, self.tau), v, self.out_proj.weight), dim=-1)
+        return F.normalize(llip_mix(llip_attention(q, k, self.tau), v, self.out_weight), dim=-1)
 
 
 __all__ = ["LlipMixer", "llip_attention", "llip_cosine", "llip_mix"]

@@ -270,7 +270,7 @@ def naive_llip_cos(mixer: LlipMixer, tokens, query, text):
     """Loops over every (image, caption, head): Llip Eq. 1-2, then the cosine."""
     h, dh = mixer.heads, mixer.dim // mixer.heads
     wq = mixer.q_proj.weight
-    wk, wv, wo = mixer.k_proj.weight, mixer.v_proj.weight, mixer.out_proj.weight
+    wk, wv, wo = mixer.k_proj.weight, mixer.v_proj.weight, mixer.out_weight
     rows = []
     for i in range(tokens.shape[0]):
         keys, vals = tokens[i] @ wk.T, tokens[i] @ wv.T  # (K, D)
