@@ -14,4 +14,19 @@ class Objective(nn.Module):
         self.loss = loss
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
-        return self.loss(self.model(images, tokens), world or World.current())
+        out = self.model(images, tokens)
+        parts = self.loss(out, world or World.current())
+        return {**parts, **uncertainty_stats(out)}
+
+
+@torch.no_grad()
+def uncertainty_stats(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """sigma^2 statistics per modality, for logging (empty for deterministic models)."""
+    stats = {}
+    for side in ("image", "text"):
+        logvar = out.get(f"{side}_logvar")
+        if logvar is not None:
+            var = logvar.float().exp().mean(dim=-1)
+            stats.update({f"{side}_sigma2_mean": var.mean(), f"{side}_sigma2_min": var.min(),
+                          f"{side}_sigma2_max": var.max()})
+    return stats

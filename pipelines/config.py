@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,11 +25,16 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = "probvlp"
+    # Re-running with the same name resumes that run (its latest checkpoint and its MLflow run).
+    # None: a new name from the experiment and the current time.
+    name: str | None = None
     experiment: str = "probvlp"
     seed: int = 0
     # Ray Train storage (checkpoints, results): local folder, NFS or s3://.
     storage_path: str = ".probvlp/ray_results"
+    # Worker-failure restarts from the last checkpoint (-1: unlimited).
+    max_failures: int = Field(0, ge=-1)
+    keep_checkpoints: int = Field(2, ge=1)
 
 
 class DataConfig(Section):
@@ -37,6 +42,8 @@ class DataConfig(Section):
     # Folder (or fsspec URI) holding {train,val,test}/*.tar webdataset shards.
     root: str = ".probvlp/data/digits"
     image_size: int = Field(32, ge=8, le=1024)
+    # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
+    deterministic: bool = False
     shard_size: int = Field(500, ge=1)
     # Probability of drawing a mid-level / general caption instead of a specific one (digits only).
     mid_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
@@ -76,7 +83,15 @@ class TrainConfig(Section):
     zero_stage: int = Field(2, ge=0, le=3)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     grad_clip: float = Field(1.0, ge=0)
+    grad_accum: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
+    # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
+    # so a restart never logs a step twice.
+    checkpoint_every: int = Field(0, ge=0)
+    # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
+    stop_at_step: int | None = Field(None, ge=1)
+    # Fault-injection for testing recovery: one worker raises once when this step completes.
+    fail_once_at_step: int | None = Field(None, ge=1)
 
 
 class EvalConfig(Section):
@@ -96,6 +111,64 @@ class RayConfig(Section):
     num_cpus: int | None = Field(None, ge=1)
 
 
+class DownloadConfig(Section):
+    """`jobs.download`: URL table -> de-duplicated parts -> img2dataset on Ray tasks -> webdataset shards."""
+
+    # URL table: a file, a folder of files, or a glob; local path or fsspec URI (s3://, gs://, ...).
+    input: str
+    # auto: from the file extension (.parquet, .csv, .tsv, .jsonl / .json).
+    input_format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"
+    url_col: str = "url"
+    # None: no captions.
+    caption_col: str | None = "caption"
+    # Extra table columns copied into each sample's json (img2dataset save_additional_columns).
+    additional_columns: list[str] = Field(default_factory=list)
+    # Folder (or fsspec URI) for NNNNN.tar + NNNNN.parquet + NNNNN_stats.json and the run summary.
+    output: str
+    image_size: int = Field(256, ge=8, le=8192)
+    resize_mode: Literal["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"] = "border"
+    encode_format: Literal["jpg", "png", "webp"] = "jpg"
+    # None: 95 for jpg/webp, compression 9 for png (png takes 0-9).
+    encode_quality: int | None = Field(None, ge=0, le=100)
+    # Extra attempts per URL after a failed fetch, and the per-request timeout in seconds.
+    retries: int = Field(0, ge=0, le=20)
+    timeout: float = Field(10.0, gt=0)
+    min_image_size: int = Field(0, ge=0)
+    # Larger source images are counted as failed ("image area too large"); None: no limit.
+    max_image_area: float | None = Field(None, gt=0)
+    # About this many URLs per part; one part = one Ray task = one output shard.
+    rows_per_shard: int = Field(10000, ge=1)
+    # Download threads inside each task, CPUs Ray reserves per task (one process each),
+    # and at most this many parts running at once (None: as many as the cluster's CPUs allow).
+    threads_per_task: int = Field(64, ge=1, le=1024)
+    cpus_per_task: float = Field(1.0, gt=0)
+    max_parts_in_flight: int | None = Field(None, ge=1)
+    # A part still running after this many seconds is cancelled and counted as failed (re-run retries it).
+    part_timeout_s: float = Field(3600.0, gt=0)
+    # X-Robots-Tag directives that opt an image out (img2dataset's default list); [] disables the check.
+    disallowed_header_directives: list[str] = Field(
+        default_factory=lambda: ["noai", "noimageai", "noindex", "noimageindex"])
+    user_agent_token: str | None = None
+    compute_hash: Literal["md5", "sha256", "sha512"] | None = "sha256"
+    extract_exif: bool = False
+
+    @field_validator("additional_columns")
+    @classmethod
+    def _columns(cls, value: list[str]) -> list[str]:
+        reserved = {"key", "caption", "url", "width", "height", "original_width", "original_height", "status",
+                    "error_message", "exif", "md5", "sha256", "sha512"}
+        clash = sorted(reserved & set(value))
+        if clash:
+            raise ValueError(f"{', '.join(clash)} reserved by img2dataset")
+        return value
+
+    @model_validator(mode="after")
+    def _png_quality(self) -> "DownloadConfig":
+        if self.encode_format == "png" and self.encode_quality is not None and self.encode_quality > 9:
+            raise ValueError("encode_quality: png takes a compression level 0-9")
+        return self
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -105,6 +178,8 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    # Only `jobs.download` needs it.
+    download: DownloadConfig | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

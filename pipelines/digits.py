@@ -2,6 +2,12 @@
 
 Each image carries captions at three levels of generality, which is what the probabilistic
 models' uncertainty is asked to reflect (general captions should be more uncertain).
+
+The digits take the same path as a user's URL table: the images are written to a folder, served by
+`http.server` on 127.0.0.1 (ephemeral port, a thread), listed in one URL table per split (url,
+caption, and label / split / captions / digit_index as extra columns that land in each sample's
+json), and downloaded by `pipelines.download` (img2dataset on Ray tasks) into
+{root}/{split}/NNNNN.tar webdataset shards.
 """
 from __future__ import annotations
 
@@ -83,31 +89,77 @@ def iter_digits(image_size: int, seed: int = 0):
         yield DigitSample(f"{i:06d}", int(label), str(splits[i]), digit_image(pixels, image_size))
 
 
+def write_url_tables(root: str | Path, image_size: int, seed: int, base_url: str) -> dict[str, Path]:
+    """Images under {root}/_source/images and one parquet URL table per split; returns the tables."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = Path(root) / "_source"
+    images = source / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for sample in iter_digits(image_size, seed):
+        name = f"{sample.key}.png"
+        if not (images / name).exists():
+            sample.image.save(images / name, format="PNG")  # lossless; img2dataset encodes the jpg
+        rows[sample.split].append({
+            "url": f"{base_url}/images/{name}", "caption": specific_captions(sample.label)[0],
+            "label": sample.label, "split": sample.split, "captions": captions_for(sample.label),
+            "digit_index": int(sample.key),
+        })
+    tables = {}
+    for split, items in rows.items():
+        tables[split] = source / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(items), tables[split])
+    return tables
+
+
 def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int = 500, seed: int = 0) -> dict[str, int]:
-    """Write {root}/{split}/NNNNN.tar webdataset shards (jpg, txt, json). Idempotent: skips if complete."""
-    import webdataset as wds
+    """Serve the digits on 127.0.0.1 and download them into {root}/{split}/NNNNN.tar. Idempotent.
+
+    Skips everything when an earlier call with the same parameters completed. An interrupted call is
+    redone from scratch (the URLs carry the server's ephemeral port, so an old plan cannot be resumed).
+    Starts (and afterwards stops) a local Ray unless one is running.
+    """
+    import shutil
+
+    import ray
+
+    from pipelines.config import DownloadConfig
+    from pipelines.download import format_summary, run_download
+    from pipelines.loopback import LoopbackServer
+    from pipelines.ray_env import init_ray
 
     root = Path(root)
     marker = root / "_SUCCESS.json"
-    wanted = {"image_size": image_size, "shard_size": shard_size, "seed": seed}
+    wanted = {"image_size": image_size, "shard_size": shard_size, "seed": seed, "via": "img2dataset"}
     if marker.exists() and json.loads(marker.read_text()).get("params") == wanted:
         return json.loads(marker.read_text())["counts"]
-    by_split: dict[str, list[DigitSample]] = {s: [] for s in SPLITS}
-    for sample in iter_digits(image_size, seed):
-        by_split[sample.split].append(sample)
+    marker.unlink(missing_ok=True)
+    for stale in [root / "_source", *(root / s for s in SPLITS)]:
+        shutil.rmtree(stale, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        init_ray()
     counts = {}
-    for split, samples in by_split.items():
-        folder = root / split
-        folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("*.tar"):
-            old.unlink()
-        for shard, start in enumerate(range(0, len(samples), shard_size)):
-            tmp = folder / f"{shard:05d}.tar.tmp"
-            with wds.TarWriter(str(tmp)) as sink:
-                for s in samples[start : start + shard_size]:
-                    sink.write({"__key__": s.key, "jpg": encode_jpeg(s.image),
-                                "txt": specific_captions(s.label)[0], "json": json.dumps(s.meta).encode()})
-            tmp.rename(folder / f"{shard:05d}.tar")  # a shard is visible only once complete
-        counts[split] = len(samples)
+    try:
+        with LoopbackServer(root) as server:
+            tables = write_url_tables(root, image_size, seed, server.base_url)
+            for split in SPLITS:
+                cfg = DownloadConfig(
+                    input=str(tables[split]), output=str(root / split), additional_columns=["label", "split", "captions",
+                                                                                            "digit_index"],
+                    image_size=image_size, resize_mode="border", encode_format="jpg", rows_per_shard=shard_size,
+                    threads_per_task=16, disallowed_header_directives=[], compute_hash=None, part_timeout_s=600,
+                )
+                summary = run_download(cfg, local_only=True, log=lambda *_: None)
+                if summary["written"] != summary["input_rows"]:
+                    raise RuntimeError(f"digits {split}: not every image was written\n{format_summary(summary)}")
+                counts[split] = summary["written"]
+    finally:
+        if own_ray:
+            ray.shutdown()
     marker.write_text(json.dumps({"params": wanted, "counts": counts}))
     return counts

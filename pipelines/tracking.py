@@ -75,10 +75,33 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
     return run.info.run_id
 
 
+def find_run(uri: str, experiment: str, run_name: str) -> str | None:
+    """The latest MLflow run created for `run_name` (tag probvlp.run_name), if any."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.run_name` = '{run_name}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def reopen_run(uri: str, run_id: str, config_yaml: str, attempt: int) -> None:
+    """Continue an existing run: mark it running and keep the resumed config next to the original."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    client.update_run(run_id, status="RUNNING")
+    client.set_tag(run_id, "probvlp.resumes", str(attempt))
+    client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")
+
+
 class StepLogger:
     """Buffers per-step metrics and writes them in batches (one MLflow call per flush)."""
 
-    def __init__(self, uri: str, run_id: str, flush_every: int = 50):
+    def __init__(self, uri: str, run_id: str, flush_every: int | None = 500):
         from mlflow import MlflowClient
 
         self.client, self.run_id, self.flush_every = MlflowClient(uri), run_id, flush_every
@@ -89,7 +112,7 @@ class StepLogger:
 
         now = int(time.time() * 1000)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        if len(self.buffer) >= self.flush_every:
+        if self.flush_every is not None and len(self.buffer) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:

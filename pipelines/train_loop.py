@@ -10,7 +10,6 @@ from typing import Any
 import deepspeed
 import ray.train
 import torch
-
 from safetensors.torch import save_file
 
 from models import create_model, default_loss
@@ -19,6 +18,8 @@ from models.gather import World
 from models.losses import create_loss
 from models.objective import Objective
 from models.zeroshot import class_embeddings, zero_shot_accuracy
+from pipelines import checkpointing
+from pipelines.checkpointing import Progress
 from pipelines.config import Config
 from pipelines.digits import NAMES, specific_captions
 from pipelines.optim import param_groups, warmup_cosine
@@ -29,7 +30,7 @@ def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.batch_size,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": use_bf16},
@@ -41,19 +42,21 @@ def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
 
 
 def full_state_dict(engine, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Complete weights of `module` on every rank (collective: all ranks must call it, any ZeRO stage)."""
+    """Complete fp32 weights of `module` on every rank (collective: all ranks call it, any ZeRO stage)."""
     if engine.zero_optimization_stage() == 3:
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
     return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
 
 
-def evaluate_zero_shot(model: torch.nn.Module, ds, context_length: int, batch_size: int) -> float:
+def digit_prompts() -> list[list[str]]:
+    return [specific_captions(label) for label in range(len(NAMES))]
+
+
+def evaluate_zero_shot(model: torch.nn.Module, ds, batch_size: int) -> float:
     model.eval()
-    prompts = [specific_captions(label) for label in range(len(NAMES))]
-    classes = class_embeddings(model, prompts, context_length)
-    batches = ((b["image"], b["label"]) for b in ds.iter_torch_batches(batch_size=batch_size, dtypes=None))
+    classes = class_embeddings(model, digit_prompts(), model.context_length)
+    batches = ((b["image"], b["label"]) for b in ds.iter_torch_batches(batch_size=batch_size))
     return zero_shot_accuracy(model, classes, batches)
 
 
@@ -67,77 +70,150 @@ def embedding_probe(model: torch.nn.Module, ds, n: int = 8) -> dict[str, torch.T
             **{f"text_{k}": v.contiguous() for k, v in model.encode_text(tokens).items()}}
 
 
+class Trainer:
+    """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
+
+    def __init__(self, cfg: Config, mlflow_uri: str, run_id: str, failure_marker: str | None):
+        self.cfg, self.t = cfg, cfg.train
+        self.rank = ray.train.get_context().get_world_rank()
+        self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
+        self.use_bf16 = self.t.precision == "bf16" or (self.t.precision == "auto" and self.use_gpu)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
+        self.dtype = torch.bfloat16 if self.use_bf16 else torch.float32
+        if not self.use_gpu:
+            torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
+        self.failure_marker = failure_marker
+        self.world = World.current()
+        self.engine, self.scheduler = self._build_engine()
+        self.progress = checkpointing.restore(self.engine) or Progress()
+        # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
+        flush_every = None if self.t.checkpoint_every else 500
+        self.logger = StepLogger(mlflow_uri, run_id, flush_every) if self.rank == 0 else None
+        if self.logger:
+            # Where torch.distributed traffic goes (local runs must stay on loopback).
+            self.logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
+            self.logger.tag("probvlp.world_size", str(self.world.size))
+            if self.progress.step:
+                self.logger.tag("probvlp.resumed_from_step", str(self.progress.step))
+
+    def _build_engine(self):
+        cfg, t = self.cfg, self.t
+        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+        model = create_model(cfg.model.name, **cfg.model.overrides)
+        loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
+        objective = Objective(model, loss)
+        optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr,
+                                      betas=(t.beta1, t.beta2), eps=t.eps)
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
+            config=deepspeed_config(cfg, self.use_bf16), dist_init_required=False,
+        )
+        checkpointing.use_weights_only_loading(engine)
+        return engine, scheduler
+
+    @property
+    def last_step(self) -> int:
+        return min(self.t.steps, self.t.stop_at_step or self.t.steps)
+
+    def batches(self):
+        """This worker's micro-batches from the current position on (skips what the epoch already consumed)."""
+        shard = ray.train.get_dataset_shard("train")
+        while True:
+            p = self.progress
+            stream = shard.iter_torch_batches(
+                batch_size=self.t.batch_size, drop_last=True, device=self.device,
+                local_shuffle_buffer_size=4 * self.t.batch_size, local_shuffle_seed=self.cfg.run.seed + p.epoch,
+            )
+            for i, batch in enumerate(stream):
+                if i >= p.batch_in_epoch:
+                    p.batch_in_epoch = i + 1
+                    yield batch
+            p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+
+    def fit(self) -> None:
+        engine, p, t = self.engine, self.progress, self.t
+        t0, samples0 = time.perf_counter(), p.samples
+        if p.step >= self.last_step:
+            return
+        for batch in self.batches():
+            images = batch["image"].to(self.dtype)
+            out = engine(images, batch["text"], self.world)
+            engine.backward(out["loss"])
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            p.samples += images.shape[0] * self.world.size
+            if not boundary:
+                continue
+            p.step += 1
+            if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
+                metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
+                rate = (p.samples - samples0) / (time.perf_counter() - t0)
+                metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch)
+                self.logger.log(metrics, p.step)
+            self._maybe_fail(p.step)
+            if p.step >= self.last_step:
+                break
+            if t.checkpoint_every and p.step % t.checkpoint_every == 0:
+                self.checkpoint({"step": p.step})
+
+    def _maybe_fail(self, step: int) -> None:
+        if self.t.fail_once_at_step != step or self.rank != self.world.size - 1 or not self.failure_marker:
+            return
+        marker = Path(self.failure_marker)
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(step))
+        raise RuntimeError(f"injected failure at step {step} (train.fail_once_at_step)")
+
+    def checkpoint(self, metrics: dict[str, Any]) -> None:
+        checkpointing.save(self.engine, self.progress, metrics)
+        if self.logger:
+            # Metrics are written only once their step is covered by a checkpoint: a restart
+            # replays steps after the last checkpoint, and MLflow must not see them twice.
+            self.logger.flush()
+
+    def finish(self) -> None:
+        """Final weights, evaluation and artifacts (rank 0), final checkpoint and report (all ranks)."""
+        cfg, p = self.cfg, self.progress
+        weights = full_state_dict(self.engine, self.engine.module.model)
+        loss_weights = full_state_dict(self.engine, self.engine.module.loss)
+        report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
+        if self.rank == 0 and p.step >= self.t.steps:
+            report.update(self._final_artifacts(weights, loss_weights))
+        shared = [report]  # every rank reports the same metrics
+        torch.distributed.broadcast_object_list(shared, src=0)
+        self.checkpoint(shared[0])
+        if self.logger:
+            self.logger.flush()
+
+    def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
+        from pipelines.model_card import model_card
+        from pipelines.plots import sigma2_histograms
+
+        cfg = self.cfg
+        model = create_model(cfg.model.name, **cfg.model.overrides)
+        model.load_state_dict(weights)
+        model.eval()
+        eval_ds = ray.train.get_dataset_shard("eval")
+        key = f"zero_shot_top1_{cfg.eval.split}"
+        metrics = {key: evaluate_zero_shot(model, eval_ds, cfg.eval.batch_size)}
+        self.logger.log(metrics, self.progress.step)
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            save_model(weights, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
+            save_file({k: v.contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
+            save_file(embedding_probe(model, eval_ds), str(tmp / "probe.safetensors"))
+            (tmp / "README.md").write_text(model_card(cfg, metrics, self.progress.step))
+            for name in ("model.safetensors", "loss.safetensors", "probe.safetensors", "README.md"):
+                self.logger.artifact(tmp / name, "model")
+            for png in sigma2_histograms(model, eval_ds, digit_prompts(), tmp):
+                self.logger.artifact(png, "plots")
+        return metrics
+
+
 def train_loop(config: dict[str, Any]) -> None:
     cfg = Config.from_dict(config["config"])
-    run_id, uri = config["mlflow_run_id"], config["mlflow_uri"]
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    use_gpu = cfg.train.use_gpu and torch.cuda.is_available()
-    use_bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and use_gpu)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
-    if not use_gpu:
-        torch.set_num_threads(max(1, int(cfg.train.cpus_per_worker)))
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-
-    model = create_model(cfg.model.name, **cfg.model.overrides)
-    loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
-    objective = Objective(model, loss)
-    t = cfg.train
-    optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
-        config=deepspeed_config(cfg, use_bf16), dist_init_required=False,
-    )
-    world = World.current()
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    logger = StepLogger(uri, run_id) if rank == 0 else None
-    if logger:
-        # Where torch.distributed traffic goes (local runs must stay on loopback).
-        logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
-        logger.tag("probvlp.world_size", str(world.size))
-    shard = ray.train.get_dataset_shard("train")
-
-    step, epoch, seen, t0 = 0, 0, 0, time.perf_counter()
-    while step < t.steps:
-        for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=device,
-                                              local_shuffle_buffer_size=4 * t.batch_size,
-                                              local_shuffle_seed=cfg.run.seed + epoch):
-            images, tokens = batch["image"].to(dtype), batch["text"]
-            out = engine(images, tokens, world)
-            engine.backward(out["loss"])
-            engine.step()
-            step += 1
-            seen += images.shape[0] * world.size
-            if logger and (step % t.log_every == 0 or step == t.steps):
-                elapsed = time.perf_counter() - t0
-                metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
-                metrics.update(lr=scheduler.get_last_lr()[0], samples_per_s=seen / elapsed, epoch=epoch)
-                logger.log(metrics, step)
-            if step >= t.steps:
-                break
-        epoch += 1
-
-    weights = full_state_dict(engine, engine.module.model)
-    loss_weights = full_state_dict(engine, engine.module.loss)
-    report: dict[str, Any] = {"step": step, "epoch": epoch}
-    if rank == 0:
-        eval_model = create_model(cfg.model.name, **cfg.model.overrides)
-        eval_model.load_state_dict(weights)
-        top1 = evaluate_zero_shot(eval_model, ray.train.get_dataset_shard("eval"), eval_model.context_length,
-                                  cfg.eval.batch_size)
-        report[f"zero_shot_top1_{cfg.eval.split}"] = top1
-        logger.log({f"zero_shot_top1_{cfg.eval.split}": top1}, step)
-        logger.flush()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "model.safetensors"
-            save_model(weights, path, cfg.model.name, cfg.model.overrides)
-            logger.artifact(path, "model")
-            probe = embedding_probe(eval_model, ray.train.get_dataset_shard("eval"))
-            save_file(probe, str(Path(tmp) / "probe.safetensors"))
-            logger.artifact(Path(tmp) / "probe.safetensors", "model")
-            save_file({k: v.contiguous() for k, v in loss_weights.items()}, str(Path(tmp) / "loss.safetensors"))
-            logger.artifact(Path(tmp) / "loss.safetensors", "model")
-    # Every rank reports the same metrics (Ray may surface any rank's report).
-    shared = [report]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    ray.train.report(shared[0])
+    trainer = Trainer(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
+    trainer.fit()
+    trainer.finish()

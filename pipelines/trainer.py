@@ -1,12 +1,13 @@
 """Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipelines.config import Config
-from pipelines.tracking import finish_run, git_commit, start_run, tracking_uri
+from pipelines.tracking import LOCAL_DIR, find_run, finish_run, git_commit, reopen_run, start_run, tracking_uri
 
 
 @dataclass
@@ -15,6 +16,8 @@ class FitResult:
     mlflow_uri: str
     mlflow_run_id: str
     experiment: str
+    run_name: str
+    checkpoint_path: str | None
 
 
 def prepare_data(cfg: Config) -> None:
@@ -31,44 +34,88 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
     common = dict(root=cfg.data.root, image_size=cfg.data.image_size, context_length=context_length)
     return {
         "train": read_split(split="train", mid_prob=cfg.data.mid_caption_prob,
-                            general_prob=cfg.data.general_caption_prob, **common),
+                            general_prob=cfg.data.general_caption_prob,
+                            seed=cfg.run.seed if cfg.data.deterministic else None, **common),
         "eval": read_split(split=cfg.eval.split, **common),
     }
 
 
+def storage_path(cfg: Config) -> str:
+    path = cfg.run.storage_path
+    return path if "://" in path else str(Path(path).expanduser().resolve())
+
+
+def run_exists(cfg: Config) -> bool:
+    """Whether Ray Train storage already holds this run name (then the trainer resumes it)."""
+    import pyarrow.fs
+
+    fs, base = pyarrow.fs.FileSystem.from_uri(storage_path(cfg))
+    info = fs.get_file_info(f"{base.rstrip('/')}/{cfg.run.name}")
+    return info.type != pyarrow.fs.FileType.NotFound
+
+
+def mlflow_run(cfg: Config, uri: str) -> str:
+    """A new MLflow run, or the one of the run being resumed."""
+    existing = find_run(uri, cfg.run.experiment, cfg.run.name) if run_exists(cfg) else None
+    if existing:
+        from mlflow import MlflowClient
+
+        attempt = int(MlflowClient(uri).get_run(existing).data.tags.get("probvlp.resumes", "0")) + 1
+        reopen_run(uri, existing, cfg.to_yaml(), attempt)
+        return existing
+    tags = {"probvlp.run_name": cfg.run.name, "probvlp.model": cfg.model.name,
+            "probvlp.method": cfg.loss.name or _default_loss(cfg), "mlflow.source.git.commit": git_commit() or ""}
+    return start_run(uri, cfg.run.experiment, cfg.run.name, cfg.flat(), cfg.to_yaml(), tags)
+
+
+def _default_loss(cfg: Config) -> str:
+    from models import default_loss
+
+    return default_loss(cfg.model.name)
+
+
 def fit(cfg: Config) -> FitResult:
     import ray.train
+    from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
     from models import create_model
     from pipelines.ray_env import init_ray, local_cpus
     from pipelines.train_loop import train_loop
 
+    if cfg.run.name is None:
+        cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     prepare_data(cfg)
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
     context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
     uri = tracking_uri(cfg.tracking.uri)
-    tags = {"probvlp.model": cfg.model.name, "probvlp.loss": cfg.loss.name or "", "mlflow.source.git.commit": git_commit() or ""}
-    run_id = start_run(uri, cfg.run.experiment, cfg.run.name, cfg.flat(), cfg.to_yaml(), tags)
+    run_id = mlflow_run(cfg, uri)
     resources = {"CPU": t.cpus_per_worker} if not t.use_gpu else None
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id, "mlflow_uri": uri},
+        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id, "mlflow_uri": uri,
+                           "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{cfg.run.name}.done")},
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
                                                resources_per_worker=resources),
-        run_config=ray.train.RunConfig(name=cfg.run.name, storage_path=_storage(cfg.run.storage_path)),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name, storage_path=storage_path(cfg),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+        ),
         datasets=build_datasets(cfg, context_length),
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        dataset_config=ray.train.DataConfig(
+            datasets_to_split=["train"],
+            execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
+            enable_shard_locality=not cfg.data.deterministic,
+        ),
     )
     try:
         result = trainer.fit()
     except BaseException:
         finish_run(uri, run_id, "FAILED")
         raise
-    finish_run(uri, run_id)
-    return FitResult(dict(result.metrics or {}), uri, run_id, cfg.run.experiment)
-
-
-def _storage(path: str) -> str:
-    return path if "://" in path else str(Path(path).expanduser().resolve())
+    metrics = dict(result.metrics or {})
+    finish_run(uri, run_id, "FINISHED" if metrics.get("step", 0) >= t.steps else "KILLED")
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    return FitResult(metrics, uri, run_id, cfg.run.experiment, cfg.run.name, checkpoint)

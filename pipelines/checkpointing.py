@@ -1,0 +1,68 @@
+"""DeepSpeed checkpoints through Ray Train, loaded without unpickling code.
+
+DeepSpeed writes torch pickles; its own loader calls ``torch.load(weights_only=False)``. We swap
+in a checkpoint engine that loads with ``weights_only=True`` and allow-lists only the few plain
+DeepSpeed data types those files hold (an enum, the loss-scaler
+state and fragment addresses; found by loading stage 0-3 checkpoints, tests/test_scale.py).
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+TAG = "state"
+
+
+def _safe_globals() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def use_weights_only_loading(engine) -> None:
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every checkpoint. `batch_in_epoch` counts micro-batches."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    samples: int = 0
+
+
+def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:
+    """Every rank writes its DeepSpeed shard; Ray Train merges the ranks' files into one checkpoint."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def restore(engine) -> Progress | None:
+    """Load Ray Train's latest checkpoint (after a worker failure, or a re-run with the same run name)."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        path, client_state = engine.load_checkpoint(folder, tag=TAG)
+    if path is None:
+        raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed state with tag {TAG!r}")
+    return Progress(**client_state["progress"])

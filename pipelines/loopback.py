@@ -1,0 +1,79 @@
+"""A static file server on 127.0.0.1 (ephemeral port) in a background thread, counting requests per path.
+
+Used by the bundled digits (served to img2dataset like any web host), the download tests and the
+download benchmark. Never binds anything but loopback.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class _Handler(SimpleHTTPRequestHandler):
+    counter: Counter
+    lock: threading.Lock
+    delay_s: float = 0.0
+
+    def do_GET(self):  # noqa: N802 (http.server naming)
+        with self.lock:
+            self.counter[self.path] += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        super().do_GET()
+
+    def log_message(self, format, *args):  # noqa: A002 - quiet: one line per image would flood logs
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 512  # many img2dataset threads connect at once
+
+
+class LoopbackServer:
+    """`with LoopbackServer(folder) as srv:` serves folder at srv.base_url; srv.requests counts GETs by path."""
+
+    def __init__(self, folder: str | Path, delay_s: float = 0.0):
+        self.folder, self.delay_s = str(folder), delay_s
+        self.requests: Counter = Counter()
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def url(self, name: str) -> str:
+        return f"{self.base_url}/{name}"
+
+    def start(self) -> "LoopbackServer":
+        handler = type("Handler", (_Handler,), {"counter": self.requests, "lock": self._lock, "delay_s": self.delay_s})
+        self._server = _Server(("127.0.0.1", 0), partial(handler, directory=self.folder))
+        self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> "LoopbackServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def serve_folder(folder: str | Path, delay_s: float = 0.0):
+    with LoopbackServer(folder, delay_s) as server:
+        yield server
