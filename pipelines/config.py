@@ -136,6 +136,10 @@ class DownloadConfig(Section):
     min_image_size: int = Field(0, ge=0)
     # Larger source images are counted as failed ("image area too large"); None: no limit.
     max_image_area: float | None = Field(None, gt=0)
+    # De-duplicate and split the table with Ray Data (ray_data) or in the driver (driver, same result);
+    # auto: the driver for tables up to plan_local_max_mb of files.
+    planner: Literal["auto", "ray_data", "driver"] = "auto"
+    plan_local_max_mb: float = Field(256.0, ge=0)
     # About this many URLs per part; one part = one Ray task = one output shard.
     rows_per_shard: int = Field(10000, ge=1)
     # Download threads inside each task, CPUs Ray reserves per task (one process each),

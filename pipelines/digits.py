@@ -90,7 +90,7 @@ def iter_digits(image_size: int, seed: int = 0):
 
 
 def write_url_tables(root: str | Path, image_size: int, seed: int, base_url: str) -> dict[str, Path]:
-    """Images under {root}/_source/images and one parquet URL table per split; returns the tables."""
+    """Images under {root}/_source/images (served as {base_url}/images/...) and one parquet URL table per split."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -138,14 +138,14 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
     marker.unlink(missing_ok=True)
     for stale in [root / "_source", *(root / s for s in SPLITS)]:
         shutil.rmtree(stale, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
+    (root / "_source").mkdir(parents=True, exist_ok=True)
 
     own_ray = not ray.is_initialized()
     if own_ray:
         init_ray()
     counts = {}
     try:
-        with LoopbackServer(root) as server:
+        with LoopbackServer(root / "_source") as server:
             tables = write_url_tables(root, image_size, seed, server.base_url)
             for split in SPLITS:
                 cfg = DownloadConfig(

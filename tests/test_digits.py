@@ -1,4 +1,7 @@
-"""The bundled digits dataset: real images, captions at three levels, deterministic split by image."""
+"""The bundled digits dataset: real images, captions at three levels, deterministic split by image.
+
+The shards are made the way a user's URL table is: served on 127.0.0.1 and downloaded by img2dataset.
+"""
 from __future__ import annotations
 
 import io
@@ -41,18 +44,25 @@ def test_captions_have_three_levels():
 def test_shards_hold_every_image_once(tmp_path):
     counts = write_digit_shards(tmp_path, image_size=24, shard_size=400)
     assert sum(counts.values()) == 1797
-    keys = {}
+    indices = {}
     for split in SPLITS:
         samples = read_shards(tmp_path, split)
         assert len(samples) == counts[split]
-        keys[split] = set(samples)
+        metas = [json.loads(s["json"]) for s in samples.values()]
+        indices[split] = {m["digit_index"] for m in metas}
+        assert len(indices[split]) == counts[split]  # no image twice
         first = next(iter(samples.values()))
         img = Image.open(io.BytesIO(first["jpg"]))
         assert img.size == (24, 24) and img.mode == "RGB"
         meta = json.loads(first["json"])
         assert meta["split"] == split and first["txt"].decode() in meta["captions"]["specific"]
+        assert set(meta["captions"]) == {"specific", "mid", "general"} and meta["label"] in range(10)
+        assert meta["url"].startswith("http://127.0.0.1:")  # fetched from the loopback server
         assert np.asarray(img).std() > 10  # a real drawing, not a blank image
-    assert not (keys["train"] & keys["test"]) and not (keys["train"] & keys["val"])
+        # img2dataset's per-shard stats sit next to every shard
+        assert all((tmp_path / split / f"{t.stem}_stats.json").exists() for t in (tmp_path / split).glob("*.tar"))
+    assert split_of(1797)[sorted(indices["test"])[0]] == "test"
+    assert not (indices["train"] & indices["test"]) and not (indices["train"] & indices["val"])
     # Idempotent: a second call with the same parameters leaves the shards alone.
     stamp = (tmp_path / "train" / "00000.tar").stat().st_mtime_ns
     write_digit_shards(tmp_path, image_size=24, shard_size=400)

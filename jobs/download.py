@@ -1,0 +1,80 @@
+"""Download a URL table (parquet/csv/tsv/jsonl) into webdataset shards with img2dataset on Ray.
+
+    python -m jobs.download --config configs/download_example.yaml [--set download.rows_per_shard=5000 ...]
+
+Re-running the same command continues an interrupted download: finished shards are skipped.
+Exit status: 0 when every shard is finished, 3 when some shards failed (re-run to retry them),
+2 for a configuration or input problem.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from pipelines.config import ConfigError, load_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.download", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML with a `download:` section (see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set download.image_size=128 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def log_to_mlflow(cfg, summary: dict) -> str | None:
+    """One MLflow run per download invocation, when tracking is configured (tracking.uri or $MLFLOW_TRACKING_URI)."""
+    import os
+
+    if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        return None
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from pipelines.tracking import finish_run, git_commit, start_run, tracking_uri
+
+    uri = tracking_uri(cfg.tracking.uri)
+    params = {f"download.{k}": v for k, v in cfg.download.model_dump(mode="json").items()}
+    tags = {"probvlp.job": "download", "mlflow.source.git.commit": git_commit() or ""}
+    run_id = start_run(uri, cfg.run.experiment, f"{cfg.run.name}-download", params, cfg.to_yaml(), tags)
+    client = MlflowClient(uri)
+    numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for reason, n in summary["failed_by_reason"].items():
+        numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
+    client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in numeric.items()])
+    client.log_text(run_id, json.dumps(summary, indent=1), "download_summary.json")
+    finish_run(uri, run_id)
+    return run_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
+        if cfg.download is None:
+            raise ConfigError(f"{args.config}: no `download:` section")
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+    from pipelines.download import DownloadError, format_summary, run_download
+    from pipelines.ray_env import init_ray
+
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    try:
+        summary = run_download(cfg.download)
+    except DownloadError as err:
+        print(f"download error: {err}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"summary saved to {cfg.download.output.rstrip('/')}/_summary.json")
+    run_id = log_to_mlflow(cfg, summary)
+    if run_id:
+        print(f"MLflow run {run_id} in experiment {cfg.run.experiment!r}")
+    return 0 if summary["shards_complete"] == summary["shards"] else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
