@@ -1,43 +1,126 @@
 """Llip's text-conditioned mixing of visual mixture tokens (Llip, papers/002, Eq. 1-2).
 
 For every (image i, caption j) pair the image is re-expressed as
-    z_ij = Concat_h( sum_k softmax_k(q_j^h . k_ik^h / tau) v_ik^h ) W_o,
+    z_ij = Concat_h( sum_k softmax_k(q_j^h . k_ik^h / tau) v_ik^h ) W_o =: c_ij W_o^T,
 and the loss needs cos(z_ij, z'_j) for all B_local x N_global pairs. Materialising z for all pairs
-is a (B, N, D) tensor (plus (B, N, heads, K) attention weights): 2 GB each at B = N = 1024,
-D = 512. ``LlipMixer`` computes the cosine matrix in chunks of image rows; with gradients
-enabled each chunk runs under ``torch.utils.checkpoint`` so its intermediates are recomputed in
-backward instead of stored. Only (B, N) cosines and the (B, K, D) keys/values stay resident.
+is a (B, N, D) tensor (plus (heads, B, N, K) attention weights): 2 GB each at B = N = 1024,
+D = 512. ``LlipMixer`` never holds more than one chunk of image rows of these:
 
-``LlipMixer.naive_pair_cos`` is the same computation without chunks (reference for tests and
-benchmarks); both paths call the same three formula functions below.
+- algebra: z_ij . t_j = c_ij . r_j with r = T W_o (N x D, once), and ||z_ij||^2 = c_ij G c_ij^T with
+  G = W_o^T W_o (D x D, once), so the cosine needs c_ij G, never z_ij itself;
+- chunks with recomputation: a custom autograd function keeps only the (B, N) cosines and norms;
+  its backward recomputes each chunk's c (the cheap attention part) and needs two (rows N, D) x
+  (D, D) products per chunk, so forward + backward cost the same three such products as the naive
+  form (plain checkpointing would cost four: it repeats the whole forward).
+
+``LlipMixer.naive_pair_cos`` materialises z (reference for tests and benchmarks).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def llip_attention(q: torch.Tensor, k: torch.Tensor, tau: float) -> torch.Tensor:
-    """Mixing weights, (H, B, N, K), from queries (H, N, dh) and keys (H, B, K, dh)."""
+    """Mixing weights, (H, B, N, K), from queries (H, N, dh) and keys (H, B, K, dh).
+
+    Computed as one (B K, dh) x (dh, N) product per head (no per-image copy of the queries),
+    normalised over K; the result is a transposed view of a (H, B, K, N) tensor.
+    """
+    heads, b, kk, dh = k.shape
+    logits = torch.matmul(k.reshape(heads, b * kk, dh), (q / tau).transpose(-1, -2))  # (H, B K, N)
     # Llip Eq. 1: Phi_ij^m = softmax_k(Q_j^m . K_i^mk / tau)
-    return torch.softmax(torch.matmul(q.unsqueeze(1), k.transpose(-1, -2)) / tau, dim=-1)
+    return torch.softmax(logits.view(heads, b, kk, -1), dim=2).transpose(-1, -2)
+
+
+def llip_heads(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Concatenated per-head mixtures c_ij, (B, N, heads * dh), from weights (H, B, N, K), values (H, B, K, dh)."""
+    # Llip Eq. 2 (inner part): Concat_m(sum_k Phi_ij^mk V_i^mk)
+    heads, b, n, _ = weights.shape
+    return torch.matmul(weights, v).permute(1, 2, 0, 3).reshape(b, n, heads * v.shape[-1])
 
 
 def llip_mix(weights: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """Contextualised visual features z_ij, (B, N, D), from weights (H, B, N, K), values (H, B, K, dh)."""
+    """Contextualised visual features z_ij = c_ij W_o^T, (B, N, D)."""
     # Llip Eq. 2: z_ij = Concat_m(sum_k Phi_ij^mk V_i^mk) W_O
-    heads, b, n, _ = weights.shape
-    mixed = torch.matmul(weights, v)  # (H, B, N, dh)
-    concat = mixed.permute(1, 2, 0, 3).reshape(b, n, heads * v.shape[-1])
-    return F.linear(concat, w_o)
+    return F.linear(llip_heads(weights, v), w_o)
 
 
 def llip_cosine(z: torch.Tensor, text_hat: torch.Tensor) -> torch.Tensor:
     """cos(z_ij, z'_j) = z_ij . z'_j / max(||z_ij||, 1e-12) for unit text rows, (B, N)."""
     # Llip Sec. 3 (before Eq. 3): z_hat_ij = z_ij / ||z_ij||, similarity z_hat_ij . z_hat'_j
     return (z * text_hat.unsqueeze(0)).sum(-1) / torch.linalg.vector_norm(z, dim=-1).clamp_min(1e-12)
+
+
+_NORM_EPS = 1e-12
+
+
+class _ChunkedCosine(torch.autograd.Function):
+    """cos(c_ij W_o^T, t_j) for all pairs, in chunks of image rows, without storing (B, N, D) tensors.
+
+    forward: per chunk c (rows, N, D) -> y = c G, norm = sqrt(c . y), cos = (c . r) / norm.
+    backward, per chunk (c recomputed with autograd for the attention part):
+        dcos/dc_ij = r_j / n_ij - cos_ij / n_ij^2 * y_ij
+        dL/dr_j    = sum_i g_ij c_ij / n_ij
+        dL/dG      = -1/2 sum_ij (g_ij cos_ij / n_ij^2) c_ij^T c_ij
+    and finally G = W^T W, r = T W give dW = W (dG + dG^T) + T^T dr, dT = dr W^T.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, text_hat, w_o, tau: float, rows: int):
+        gram, r = w_o.T @ w_o, text_hat @ w_o
+        b, n = k.shape[1], text_hat.shape[0]
+        cos, norm = text_hat.new_empty(b, n), text_hat.new_empty(b, n)
+        for start in range(0, b, rows):
+            sl = slice(start, start + rows)
+            c = llip_heads(llip_attention(q, k[:, sl], tau), v[:, sl])
+            y = torch.matmul(c, gram)
+            nrm = (c * y).sum(-1).clamp_min(_NORM_EPS**2).sqrt()
+            norm[sl] = nrm
+            cos[sl] = (c * r.unsqueeze(0)).sum(-1) / nrm
+        ctx.save_for_backward(q, k, v, text_hat, w_o, gram, r, cos, norm)
+        ctx.tau, ctx.rows = tau, rows
+        return cos
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, text_hat, w_o, gram, r, cos, norm = ctx.saved_tensors
+        need_q, need_k, need_v, need_t, need_w = ctx.needs_input_grad[:5]
+        d_r, d_gram = torch.zeros_like(r), torch.zeros_like(gram)
+        d_q = torch.zeros_like(q) if need_q else None
+        d_k = torch.zeros_like(k) if need_k else None
+        d_v = torch.zeros_like(v) if need_v else None
+        grad = grad.contiguous()
+        for start in range(0, k.shape[1], ctx.rows):
+            sl = slice(start, start + ctx.rows)
+            with torch.enable_grad():
+                qq = q.detach().requires_grad_(need_q)
+                kc = k[:, sl].detach().requires_grad_(need_k)
+                vc = v[:, sl].detach().requires_grad_(need_v)
+                c = llip_heads(llip_attention(qq, kc, ctx.tau), vc)
+            cd = c.detach()
+            y = torch.matmul(cd, gram)
+            g_over_n = grad[sl] / norm[sl]
+            w_y = g_over_n * cos[sl] / norm[sl]
+            d_c = g_over_n.unsqueeze(-1) * r.unsqueeze(0) - w_y.unsqueeze(-1) * y
+            if need_t or need_w:
+                d_r += (g_over_n.unsqueeze(-1) * cd).sum(0)
+                flat = cd.reshape(-1, cd.shape[-1])
+                d_gram -= 0.5 * (flat * w_y.reshape(-1, 1)).T @ flat
+            inputs = [t for t, need in ((qq, need_q), (kc, need_k), (vc, need_v)) if need]
+            if inputs:
+                grads = torch.autograd.grad(c, inputs, d_c)
+                it = iter(grads)
+                if need_q:
+                    d_q += next(it)
+                if need_k:
+                    d_k[:, sl] = next(it)
+                if need_v:
+                    d_v[:, sl] = next(it)
+        d_t = d_r @ w_o.T if need_t else None
+        d_w = w_o @ (d_gram + d_gram.T) + text_hat.T @ d_r if need_w else None
+        return d_q, d_k, d_v, d_t, d_w, None, None
 
 
 class LlipMixer(nn.Module):
@@ -72,7 +155,7 @@ class LlipMixer(nn.Module):
         self.q_proj = nn.Linear(dim, dim, bias=False) if query_proj else nn.Identity()
         self.k_proj = nn.Linear(dim, dim, bias=False)
         self.v_proj = nn.Linear(dim, dim, bias=False)
-        # W_O is a direct parameter (not a child nn.Linear): it is used inside checkpointed chunks,
+        # W_O is a direct parameter (not a child nn.Linear): it is used inside the chunked autograd function,
         # and DeepSpeed ZeRO-3 gathers a module's own parameters around its forward and backward.
         self.out_weight = nn.Parameter(torch.empty(dim, dim))
         nn.init.kaiming_uniform_(self.out_weight, a=5**0.5)  # nn.Linear's default initialisation
@@ -113,18 +196,7 @@ class LlipMixer(nn.Module):
         """
         q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
         rows = self.rows_per_chunk(text_hat.shape[0], k.shape[2], text_hat.element_size())
-        w_o = self.out_weight
-        need_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, text_hat, w_o)
-        )
-        parts = []
-        for start in range(0, k.shape[1], rows):
-            kc, vc = k[:, start : start + rows], v[:, start : start + rows]
-            if need_grad:
-                parts.append(checkpoint(self._block, q, kc, vc, text_hat, w_o, use_reentrant=False))
-            else:
-                parts.append(self._block(q, kc, vc, text_hat, w_o))
-        return torch.cat(parts, dim=0)
+        return _ChunkedCosine.apply(q, k, v, text_hat, self.out_weight, self.tau, rows)
 
     def naive_pair_cos(
         self, image_mix_tokens: torch.Tensor, text_query_all: torch.Tensor, text_emb_all: torch.Tensor
