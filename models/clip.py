@@ -53,11 +53,11 @@ B16 = dict(img_size=224, patch_size=16, vision_width=768, vision_depth=12, visio
            context_length=64, text_width=512, text_depth=12, text_heads=8, embed_dim=768)
 
 
-@register_model("clip_tiny", default_loss="infonce")
+@register_model("clip_tiny", default_loss="infonce", arch=CLIP)
 def clip_tiny(**overrides) -> CLIP:
     return CLIP(**{**TINY, **overrides})
 
 
-@register_model("clip_vit_b16", default_loss="infonce")
+@register_model("clip_vit_b16", default_loss="infonce", arch=CLIP)
 def clip_vit_b16(**overrides) -> CLIP:
     return CLIP(**{**B16, **overrides})

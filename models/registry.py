@@ -11,16 +11,18 @@ import torch.nn as nn
 class ModelEntry:
     build: Callable[..., nn.Module]
     default_loss: str
+    # The class the builder instantiates: its constructor's parameters are the valid overrides.
+    arch: type[nn.Module] | None = None
 
 
 _MODELS: dict[str, ModelEntry] = {}
 
 
-def register_model(name: str, *, default_loss: str):
+def register_model(name: str, *, default_loss: str, arch: type[nn.Module] | None = None):
     def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _MODELS:
             raise ValueError(f"model {name!r} registered twice")
-        _MODELS[name] = ModelEntry(fn, default_loss)
+        _MODELS[name] = ModelEntry(fn, default_loss, arch)
         return fn
 
     return wrap
@@ -39,6 +41,10 @@ def create_model(name: str, **overrides) -> nn.Module:
 
 def default_loss(name: str) -> str:
     return _entry(name).default_loss
+
+
+def model_arch(name: str) -> type[nn.Module] | None:
+    return _entry(name).arch
 
 
 def list_models() -> list[str]:

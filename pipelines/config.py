@@ -7,6 +7,7 @@ message naming the key (`ConfigError`). Plain dicts appear only at the Ray bound
 from __future__ import annotations
 
 import inspect
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,6 +89,8 @@ class TrainConfig(Section):
     # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
     # so a restart never logs a step twice.
     checkpoint_every: int = Field(0, ge=0)
+    # Zero-shot validation (eval.split) every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
+    eval_every: int = Field(0, ge=0)
     # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
     stop_at_step: int | None = Field(None, ge=1)
     # Fault-injection for testing recovery: one worker raises once when this step completes.
@@ -242,27 +245,34 @@ def _validate(data: dict[str, Any]) -> Config:
 
 
 def _check_loss(cfg: Config) -> None:
-    """Validate loss params against the loss constructor's signature (names and annotated types)."""
+    """Validate loss params and model overrides against their constructors' signatures."""
     from models.losses import list_losses, loss_class
-    from models.registry import default_loss
+    from models.registry import default_loss, model_arch
 
     name = cfg.loss.name or default_loss(cfg.model.name)
     if name not in list_losses():
         raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
-    sig = inspect.signature(loss_class(name).__init__)
-    for key, value in cfg.loss.params.items():
+    _check_kwargs("loss.params", f"loss {name!r}", loss_class(name), cfg.loss.params)
+    arch = model_arch(cfg.model.name)
+    if arch is not None:
+        _check_kwargs("model.overrides", f"model {cfg.model.name!r}", arch, cfg.model.overrides)
+
+
+def _check_kwargs(prefix: str, what: str, cls: type, kwargs: dict[str, Any]) -> None:
+    """Names and annotated types of `kwargs` for `cls(**kwargs)`, as one-line ConfigErrors."""
+    sig = inspect.signature(cls.__init__)
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in kwargs.items():
         param = sig.parameters.get(key)
         if param is None or key == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
             known = [p for p in sig.parameters if p != "self"]
-            raise ConfigError(f"loss.params.{key}: unknown key for loss {name!r}; known: {', '.join(known)}")
-        if param.annotation is not inspect.Parameter.empty:
-            ann = param.annotation
-            if isinstance(ann, str):
-                ann = eval(ann, vars(inspect.getmodule(loss_class(name))))  # annotations are module-level types
+            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(known)}")
+        if key in hints:
             try:
-                TypeAdapter(ann).validate_python(value, strict=not isinstance(value, int))
+                # Strict for everything but ints where a float is expected (YAML writes 10 for 10.0).
+                TypeAdapter(hints[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
             except ValidationError as err:
-                raise ConfigError(f"loss.params.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
+                raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -26,7 +26,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    os.environ.update(_LOOPBACK_ENV)
+    os.environ.update(_LOOPBACK_ENV)  # for the processes Ray starts (they import ray afresh)
+    # This process imported ray before the variable was set; its constant is read at import time.
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
         address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {**_LOOPBACK_ENV, **_QUIET_ENV}},

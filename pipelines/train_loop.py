@@ -153,8 +153,13 @@ class Trainer:
             self._maybe_fail(p.step)
             if p.step >= self.last_step:
                 break
-            if t.checkpoint_every and p.step % t.checkpoint_every == 0:
-                self.checkpoint({"step": p.step})
+            due_eval = bool(t.eval_every) and p.step % t.eval_every == 0
+            due_checkpoint = bool(t.checkpoint_every) and p.step % t.checkpoint_every == 0
+            metrics = {"step": p.step, **(self.validate() if due_eval else {})}
+            if due_checkpoint:
+                self.checkpoint(metrics)
+            elif due_eval:
+                ray.train.report(metrics)
 
     def _maybe_fail(self, step: int) -> None:
         if self.t.fail_once_at_step != step or self.rank != self.world.size - 1 or not self.failure_marker:
@@ -172,6 +177,19 @@ class Trainer:
             # Metrics are written only once their step is covered by a checkpoint: a restart
             # replays steps after the last checkpoint, and MLflow must not see them twice.
             self.logger.flush()
+
+    def validate(self) -> dict[str, float]:
+        """Zero-shot top-1 on the eval split (collective: rank 0 evaluates gathered weights, all ranks get it)."""
+        weights = full_state_dict(self.engine, self.engine.module.model)
+        result = [None]
+        if self.rank == 0:
+            model = create_model(self.cfg.model.name, **self.cfg.model.overrides)
+            model.load_state_dict(weights)
+            key = f"zero_shot_top1_{self.cfg.eval.split}"
+            result = [{key: evaluate_zero_shot(model, ray.train.get_dataset_shard("eval"), self.cfg.eval.batch_size)}]
+            self.logger.log(result[0], self.progress.step)
+        torch.distributed.broadcast_object_list(result, src=0)
+        return result[0]
 
     def finish(self) -> None:
         """Final weights, evaluation and artifacts (rank 0), final checkpoint and report (all ranks)."""

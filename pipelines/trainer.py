@@ -54,7 +54,7 @@ def run_exists(cfg: Config) -> bool:
     return info.type != pyarrow.fs.FileType.NotFound
 
 
-def mlflow_run(cfg: Config, uri: str) -> str:
+def mlflow_run(cfg: Config, uri: str, extra_tags: dict[str, str] | None = None) -> str:
     """A new MLflow run, or the one of the run being resumed."""
     existing = find_run(uri, cfg.run.experiment, cfg.run.name) if run_exists(cfg) else None
     if existing:
@@ -64,7 +64,8 @@ def mlflow_run(cfg: Config, uri: str) -> str:
         reopen_run(uri, existing, cfg.to_yaml(), attempt)
         return existing
     tags = {"probvlp.run_name": cfg.run.name, "probvlp.model": cfg.model.name,
-            "probvlp.method": cfg.loss.name or _default_loss(cfg), "mlflow.source.git.commit": git_commit() or ""}
+            "probvlp.method": cfg.loss.name or _default_loss(cfg), "mlflow.source.git.commit": git_commit() or "",
+            **(extra_tags or {})}
     return start_run(uri, cfg.run.experiment, cfg.run.name, cfg.flat(), cfg.to_yaml(), tags)
 
 
@@ -74,7 +75,9 @@ def _default_loss(cfg: Config) -> str:
     return default_loss(cfg.model.name)
 
 
-def fit(cfg: Config) -> FitResult:
+def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] | None = None) -> FitResult:
+    """Train `cfg` on Ray Train. `callbacks` go to the Train run (e.g. Tune's report callback);
+    `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials)."""
     import ray.train
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
@@ -90,7 +93,7 @@ def fit(cfg: Config) -> FitResult:
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
     context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
     uri = tracking_uri(cfg.tracking.uri)
-    run_id = mlflow_run(cfg, uri)
+    run_id = mlflow_run(cfg, uri, extra_tags)
     resources = {"CPU": t.cpus_per_worker} if not t.use_gpu else None
     trainer = TorchTrainer(
         train_loop,
@@ -102,6 +105,7 @@ def fit(cfg: Config) -> FitResult:
             name=cfg.run.name, storage_path=storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            callbacks=callbacks,
         ),
         datasets=build_datasets(cfg, context_length),
         dataset_config=ray.train.DataConfig(

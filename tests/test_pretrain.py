@@ -71,3 +71,9 @@ def test_saved_model_reloads_with_same_embeddings(trained):
     assert torch.allclose(image_mu, probe["image_mu"], atol=1e-6)
     assert torch.allclose(text_mu, probe["text_mu"], atol=1e-6)
     assert not torch.allclose(image_mu[0], image_mu[1], atol=1e-3)  # real, distinct embeddings
+
+
+def test_local_ray_stays_on_loopback(ray_local):
+    nodes = ray_local.nodes()
+    assert nodes and all(n["NodeManagerAddress"] == "127.0.0.1" for n in nodes)
+    assert ray_local.get_runtime_context().gcs_address.startswith("127.0.0.1:")

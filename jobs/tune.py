@@ -1,0 +1,48 @@
+"""Sweep hyperparameters with Ray Tune; every trial is a Ray Train run logged to MLflow.
+
+    python -m jobs.tune --config configs/tune_prolip_llip.yaml [--set tune.num_samples=16 ...]
+
+Re-running the same command resumes an interrupted sweep: finished trials are kept, not rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipelines.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="sweep YAML (see configs/tune_*.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of the sweep file, e.g. --set tune.num_samples=8")
+    parser.add_argument("--best-config-out", default=None, help="where to write the best config YAML "
+                        "(default: .probvlp/tune/<name>_best.yaml)")
+    args = parser.parse_args(argv)
+
+    from pipelines.sweep import load_sweep
+
+    try:
+        sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before any trial
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+    from pipelines.sweep import run_sweep
+    from pipelines.tracking import LOCAL_DIR
+
+    _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
+    out = Path(args.best_config_out or LOCAL_DIR / "tune" / f"{sweep.tune.name}_best.yaml")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(summary["best_config"].to_yaml())
+    print(summary["table"].to_string(index=False))
+    print(f"best {sweep.tune.metric} = {summary['best_metric']:.4f} with {summary['best_params']}")
+    print(f"best config: {out}  (run it: python -m jobs.pretrain --config {out})")
+    print(f"MLflow parent run {parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Hyperparameter sweeps: a YAML search space over dotted config keys, one TorchTrainer run per trial.
+
+One trial is a Ray Tune function trainable that runs `pipelines.trainer.fit` (Ray Train V2 + Tune:
+the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
+MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from pipelines.config import Config, ConfigError, Section, _format_error, apply_overrides, load_config
+
+
+class Domain(Section):
+    """Exactly one of: uniform [low, high], loguniform [low, high], randint [low, high), choice [values]."""
+
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[float, float] | None = None
+    randint: tuple[int, int] | None = None
+    choice: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "Domain":
+        set_ = [k for k in ("uniform", "loguniform", "randint", "choice") if getattr(self, k) is not None]
+        if len(set_) != 1:
+            raise ValueError("give exactly one of uniform, loguniform, randint, choice")
+        if self.kind in ("uniform", "loguniform", "randint"):
+            low, high = getattr(self, self.kind)
+            if not low < high:
+                raise ValueError(f"{self.kind}: low must be < high (got [{low}, {high}])")
+            if self.kind == "loguniform" and low <= 0:
+                raise ValueError(f"loguniform: low must be > 0 (got {low})")
+        elif not self.choice:
+            raise ValueError("choice: needs at least one value")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("uniform", "loguniform", "randint", "choice") if getattr(self, k) is not None)
+
+    def probes(self) -> list[Any]:
+        """Values whose validity stands for the whole domain."""
+        if self.kind == "choice":
+            return list(self.choice)
+        low, high = getattr(self, self.kind)
+        return [low, high - 1] if self.kind == "randint" else [low, high]
+
+    def to_tune(self):
+        from ray import tune
+
+        if self.kind == "choice":
+            return tune.choice(self.choice)
+        low, high = getattr(self, self.kind)
+        return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[self.kind](low, high)
+
+
+class TuneSettings(Section):
+    name: str = "sweep"
+    metric: str = "zero_shot_top1_val"
+    mode: Literal["max", "min"] = "max"
+    num_samples: int = Field(4, ge=1)
+    max_concurrent: int = Field(1, ge=1)
+    search_alg: Literal["optuna", "random"] = "optuna"
+    seed: int = 0
+    scheduler: Literal["asha", "fifo"] = "asha"
+    # ASHA counts Ray reports (one per train.eval_every steps, plus the final one).
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: int = Field(2, ge=2)
+    # First trials to run, as {dotted.key: value}; the search algorithm suggests the rest.
+    points_to_evaluate: list[dict[str, Any]] = Field(default_factory=list)
+    storage_path: str = ".probvlp/tune"
+    experiment: str = "probvlp-sweeps"
+
+
+class SweepConfig(Section):
+    base: str
+    overrides: list[str] = Field(default_factory=list)
+    space: dict[str, Domain]
+    tune: TuneSettings = Field(default_factory=TuneSettings)
+    # Set by load_sweep from the base config: results one full trial reports to Tune.
+    reports_per_trial: int = 0
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+    node[parts[-1]] = value
+    return data
+
+
+def trial_config(base: dict[str, Any], params: dict[str, Any]) -> Config:
+    data = copy.deepcopy(base)
+    for key, value in params.items():
+        set_dotted(data, key, value)
+    return Config.from_dict(data)
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepConfig, Config]:
+    """Parse and validate the whole sweep before any trial starts; errors are one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file not found: {path}")
+    try:
+        data = apply_overrides(yaml.safe_load(path.read_text()) or {}, overrides or [])
+        sweep = SweepConfig.model_validate(data)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+    base_path = Path(sweep.base)
+    if not base_path.is_absolute() and not base_path.exists():
+        base_path = path.parent / base_path
+    base = load_config(base_path, sweep.overrides)
+    base_dict = base.to_dict()
+    for key, domain in sweep.space.items():
+        for value in domain.probes():
+            try:
+                trial_config(base_dict, {key: value})
+            except ConfigError as err:
+                if "unknown key" in str(err):
+                    raise ConfigError(f"space.{key}: not a config key: {err}") from None
+                numeric = "" if domain.kind == "choice" else f" ({domain.kind} needs a numeric field)"
+                raise ConfigError(f"space.{key}: {value!r} is not valid here{numeric}: {err}") from None
+    for i, point in enumerate(sweep.tune.points_to_evaluate):
+        unknown = set(point) - set(sweep.space)
+        if unknown:
+            raise ConfigError(f"tune.points_to_evaluate[{i}]: keys not in space: {', '.join(sorted(unknown))}")
+        trial_config(base_dict, point)
+    if sweep.tune.metric.startswith("zero_shot_top1_") and sweep.tune.metric != f"zero_shot_top1_{base.eval.split}":
+        raise ConfigError(f"tune.metric: {sweep.tune.metric} is not reported; the base evaluates "
+                          f"eval.split={base.eval.split} (zero_shot_top1_{base.eval.split})")
+    t = base.train
+    if not t.eval_every:
+        raise ConfigError("train.eval_every: must be > 0 in the base config so schedulers see intermediate results")
+    if t.checkpoint_every % t.eval_every:
+        raise ConfigError("train.checkpoint_every: must be a multiple of train.eval_every in a sweep "
+                          "(every report to Tune must carry the metric)")
+    # Validation reports at eval_every, 2*eval_every, ... before the last step, then the final report.
+    sweep.reports_per_trial = (t.steps - 1) // t.eval_every + 1
+    return sweep, base
+
+
+def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, storage_path: str,
+              parent_run_id: str) -> None:
+    """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from pipelines.trainer import fit
+
+    trial_id = tune.get_context().get_trial_id()
+    data = copy.deepcopy(base)
+    set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
+    set_dotted(data, "run.storage_path", storage_path)
+    cfg = trial_config(data, params)
+    fit(cfg, callbacks=[TuneReportCallback()],
+        extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id, "probvlp.sweep": sweep_name})
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
+    """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict)."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+    from pipelines.ray_env import init_ray, local_cpus
+    from pipelines.trainer import prepare_data, storage_path
+    from pipelines.tracking import find_run, start_run, tracking_uri
+
+    s = sweep.tune
+    prepare_data(base)  # once, before concurrent trials could race on it
+    t = base.train
+    init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.num_workers * s.max_concurrent, t.cpus_per_worker))
+    uri = tracking_uri(base.tracking.uri)
+    root = storage_path(Config.from_dict({**base.to_dict(), "run": {**base.to_dict()["run"], "storage_path": s.storage_path}}))
+    exp_path = f"{root.rstrip('/')}/{s.name}"
+
+    parent = find_run(uri, s.experiment, f"sweep:{s.name}")
+    if parent is None:
+        params = {"sweep.base": sweep.base, **{f"tune.{k}": v for k, v in s.model_dump().items() if k != "points_to_evaluate"},
+                  **{f"space.{k}": f"{d.kind}{getattr(d, d.kind)}" for k, d in sweep.space.items()}}
+        parent = start_run(uri, s.experiment, s.name, params, sweep_file_text,
+                           {"probvlp.run_name": f"sweep:{s.name}", "probvlp.sweep": s.name})
+
+    trainable = tune.with_parameters(run_trial, base=base.to_dict(), sweep_name=s.name,
+                                     storage_path=f"{root.rstrip('/')}/{s.name}_train", parent_run_id=parent)
+    # The trial function only drives its TorchTrainer; the workers request their own CPUs.
+    trainable = tune.with_resources(trainable, {"CPU": 0})
+    if tune.Tuner.can_restore(exp_path):
+        tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(trainable, param_space={k: d.to_tune() for k, d in sweep.space.items()},
+                           tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, num_samples=s.num_samples,
+                                                       search_alg=_searcher(sweep), scheduler=_scheduler(sweep)),
+                           run_config=tune.RunConfig(name=s.name, storage_path=root))
+    grid = tuner.fit()
+    summary = summarize(grid, sweep, base, uri, parent)
+    return grid, parent, summary
+
+
+def _searcher(sweep: SweepConfig):
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+    s = sweep.tune
+    points = [dict(p) for p in s.points_to_evaluate]
+    if s.search_alg == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        searcher = OptunaSearch(metric=s.metric, mode=s.mode, seed=s.seed, points_to_evaluate=points or None)
+        return ConcurrencyLimiter(searcher, max_concurrent=s.max_concurrent)
+    return BasicVariantGenerator(points_to_evaluate=points or None, max_concurrent=s.max_concurrent,
+                                 random_state=s.seed)
+
+
+def _scheduler(sweep: SweepConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    s = sweep.tune
+    if s.scheduler == "fifo":
+        return FIFOScheduler()
+    max_t = sweep.reports_per_trial
+    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(s.grace_period, max_t),
+                         reduction_factor=s.reduction_factor)
+
+
+def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
+    """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
+    import tempfile
+
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    s = sweep.tune
+    client = MlflowClient(uri)
+    rows = []
+    for result in grid:
+        trial_id = result.path.rstrip("/").split("/")[-1] if result.path else ""
+        metrics = result.metrics or {}
+        trial_id = metrics.get("trial_id", trial_id)
+        step = metrics.get("step", 0)
+        status = "error" if result.error else ("completed" if step >= base.train.steps else "stopped early")
+        row = {"trial_id": trial_id, **{k: result.config.get(k) for k in sweep.space}, s.metric: metrics.get(s.metric),
+               "step": step, "status": status}
+        rows.append(row)
+        for child in client.search_runs([client.get_experiment_by_name(base.run.experiment).experiment_id],
+                                        filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
+            client.set_tag(child.info.run_id, "probvlp.trial_status", status)
+            if child.info.status == "RUNNING":
+                client.set_terminated(child.info.run_id, "KILLED" if status != "error" else "FAILED")
+    table = pd.DataFrame(rows)
+    scored = table[table[s.metric].map(finite)]
+    if scored.empty:
+        raise RuntimeError(f"no trial reported {s.metric}")
+    best = scored.sort_values(s.metric, ascending=(s.mode == "min")).iloc[0]
+    best_params = {k: _plain(best[k]) for k in sweep.space}
+    best_cfg = trial_config(base.to_dict(), best_params)
+    best_cfg.run.name = None
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        table.to_csv(tmp / "results.csv", index=False)
+        (tmp / "results.md").write_text(markdown_table(table))
+        (tmp / "best_config.yaml").write_text(best_cfg.to_yaml())
+        plot_knobs(table, list(sweep.space), s.metric, tmp / "metric_vs_knobs.png")
+        for name in ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"):
+            client.log_artifact(parent, str(tmp / name))
+    client.log_metric(parent, f"best_{s.metric}", float(best[s.metric]))
+    client.set_terminated(parent, "FINISHED")
+    return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else value
+
+
+def markdown_table(table) -> str:
+    cols = list(table.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row) + " |"
+              for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_knobs(table, knobs: list[str], metric: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False)
+    for ax, knob in zip(axes[0], knobs):
+        for status, marker in (("completed", "o"), ("stopped early", "x"), ("error", "s")):
+            part = table[table["status"] == status]
+            ax.scatter(part[knob].astype(float) if part[knob].map(lambda v: isinstance(v, (int, float))).all() else part[knob].astype(str),
+                       part[metric], marker=marker, label=status)
+        ax.set_xlabel(knob.split(".")[-1])
+        ax.set_title(knob, fontsize=7)
+    axes[0][0].set_ylabel(metric)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,107 @@
+"""`ray job submit` against a real local head, with token auth, everything on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError as err:
+            if getattr(err, "code", None):  # an HTTP error status: the server answers
+                return
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head (GCS, dashboard, jobs API) on loopback with token auth; torn down after the test."""
+    gcs, dash = free_port(), free_port()
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_ADDRESS", None)
+    temp = Path("/tmp") / f"rayjob_{secrets.token_hex(3)}"  # short: Ray's socket paths must fit
+    log = (tmp_path / "head.log").open("w")
+    # --block ties the cluster's life to this process, so stopping it cannot touch other Ray instances.
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=4", f"--temp-dir={temp}",
+         "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{dash}/api/version", head)
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        log.close()
+
+
+def test_job_submit_runs_pretrain_and_logs_to_mlflow(ray_head, tmp_path):
+    address, env = ray_head
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".", "--no-wait", "--",
+            "python", "-m", "jobs.pretrain", "--config", "configs/demo.yaml",
+            "--set", "train.steps=20", "--set", "run.name=submitted", "--set", "run.experiment=jobs",
+            "--set", f"tracking.uri={uri}", "--set", f"run.storage_path={tmp_path / 'ray'}",
+            "--set", f"data.root={tmp_path / 'digits'}", "--set", "model.overrides.vision_depth=1"]
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    job_id = next(line.split("'")[1] for line in out.stdout.splitlines() if "submitted successfully" in line)
+
+    status = "PENDING"
+    deadline = time.monotonic() + 600
+    while status not in ("SUCCEEDED", "FAILED", "STOPPED") and time.monotonic() < deadline:
+        time.sleep(3)
+        status = subprocess.run([str(BIN / "ray"), "job", "status", f"--address={address}", job_id], env=env,
+                                capture_output=True, text=True, timeout=60).stdout
+        status = next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in status), "RUNNING")
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", f"--address={address}", job_id], env=env,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert status == "SUCCEEDED", logs[-3000:]
+    assert "held-out zero-shot top-1" in logs
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("jobs").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_name == "submitted" and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["probvlp.master_addr"] == "127.0.0.1"
+
+
+def test_jobs_api_refuses_requests_without_the_token(ray_head):
+    address, env = ray_head
+    env = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN",)}
+    env["HOME"] = "/nonexistent"  # no ~/.ray/auth_token either
+    out = subprocess.run([str(BIN / "ray"), "job", "list", f"--address={address}"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "auth" in (out.stdout + out.stderr).lower()

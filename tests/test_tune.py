@@ -1,0 +1,135 @@
+"""Ray Tune sweeps: trials are TorchTrainer runs, ASHA stops bad ones, MLflow holds every trial, resume skips finished ones."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+import jobs.pretrain
+import jobs.tune
+from pipelines.config import ConfigError
+from pipelines.sweep import load_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOBS = {
+    "train.lr": {"choice": [1.0e-3, 1.0e-7]},
+    "loss.params.init_temperature": {"uniform": [0.05, 0.1]},
+}
+GOOD, BAD = {"train.lr": 1.0e-3, "loss.params.init_temperature": 0.07}, {"train.lr": 1.0e-7, "loss.params.init_temperature": 0.07}
+
+
+def sweep_file(tmp: Path, digits_root: str, name: str, num_samples: int, space=None, **tune) -> Path:
+    data = {
+        "base": str(ROOT / "configs" / "demo.yaml"),
+        "overrides": [
+            f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", "run.experiment=sweep-trials",
+            "train.steps=40", "train.eval_every=10", "train.num_workers=1", "train.batch_size=64",
+            "train.warmup_steps=10", "eval.split=val", "model.overrides.vision_depth=1", "model.overrides.text_depth=1",
+            "data.mid_caption_prob=0", "data.general_caption_prob=0",
+        ],
+        "space": space or KNOBS,
+        "tune": {"name": name, "num_samples": num_samples, "max_concurrent": 1, "storage_path": str(tmp / "tune"),
+                 "experiment": "sweeps", "points_to_evaluate": [GOOD, BAD], "grace_period": 1, **tune},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def children(uri: str, sweep: str) -> list:
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("sweep-trials")
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.sweep` = '{sweep}'")
+
+
+def test_sweep_logs_trials_and_stops_bad_ones_early(ray_local, digits_root, tmp_path):
+    path = sweep_file(tmp_path, digits_root, "four", num_samples=4)
+    best_out = tmp_path / "best.yaml"
+    assert jobs.tune.main(["--config", str(path), "--best-config-out", str(best_out)]) == 0
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    parent = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id])[0]
+    runs = children(uri, "four")
+    assert len(runs) == 4
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parent.info.run_id}
+    for r in runs:
+        assert {"train.lr", "loss.params.init_temperature"} <= set(r.data.params)
+        assert "zero_shot_top1_val" in r.data.metrics
+    statuses = [r.data.tags["probvlp.trial_status"] for r in runs]
+    assert "stopped early" in statuses and "completed" in statuses
+    lrs = {float(r.data.params["train.lr"]) for r in runs if r.data.tags["probvlp.trial_status"] == "stopped early"}
+    assert 1.0e-7 in lrs  # the hopeless learning rate was cut at the first rung
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"} <= artifacts
+    assert parent.data.metrics["best_zero_shot_top1_val"] > 0.2
+
+    best = yaml.safe_load(best_out.read_text())
+    assert best["train"]["lr"] == pytest.approx(1.0e-3)
+    # The best config is a ready-to-run pretraining config.
+    assert jobs.pretrain.main(["--config", str(best_out), "--set", "train.steps=10", "--set", "train.eval_every=0",
+                               "--set", f"run.storage_path={tmp_path / 'best_run'}"]) == 0
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(digits_root, tmp_path):
+    path = sweep_file(tmp_path, digits_root, "resumable", num_samples=3, scheduler="fifo")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "-m", "jobs.tune", "--config", str(path), "--best-config-out", str(tmp_path / "b.yaml")]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and first.poll() is None:
+        if any(r.info.status == "FINISHED" for r in children(uri, "resumable")):
+            break
+        time.sleep(2)
+    assert first.poll() is None, "the sweep ended before it could be interrupted"
+    first.send_signal(signal.SIGINT)  # what Ctrl-C does
+    first.wait(timeout=180)
+    done_before = {r.data.tags["probvlp.trial_id"]: r.info.run_id for r in children(uri, "resumable")
+                   if r.info.status == "FINISHED"}
+    assert done_before
+
+    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs = children(uri, "resumable")
+    by_trial: dict[str, list] = {}
+    for r in runs:
+        by_trial.setdefault(r.data.tags["probvlp.trial_id"], []).append(r)
+    assert len(by_trial) == 3
+    client = MlflowClient(uri)
+    for trial_id, run_id in done_before.items():
+        assert [r.info.run_id for r in by_trial[trial_id]] == [run_id]  # not rerun
+        assert "probvlp.resumes" not in client.get_run(run_id).data.tags
+        steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+        assert steps == sorted(set(steps))
+
+
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        ({"train.nope": {"uniform": [0, 1]}}, "space.train.nope: not a config key"),
+        ({"train.lr": {"uniform": [0.1, 0.01]}}, "low must be < high"),
+        ({"model.name": {"uniform": [0, 1]}}, "space.model.name: 0.0 is not valid here (uniform needs a numeric field)"),
+        ({"loss.params.bogus": {"choice": [1, 2]}}, "space.loss.params.bogus: not a config key"),
+        ({"train.lr": {"loguniform": [0, 1]}}, "loguniform: low must be > 0"),
+    ],
+)
+def test_invalid_search_space_fails_before_any_trial(tmp_path, digits_root, space, message):
+    path = sweep_file(tmp_path, digits_root, "bad", num_samples=2, space=space, points_to_evaluate=[])
+    with pytest.raises(ConfigError) as err:
+        load_sweep(path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    proc = subprocess.run([sys.executable, "-c", "import sys, jobs.tune as t; rc = t.main(sys.argv[1:]); "
+                           "print('ray imported' if 'ray' in sys.modules else 'no ray'); sys.exit(rc)",
+                           "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout.strip() == "no ray"
+    assert proc.stderr.strip().startswith("config error: ") and message in proc.stderr
