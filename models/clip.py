@@ -1,15 +1,18 @@
-"""Deterministic CLIP / SigLIP dual encoder."""
+"""Deterministic CLIP / SigLIP dual encoder, and the model sizes every method shares."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.gather import World
 from models.registry import register_model
 from models.towers import ImageTower, TextTower
 
 
 class CLIP(nn.Module):
+    """[CLS] of a ViT and EOT token of a causal text transformer, linearly projected and L2-normalised."""
+
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
         vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
@@ -32,7 +35,7 @@ class CLIP(nn.Module):
         pooled = x[torch.arange(x.shape[0], device=x.device), self.text.eot_index(tokens)]
         return {"mu": F.normalize(self.text_proj(pooled), dim=-1)}
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
         img, txt = self.encode_image(images), self.encode_text(tokens)
         return {"image_mu": img["mu"], "text_mu": txt["mu"]}
 
@@ -47,6 +50,8 @@ class CLIP(nn.Module):
         return image_out["mu"] @ class_out["mu"].T
 
 
+# Tiny: CPU tests and the demo. B16: the papers' ViT-B/16 with a 12-layer 512-wide text transformer,
+# 768-d embeddings and a 64-token text context (ProLIP B.1).
 TINY = dict(img_size=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=2,
             context_length=16, text_width=64, text_depth=2, text_heads=2, embed_dim=64)
 B16 = dict(img_size=224, patch_size=16, vision_width=768, vision_depth=12, vision_heads=12,
@@ -60,4 +65,14 @@ def clip_tiny(**overrides) -> CLIP:
 
 @register_model("clip_vit_b16", default_loss="infonce", arch=CLIP)
 def clip_vit_b16(**overrides) -> CLIP:
+    return CLIP(**{**B16, **overrides})
+
+
+@register_model("siglip_tiny", default_loss="siglip", arch=CLIP)
+def siglip_tiny(**overrides) -> CLIP:
+    return CLIP(**{**TINY, **overrides})
+
+
+@register_model("siglip_vit_b16", default_loss="siglip", arch=CLIP)
+def siglip_vit_b16(**overrides) -> CLIP:
     return CLIP(**{**B16, **overrides})

@@ -1,4 +1,11 @@
-"""The module DeepSpeed trains: a model and its loss, so the loss's learnable scale/bias are trained too."""
+"""The module DeepSpeed trains: a model and its loss, so the loss's learnable scale/bias are trained too.
+
+Training-step features live in the models' forward (pure PyTorch, active in training mode only):
+ProLIP-style masked copies (``masked_rows``, ``image_masked_mu``/``_logvar``, ``text_masked_mu``/
+``_logvar``), PCME++'s mixed-sample augmentation (``mix_lambda``, ``mix_partner``) and Llip's
+contextualised cosines against all workers' captions (``pair_cos``, gathered with ``world``). The
+Objective passes ``world`` to the model and the loss and adds sigma^2 statistics for logging.
+"""
 from __future__ import annotations
 
 import torch
@@ -14,8 +21,9 @@ class Objective(nn.Module):
         self.loss = loss
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
-        out = self.model(images, tokens)
-        parts = self.loss(out, world or World.current())
+        world = world or World.current()
+        out = self.model(images, tokens, world)
+        parts = self.loss(out, world)
         return {**parts, **uncertainty_stats(out)}
 
 

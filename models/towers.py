@@ -1,5 +1,18 @@
-"""Image tower (timm VisionTransformer) and CLIP-style causal text transformer, returning all tokens."""
+"""Image tower (timm VisionTransformer) and CLIP-style causal text transformer, returning all tokens.
+
+Both towers are laid out like OpenAI/open_clip CLIP (pre-norm ViT, LayerNorm eps 1e-5, GELU), so
+``models.openclip_weights`` can load CLIP weights into them. Extra pieces for the methods:
+
+- ImageTower: learnable prefix tokens ([CLS], then ``extra_tokens`` more: ProLIP's [UNC], Llip's
+  mixture tokens) and token dropping (``keep``) that drops patch tokens only, never the prefix.
+- TextTower: ``append_tokens`` learnable tokens appended after the context (ProLIP: [UNC], [CLS]);
+  they attend to the real tokens (up to EOT) and each other, never to padding. Token masking
+  replaces chosen token embeddings by a learned [MASK] embedding (``mask_token=True``).
+"""
 from __future__ import annotations
+
+import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -7,51 +20,143 @@ from timm.models.vision_transformer import Block, VisionTransformer
 
 from models.tokenizer import VOCAB_SIZE
 
+LayerNorm = partial(nn.LayerNorm, eps=1e-5)  # CLIP's LayerNorm eps
+
 
 class ImageTower(nn.Module):
-    """timm ViT without a head; `extra_tokens` learnable prefix tokens follow [CLS] (e.g. [UNC], mixture tokens)."""
+    """timm ViT without a head. Prefix tokens: [CLS] (if ``class_token``) then ``extra_tokens`` learnable tokens.
 
-    def __init__(self, img_size: int, patch_size: int, width: int, depth: int, heads: int, extra_tokens: int = 0):
+    Position embeddings cover the patches only (timm ``no_embed_class``): prefix tokens are plain
+    learnable vectors (for CLIP weights, [CLS] := class_embedding + its position embedding).
+    """
+
+    def __init__(self, img_size: int, patch_size: int, width: int, depth: int, heads: int, extra_tokens: int = 0,
+                 class_token: bool = True):
         super().__init__()
         self.vit = VisionTransformer(
             img_size=img_size, patch_size=patch_size, embed_dim=width, depth=depth, num_heads=heads,
-            num_classes=0, global_pool="", class_token=True, reg_tokens=extra_tokens,
+            num_classes=0, global_pool="", class_token=class_token, reg_tokens=extra_tokens,
+            no_embed_class=True, pre_norm=True, norm_layer=LayerNorm,
         )
         self.width = width
-        self.num_prefix = 1 + extra_tokens
+        self.num_prefix = int(class_token) + extra_tokens
+        self.num_patches = self.vit.patch_embed.num_patches
 
-    def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, num_prefix + patches, width). `keep` (B, n) selects patch tokens (masked copies); prefix tokens stay."""
+    def embed(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefix + patch tokens after position embedding and the pre-norm; `keep` (B, n) selects patches."""
         vit = self.vit
         x = vit._pos_embed(vit.patch_embed(images))
         if keep is not None:
             prefix, patches = x[:, : self.num_prefix], x[:, self.num_prefix :]
             patches = torch.gather(patches, 1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
             x = torch.cat([prefix, patches], dim=1)
-        x = vit.blocks(vit.norm_pre(x))
-        return vit.norm(x)
+        return vit.norm_pre(x)
+
+    def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, num_prefix + kept patches, width), final LayerNorm applied."""
+        return self.vit.norm(self.vit.blocks(self.embed(images, keep)))
+
+
+def random_keep(batch: int, n_patches: int, ratio: float, device=None) -> torch.Tensor:
+    """(batch, n_keep) sorted random patch indices keeping a (1 - ratio) share (at least 1) of the patches."""
+    # ProLIP Sec. 4.1: masked copies drop 75% of the image tokens (token drop as in MAE, He et al. 2022)
+    n_keep = max(1, int(round(n_patches * (1.0 - ratio))))
+    order = torch.rand(batch, n_patches, device=device).argsort(dim=1)
+    return order[:, :n_keep].sort(dim=1).values
+
+
+def random_text_mask(tokens: torch.Tensor, ratio: float) -> torch.Tensor:
+    """(B, L) bool: a `ratio` share (at least 1) of each caption's words (between SOT and EOT) to mask."""
+    # ProLIP Sec. 4.1: masked copies replace 75% of the text tokens with [MASK] (as in BERT)
+    eot = TextTower.eot_index(tokens)
+    pos = torch.arange(tokens.shape[1], device=tokens.device)
+    content = (pos[None, :] > 0) & (pos[None, :] < eot[:, None])
+    n_content = content.sum(1)
+    n_mask = torch.where(n_content > 0, (n_content.float() * ratio).round().clamp_min(1), 0).long()
+    score = torch.rand(tokens.shape, device=tokens.device).masked_fill(~content, 2.0)
+    rank = score.argsort(dim=1).argsort(dim=1)  # rank of each position among the content tokens
+    return rank < n_mask[:, None]
 
 
 class TextTower(nn.Module):
-    """CLIP text transformer: token + position embeddings, causal blocks, final LayerNorm."""
+    """CLIP text transformer: token + position embeddings, causal blocks, final LayerNorm.
 
-    def __init__(self, context_length: int, width: int, depth: int, heads: int, vocab_size: int = VOCAB_SIZE):
+    ``append_tokens`` learnable tokens follow the context (ProLIP puts [UNC] and [CLS] there);
+    output positions L .. L + append_tokens - 1 hold them.
+    """
+
+    def __init__(self, context_length: int, width: int, depth: int, heads: int, vocab_size: int = VOCAB_SIZE,
+                 append_tokens: int = 0, mask_token: bool = False):
         super().__init__()
         self.context_length = context_length
         self.width = width
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.randn(context_length, width) * 0.01)
-        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio=4.0, qkv_bias=True) for _ in range(depth))
-        self.ln_final = nn.LayerNorm(width)
+        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio=4.0, qkv_bias=True, norm_layer=LayerNorm)
+                                    for _ in range(depth))
+        self.ln_final = LayerNorm(width)
+        self.num_appended = append_tokens
+        self.appended = nn.Parameter(torch.randn(append_tokens, width) * 0.02) if append_tokens else None
+        self.mask_embedding = nn.Parameter(torch.randn(width) * 0.02) if mask_token else None
         nn.init.normal_(self.token_embedding.weight, std=0.02)
+        proj_std, attn_std, fc_std = width**-0.5 * (2 * depth) ** -0.5, width**-0.5, (2 * width) ** -0.5
+        for blk in self.blocks:  # CLIP's text initialisation
+            nn.init.normal_(blk.attn.qkv.weight, std=attn_std)
+            nn.init.normal_(blk.attn.proj.weight, std=proj_std)
+            nn.init.normal_(blk.mlp.fc1.weight, std=fc_std)
+            nn.init.normal_(blk.mlp.fc2.weight, std=proj_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.token_embedding(tokens) + self.positional_embedding[: tokens.shape[1]]
-        for blk in self.blocks:
-            x = blk(x, is_causal=True)
-        return self.ln_final(x)
+    def embed(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Input embeddings (B, L + appended, width) and the attention mask the blocks need (None: plain causal)."""
+        x = self.token_embedding(tokens)
+        if mask is not None:
+            if self.mask_embedding is None:
+                raise ValueError("this text tower has no [MASK] embedding (mask_token=False)")
+            x = torch.where(mask.unsqueeze(-1), self.mask_embedding.to(x.dtype), x)
+        x = x + self.positional_embedding[: tokens.shape[1]].to(x.dtype)
+        if not self.num_appended:
+            return x, None
+        b, length = tokens.shape
+        x = torch.cat([x, self.appended.to(x.dtype).unsqueeze(0).expand(b, -1, -1)], dim=1)
+        total = length + self.num_appended
+        pos = torch.arange(total, device=tokens.device)
+        eot = self.eot_index(tokens)
+        # causal, and no token attends to padding after EOT (the appended tokens sit after the padding)
+        key_ok = (pos[None, :] <= eot[:, None]) | (pos[None, :] >= length)  # (B, total)
+        allowed = (pos[None, :, None] >= pos[None, None, :]) & key_ok[:, None, :]  # (B, query, key)
+        return x, allowed.unsqueeze(1)
+
+    def run(self, x: torch.Tensor, blocks, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        for blk in blocks:
+            x = blk(x, is_causal=True) if attn_mask is None else blk(x, attn_mask=attn_mask)
+        return x
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x, attn_mask = self.embed(tokens, mask)
+        return self.ln_final(self.run(x, self.blocks, attn_mask))
 
     @staticmethod
     def eot_index(tokens: torch.Tensor) -> torch.Tensor:
         # The EOT id is the largest in the vocabulary, so argmax finds it (as in CLIP).
         return tokens.argmax(dim=-1)
+
+
+def reset_linear_and_norm(module: nn.Module) -> None:
+    """Fresh timm-ViT initialisation for a (copied) block: truncated normal (std 0.02) weights, zero biases."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
+
+
+def sinusoid(positions: int, dim: int, device=None) -> torch.Tensor:
+    """(positions, dim) sine/cosine position encodings of 1 .. positions."""
+    pos = torch.arange(1, positions + 1, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    enc = torch.zeros(positions, dim, device=device)
+    enc[:, 0::2] = torch.sin(pos * freq)
+    enc[:, 1::2] = torch.cos(pos * freq)
+    return enc

@@ -1,0 +1,59 @@
+"""Heads shared by the probabilistic models: ProLIP's [UNC] projection, PCME++'s GPO pooling."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from models.towers import sinusoid
+
+
+def unc_projection(width: int, embed_dim: int, bias_init: float = -10.0) -> nn.Linear:
+    """Linear map of the [UNC] output to log sigma^2; bias starts at `bias_init` (sigma^2 ~ e^-10 ~ 5e-5)."""
+    # ProLIP Sec. 3.1 / 4.1: the [UNC] projection's bias is initialised to -10 for stable training
+    proj = nn.Linear(width, embed_dim, bias=True)
+    nn.init.constant_(proj.bias, bias_init)
+    return proj
+
+
+class GPO(nn.Module):
+    """Generalized Pooling Operator (Chen et al. 2021, "VSE-infinity"), PCME++ Sec. 2.5.
+
+    Each feature dimension is sorted over the (valid) tokens in descending order and pooled with
+    weights that depend only on the number of tokens: a bidirectional GRU reads sine/cosine
+    encodings of the positions 1..n, a linear layer scores each position, and a softmax (temperature
+    0.1) over the n positions gives the weights. Padding (positions >= length) gets weight 0.
+    """
+
+    def __init__(self, d_pe: int = 32, d_hidden: int = 32, temperature: float = 0.1):
+        super().__init__()
+        self.d_pe, self.d_hidden, self.temperature = d_pe, d_hidden, temperature
+        self.gru = nn.GRU(d_pe, d_hidden, batch_first=True, bidirectional=True)
+        self.score = nn.Linear(d_hidden, 1, bias=False)
+
+    def weights(self, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """(B, max_len) pooling weights for sequences of the given lengths (computed once per distinct length)."""
+        uniq, inverse = torch.unique(lengths, return_inverse=True)
+        dtype = self.score.weight.dtype
+        pe = sinusoid(max_len, self.d_pe, lengths.device).to(dtype).unsqueeze(0).expand(len(uniq), -1, -1)
+        packed = pack_padded_sequence(pe, uniq.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.gru(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=max_len)
+        out = (out[..., : self.d_hidden] + out[..., self.d_hidden :]) / 2  # average of both directions
+        scores = self.score(out).squeeze(-1)  # (U, max_len)
+        valid = torch.arange(max_len, device=lengths.device)[None, :] < uniq[:, None]
+        scores = scores.float().masked_fill(~valid, float("-inf"))
+        return torch.softmax(scores / self.temperature, dim=1)[inverse]
+
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D)."""
+        b, length, _ = features.shape
+        if lengths is None:
+            lengths = torch.full((b,), length, device=features.device, dtype=torch.long)
+        valid = torch.arange(length, device=features.device)[None, :] < lengths[:, None]
+        low = torch.finfo(features.dtype).min
+        ordered = features.masked_fill(~valid[..., None], low).sort(dim=1, descending=True).values
+        ordered = ordered.masked_fill(~valid[..., None], 0.0)  # padding sorts to the end
+        w = self.weights(lengths, length).to(features.dtype)
+        # VSE-infinity Eq. 2: f = sum_k theta_k * max_k(features), theta from the GRU position model
+        return (ordered * w.unsqueeze(-1)).sum(dim=1)

@@ -1,0 +1,83 @@
+"""Llip (papers/002): K visual mixture tokens mixed per caption by a text-conditioned cross-attention.
+
+The image tower carries K learnable mixture tokens instead of [CLS]; their outputs, projected to
+the embedding width, are the keys and values of ``models.llip.LlipMixer`` (8 heads, temperature
+tau, output projection), whose queries are the captions' embeddings (Eq. 1-2). The forward computes
+the contextualised cosines of the local images against the captions of ALL workers
+(``world.gather``, with gradient) inside the module's forward, as ZeRO-3 requires, for the sigmoid
+loss (Eq. 3). Zero-shot contextualises every image with each class's template-averaged query.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.clip import B16, TINY
+from models.gather import World
+from models.llip import LlipMixer
+from models.registry import register_model
+from models.towers import ImageTower, TextTower
+
+
+class Llip(nn.Module):
+    def __init__(
+        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
+        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
+        text_heads: int = 8, embed_dim: int = 768, mixture_tokens: int = 64, mixer_heads: int = 8,
+        tau: float = 5.0,
+    ):
+        super().__init__()
+        if mixture_tokens < 1:
+            raise ValueError("mixture_tokens must be >= 1")
+        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
+                                 extra_tokens=mixture_tokens, class_token=False)
+        self.text = TextTower(context_length, text_width, text_depth, text_heads)
+        self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
+        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
+        self.mixer = LlipMixer(embed_dim, heads=mixer_heads, tau=tau)
+        self.context_length, self.img_size, self.mixture_tokens = context_length, img_size, mixture_tokens
+
+    def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """"mix": (B, K, D) projected mixture tokens; "mu": their normalised mean (uncontextualised summary)."""
+        mix = self.image_proj(self.visual(images)[:, : self.mixture_tokens])
+        return {"mu": F.normalize(mix.mean(dim=1), dim=-1), "mix": mix}
+
+    def encode_text(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.text(tokens)
+        pooled = x[torch.arange(x.shape[0], device=x.device), self.text.eot_index(tokens)]
+        return {"mu": F.normalize(self.text_proj(pooled), dim=-1)}
+
+    def pair_cos(self, mix: torch.Tensor, text_mu: torch.Tensor, world: World) -> torch.Tensor:
+        """(B_local, N_global) contextualised cosines; the captions are gathered from every worker."""
+        text_all = world.gather(text_mu)
+        return self.mixer(mix, text_all, text_all)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        img, txt = self.encode_image(images), self.encode_text(tokens)
+        return {"image_mu": img["mu"], "text_mu": txt["mu"], "pair_cos": self.pair_cos(img["mix"], txt["mu"], world)}
+
+    @staticmethod
+    def class_embeddings(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Template-averaged caption embedding per class: the query and the target of the contextualisation."""
+        return {"mu": F.normalize(template_out["mu"].float().mean(dim=1), dim=-1)}
+
+    def class_scores(self, image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, C) cosines of each image contextualised by each class's query (Llip Sec. 5, zero-shot)."""
+        cls = class_out["mu"].to(image_out["mix"].dtype)
+        return self.mixer(image_out["mix"], cls, cls)
+
+
+def _llip(size: dict, mixture_tokens: int, overrides: dict) -> Llip:
+    return Llip(**{**size, "mixture_tokens": mixture_tokens, **overrides})
+
+
+@register_model("llip_tiny", default_loss="llip", arch=Llip)
+def llip_tiny(**overrides) -> Llip:
+    return _llip(TINY, 8, overrides)
+
+
+@register_model("llip64_vit_b16", default_loss="llip", arch=Llip)
+def llip64_vit_b16(**overrides) -> Llip:
+    return _llip(B16, 64, overrides)

@@ -1,0 +1,69 @@
+"""Probabilistic Llip (beyond the papers): Llip's text-conditioned mixture tokens give the mean,
+ProLIP's [UNC] tokens give the variance.
+
+Image tower: [UNC] then K mixture tokens (no [CLS]); text tower as ProLIP's ([UNC], [CLS] appended).
+The loss (``prob_llip``) is ProLIP's objective with PPCL's mu_v . mu_t replaced by the contextualised
+cosine ``pair_cos``; inclusion and VIB use the uncontextualised image mean (normalised mean of the
+projected mixture tokens) with the [UNC] variance. Masked copies as in ProLIP. Zero-shot: negative
+CSD with the contextualised cosine, -(2 - 2 cos_ic + tr Sigma_i + tr Sigma_c), class mean and
+variance from the prompt ensemble, the class mean being the query.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.clip import B16, TINY
+from models.distributions import sigma_sq_sum
+from models.gather import World
+from models.llip import LlipMixer
+from models.prolip import ProLIP
+from models.registry import register_model
+from models.towers import ImageTower
+
+
+class ProbLlip(ProLIP):
+    def __init__(
+        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
+        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
+        text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0, mask_fraction: float = 0.125,
+        mask_ratio: float = 0.75, mixture_tokens: int = 64, mixer_heads: int = 8, tau: float = 5.0,
+    ):
+        super().__init__(img_size=img_size, patch_size=patch_size, vision_width=vision_width,
+                         vision_depth=vision_depth, vision_heads=vision_heads, context_length=context_length,
+                         text_width=text_width, text_depth=text_depth, text_heads=text_heads, embed_dim=embed_dim,
+                         unc_bias_init=unc_bias_init, mask_fraction=mask_fraction, mask_ratio=mask_ratio)
+        if mixture_tokens < 1:
+            raise ValueError("mixture_tokens must be >= 1")
+        # [UNC] + K mixture tokens, no [CLS]
+        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
+                                 extra_tokens=1 + mixture_tokens, class_token=False)
+        self.mixer = LlipMixer(embed_dim, heads=mixer_heads, tau=tau)
+        self.mixture_tokens = mixture_tokens
+
+    def encode_image(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        x = self.visual(images, keep)  # [UNC], K mixture tokens, patches
+        mix = self.image_proj(x[:, 1 : 1 + self.mixture_tokens])
+        return {"mu": F.normalize(mix.mean(dim=1), dim=-1), "logvar": self.image_unc_proj(x[:, 0]), "mix": mix}
+
+    def extra_out(self, img: dict, txt: dict, world: World) -> dict[str, torch.Tensor]:
+        text_all = world.gather(txt["mu"])
+        return {"pair_cos": self.mixer(img["mix"], text_all, text_all)}
+
+    def class_scores(self, image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
+        cls = class_out["mu"].to(image_out["mix"].dtype)
+        cos = self.mixer(image_out["mix"], cls, cls).float()
+        # CSD (PCME++ Eq. 1) with mu_i . mu_c := Llip's contextualised cosine (beyond the papers)
+        tr_i, tr_c = sigma_sq_sum(image_out["logvar"].float()), sigma_sq_sum(class_out["logvar"].float())
+        return -(2.0 - 2.0 * cos + tr_i[:, None] + tr_c[None, :])
+
+
+@register_model("prolip_llip_tiny", default_loss="prob_llip", arch=ProbLlip)
+def prolip_llip_tiny(**overrides) -> ProbLlip:
+    return ProbLlip(**{**TINY, "mixture_tokens": 8, **overrides})
+
+
+@register_model("prolip_llip64_vit_b16", default_loss="prob_llip", arch=ProbLlip)
+def prolip_llip64_vit_b16(**overrides) -> ProbLlip:
+    return ProbLlip(**{**B16, "mixture_tokens": 64, **overrides})

@@ -1,0 +1,120 @@
+"""ProLIP (papers/000): [CLS] gives mu, [UNC] gives log sigma^2, in both towers; masked copies for inclusion.
+
+Image tower: [CLS] and [UNC] at the start of the sequence. Text tower: [UNC] and [CLS] appended at
+the end (CLIP's text encoder pools at the end, not at a leading [CLS]). Both outputs are linearly
+projected; the [UNC] projection's bias starts at -10. In training mode the forward also encodes
+masked copies of a random ``mask_fraction`` of the pairs (``mask_ratio`` of the patch tokens dropped,
+of the words replaced by [MASK]) for the inclusion loss inc(x in masked x) (ProLIP Eq. 6).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.clip import B16, TINY
+from models.distributions import csd, sigma_sq_sum
+from models.gather import World
+from models.heads import unc_projection
+from models.registry import register_model
+from models.towers import ImageTower, TextTower, random_keep, random_text_mask
+
+
+def prompt_ensemble(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """(C, T, D) per-template mu / logvar -> per class: mean of mu (renormalised), mean of sigma^2."""
+    # ProLIP Sec. 4.2: class embedding = mean of the template means and mean of the template variances
+    mu = F.normalize(template_out["mu"].float().mean(dim=1), dim=-1)
+    logvar = torch.logsumexp(template_out["logvar"].float(), dim=1) - math.log(template_out["logvar"].shape[1])
+    return {"mu": mu, "logvar": logvar}
+
+
+def negative_csd(image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, C) scores -CSD(image, class): the smallest closed-form sampled distance wins."""
+    # PCME++ Eq. 1 / ProLIP Sec. 4.2: zero-shot by the smallest CSD
+    return -csd(image_out["mu"].float(), image_out["logvar"].float(), class_out["mu"].float(),
+                class_out["logvar"].float())
+
+
+def masked_rows(batch: int, fraction: float, device=None) -> torch.Tensor:
+    """Random rows (sorted) for the masked copies: round(fraction * batch), at least 1 when fraction > 0."""
+    n = 0 if fraction <= 0 else max(1, int(round(fraction * batch)))
+    return torch.randperm(batch, device=device)[:n].sort().values
+
+
+class ProLIP(nn.Module):
+    def __init__(
+        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
+        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
+        text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0, mask_fraction: float = 0.125,
+        mask_ratio: float = 0.75,
+    ):
+        super().__init__()
+        if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0:
+            raise ValueError("mask_fraction must be in [0, 1] and mask_ratio in [0, 1)")
+        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads, extra_tokens=1)
+        self.text = TextTower(context_length, text_width, text_depth, text_heads, append_tokens=2, mask_token=True)
+        self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
+        self.image_unc_proj = unc_projection(vision_width, embed_dim, unc_bias_init)
+        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
+        self.text_unc_proj = unc_projection(text_width, embed_dim, unc_bias_init)
+        self.context_length, self.img_size = context_length, img_size
+        self.mask_fraction, self.mask_ratio = mask_fraction, mask_ratio
+
+    def encode_image(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        x = self.visual(images, keep)  # [CLS], [UNC], patches
+        return {"mu": F.normalize(self.image_proj(x[:, 0]), dim=-1), "logvar": self.image_unc_proj(x[:, 1])}
+
+    def encode_text(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        x = self.text(tokens, mask)  # ..., [UNC], [CLS]
+        length = tokens.shape[1]
+        return {"mu": F.normalize(self.text_proj(x[:, length + 1]), dim=-1), "logvar": self.text_unc_proj(x[:, length])}
+
+    def masked_inputs(self, images: torch.Tensor, tokens: torch.Tensor):
+        """Rows with masked copies, kept patch indices for them, and their text [MASK] positions."""
+        rows = masked_rows(images.shape[0], self.mask_fraction, images.device)
+        keep = random_keep(len(rows), self.visual.num_patches, self.mask_ratio, images.device)
+        return rows, keep, random_text_mask(tokens[rows], self.mask_ratio)
+
+    def extra_out(self, img: dict, txt: dict, world: World) -> dict[str, torch.Tensor]:
+        """More keys for the loss (subclasses: the probabilistic Llip's pair_cos)."""
+        return {}
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        b = tokens.shape[0]
+        if self.training and self.mask_fraction > 0:
+            rows, keep, text_mask = self.masked_inputs(images, tokens)
+            img, img_m = self.encode_image(images), self.encode_image(images[rows], keep)
+            # masked captions share the full captions' pass (same length): one batch of B + M rows
+            no_mask = torch.zeros_like(tokens, dtype=torch.bool)
+            both = self.encode_text(torch.cat([tokens, tokens[rows]]), torch.cat([no_mask, text_mask]))
+            txt = {k: v[:b] for k, v in both.items()}
+            masked = {"masked_rows": rows, "image_masked_mu": img_m["mu"], "image_masked_logvar": img_m["logvar"],
+                      "text_masked_mu": both["mu"][b:], "text_masked_logvar": both["logvar"][b:]}
+        else:
+            img, txt, masked = self.encode_image(images), self.encode_text(tokens), {}
+        return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
+                "text_logvar": txt["logvar"], **masked, **self.extra_out(img, txt, world)}
+
+    @staticmethod
+    def class_embeddings(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return prompt_ensemble(template_out)
+
+    @staticmethod
+    def class_scores(image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
+        return negative_csd(image_out, class_out)
+
+
+@register_model("prolip_tiny", default_loss="prolip", arch=ProLIP)
+def prolip_tiny(**overrides) -> ProLIP:
+    return ProLIP(**{**TINY, **overrides})
+
+
+@register_model("prolip_vit_b16", default_loss="prolip", arch=ProLIP)
+def prolip_vit_b16(**overrides) -> ProLIP:
+    return ProLIP(**{**B16, **overrides})
+
+
+__all__ = ["ProLIP", "prompt_ensemble", "negative_csd", "masked_rows", "sigma_sq_sum"]

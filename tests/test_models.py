@@ -1,0 +1,237 @@
+"""The model zoo: every registered model builds, trains one step at tiny size and builds at the papers' size."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import create_model, default_loss, list_models
+from models.heads import GPO
+from models.losses import create_loss
+from models.objective import Objective
+from models.pcmepp import mixed_sample
+from models.prolip import masked_rows
+from models.tokenizer import tokenize
+from models.towers import ImageTower, TextTower, random_keep, random_text_mask
+
+ROOT = Path(__file__).resolve().parent.parent
+PAPER = ["clip_vit_b16", "siglip_vit_b16", "pcmepp_vit_b16", "prolip_vit_b16", "llip64_vit_b16",
+         "prolip_llip64_vit_b16"]
+TINY = ["clip_tiny", "siglip_tiny", "pcmepp_tiny", "prolip_tiny", "llip_tiny", "prolip_llip_tiny"]
+PROBABILISTIC = {"pcmepp", "prolip", "prolip_llip"}
+CAPTIONS = ["the digit seven", "a handwritten digit", "a photo of the number three", "an odd digit",
+            "the number one written by hand", "a drawing of the digit 4", "a number", "the digit zero"]
+
+
+def method(name: str) -> str:
+    return name.removesuffix("_tiny").removesuffix("_vit_b16").replace("llip64", "llip")
+
+
+def batch(n: int = 8, size: int = 32, context: int = 16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, size, size, generator=g), tokenize((CAPTIONS * n)[:n], context)
+
+
+def test_registry_has_every_method_at_both_sizes():
+    assert set(PAPER + TINY) <= set(list_models())
+    assert [n for n in list_models() if n not in PAPER + TINY] == []  # every entry is swept below
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_forward_backward_and_zero_shot(name):
+    torch.manual_seed(0)
+    model = create_model(name)
+    objective = Objective(model, create_loss(default_loss(name))).train()
+    images, tokens = batch()
+    out = objective(images, tokens)
+    assert out["loss"].ndim == 0 and torch.isfinite(out["loss"])
+    out["loss"].backward()
+    params = dict(objective.named_parameters())
+    assert [n for n, p in params.items() if p.ndim == 0] == []  # DeepSpeed cannot broadcast 0-dim params
+    missing = [n for n, p in params.items() if p.requires_grad and (p.grad is None or not torch.isfinite(p.grad).all())]
+    assert missing == []
+    probabilistic = method(name) in PROBABILISTIC
+    if probabilistic:
+        assert {"image_sigma2_mean", "text_sigma2_mean"} <= set(out)
+
+    model.eval()
+    with torch.no_grad():
+        img, txt = model.encode_image(images), model.encode_text(tokens)
+        for side in (img, txt):
+            assert torch.allclose(side["mu"].norm(dim=-1), torch.ones(len(images)), atol=1e-5)
+            assert ("logvar" in side) == probabilistic
+        per_template = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in txt.items()}
+        scores = model.class_scores(img, model.class_embeddings(per_template))
+    assert scores.shape == (8, 2) and torch.isfinite(scores).all()
+    assert model.context_length == 16 and model.img_size == 32
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_size_builds_on_meta(name):
+    with torch.device("meta"):
+        model = create_model(name)
+    assert model.context_length == 64 and model.img_size == 224
+    assert [n for n, p in model.named_parameters() if p.ndim == 0] == []
+    assert model.text.width == 512 and len(model.text.blocks) == 12
+    assert model.visual.width == 768 and len(model.visual.vit.blocks) == 12
+    assert model.image_proj.out_features == 768 and model.text_proj.out_features == 768
+    if "llip" in name:
+        assert model.mixture_tokens == 64 and model.mixer.heads == 8
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 140e6 < n_params < 170e6  # ViT-B/16 (86M) + 12-layer 512-wide text transformer (~63M incl. embeddings)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*_tiny.yaml")) + sorted((ROOT / "configs").glob("*_vit_b16.yaml")),
+                         ids=lambda p: p.name)
+def test_method_configs_validate(path):
+    from pipelines.config import load_config
+
+    cfg = load_config(path)
+    assert cfg.model.name in list_models()
+
+
+def test_token_dropping_keeps_prefix_tokens():
+    tower = ImageTower(32, 8, 64, 2, 2, extra_tokens=3).eval()
+    images = torch.randn(4, 3, 32, 32)
+    keep = random_keep(4, tower.num_patches, 0.75)
+    assert keep.shape == (4, 4) and (keep.diff(dim=1) > 0).all()
+    full, dropped = tower.embed(images), tower.embed(images, keep)
+    assert dropped.shape == (4, 4 + 4, 64)
+    assert torch.equal(dropped[:, :4], full[:, :4])  # [CLS] + 3 extra tokens stay
+    assert torch.equal(dropped[:, 4:], torch.gather(full[:, 4:], 1, keep[..., None].expand(-1, -1, 64)))
+    assert tower(images, keep).shape == (4, 8, 64)
+
+
+def test_appended_text_tokens_ignore_padding():
+    torch.manual_seed(0)
+    tower = TextTower(16, 64, 2, 2, append_tokens=2, mask_token=True).eval()
+    tokens = tokenize(["the digit seven", "a number"], 16)
+    noisy = tokens.clone()
+    eot = TextTower.eot_index(tokens)
+    for i, e in enumerate(eot):
+        noisy[i, e + 1 :] = 1234  # garbage in the padding
+    with torch.no_grad():
+        a, b = tower(tokens), tower(noisy)
+    assert a.shape == (2, 18, 64)
+    assert torch.allclose(a[:, 16:], b[:, 16:], atol=1e-5)  # [UNC], [CLS] never see padding
+    for i, e in enumerate(eot):
+        assert torch.allclose(a[i, : e + 1], b[i, : e + 1], atol=1e-5)
+
+
+def test_text_masking_masks_words_only():
+    tokens = tokenize(["the number one written by hand", "a", "a handwritten digit"], 16)
+    mask = random_text_mask(tokens, 0.75)
+    eot = TextTower.eot_index(tokens)
+    for i in range(3):
+        n_words = int(eot[i]) - 1
+        assert int(mask[i].sum()) == max(1, round(0.75 * n_words))
+        assert not mask[i, 0] and not mask[i, eot[i]:].any()
+
+
+def test_prolip_masked_pass_and_unc_init():
+    torch.manual_seed(0)
+    model = create_model("prolip_tiny").train()
+    images, tokens = batch(64)
+    out = model(images, tokens)
+    assert out["masked_rows"].numel() == 8  # 12.5% of 64
+    assert out["image_masked_mu"].shape == (8, 64) and out["text_masked_logvar"].shape == (8, 64)
+    # [UNC] projection bias -10: sigma^2 starts near e^-10
+    for side in ("image", "text"):
+        assert abs(out[f"{side}_logvar"].mean().item() + 10) < 1.0
+    assert masked_rows(64, 0.125).unique().numel() == 8
+    model.eval()
+    assert "masked_rows" not in model(images, tokens)
+
+
+def test_mixed_sample_augmentation_labels():
+    images = torch.rand(16, 3, 8, 8)
+    seen = set()
+    for seed in range(12):
+        torch.manual_seed(seed)
+        mixed, lam, partner = mixed_sample(images, 0.25, 2.0)
+        touched = (lam < 1) | (partner != torch.arange(16))
+        assert int(touched.sum()) <= 4 and ((lam >= 0) & (lam <= 1)).all()
+        assert torch.equal(mixed[~touched], images[~touched])
+        for i in touched.nonzero().flatten().tolist():
+            src, dst, l = images[i], images[partner[i]], lam[i].item()
+            if torch.allclose(mixed[i], l * src + (1 - l) * dst, atol=1e-6):
+                seen.add("mixup")
+            else:
+                own = (mixed[i] == src).all(0)
+                assert ((mixed[i] == src) | (mixed[i] == dst)).all()
+                assert own.float().mean().item() == pytest.approx(l, abs=1e-6)
+                seen.add("cutmix")
+    assert seen == {"mixup", "cutmix"}
+
+
+def test_pcmepp_training_forward_has_soft_labels():
+    torch.manual_seed(0)
+    out = create_model("pcmepp_tiny").train()(*batch(16))
+    assert out["mix_lambda"].shape == (16,) and out["mix_partner"].shape == (16,)
+    assert int(((out["mix_lambda"] < 1) | (out["mix_partner"] != torch.arange(16))).sum()) <= 4
+
+
+def test_gpo_ignores_padding_and_weights_sum_to_one():
+    torch.manual_seed(0)
+    gpo = GPO()
+    feats = torch.randn(3, 10, 8)
+    lengths = torch.tensor([10, 4, 7])
+    w = gpo.weights(lengths, 10)
+    assert torch.allclose(w.sum(1), torch.ones(3)) and (w[1, 4:] == 0).all()
+    noisy = feats.clone()
+    noisy[1, 4:] = 100.0
+    assert torch.allclose(gpo(feats, lengths), gpo(noisy, lengths))
+    # one row alone gives the same pooled feature as inside the batch
+    assert torch.allclose(gpo(feats[1:2, :4], lengths[1:2]), gpo(feats, lengths)[1:2], atol=1e-6)
+
+
+def test_probabilistic_zero_shot_is_negative_csd_of_prompt_ensemble():
+    torch.manual_seed(0)
+    model = create_model("prolip_tiny").eval()
+    images, tokens = batch()
+    with torch.no_grad():
+        img, txt = model.encode_image(images), model.encode_text(tokens)
+        per = {k: v.reshape(2, 4, -1) for k, v in txt.items()}
+        cls = model.class_embeddings(per)
+        scores = model.class_scores(img, cls)
+    mu = F.normalize(per["mu"].mean(1), dim=-1)
+    var = per["logvar"].exp().mean(1)
+    assert torch.allclose(cls["mu"], mu, atol=1e-6) and torch.allclose(cls["logvar"].exp(), var, rtol=1e-5)
+    naive = torch.stack([torch.stack([
+        -((img["mu"][i] - mu[c]).pow(2).sum() + img["logvar"][i].exp().sum() + var[c].sum())
+        for c in range(2)]) for i in range(8)])
+    assert torch.allclose(scores, naive, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llip_tiny", "prolip_llip_tiny"])
+def test_llip_zero_shot_contextualises_per_class(name):
+    torch.manual_seed(0)
+    model = create_model(name).eval()
+    images, tokens = batch()
+    with torch.no_grad():
+        img, txt = model.encode_image(images), model.encode_text(tokens)
+        per = {k: v.reshape(2, 4, -1) for k, v in txt.items()}
+        cls = model.class_embeddings(per)
+        scores = model.class_scores(img, cls)
+        query = F.normalize(per["mu"].mean(1), dim=-1)  # template-averaged query
+        z = model.mixer.contextualise(img["mix"], query)  # (N, C, D)
+        cos = (z * query[None]).sum(-1)
+    if name == "llip_tiny":
+        assert torch.allclose(scores, cos, atol=1e-5)
+    else:
+        tr_i, tr_c = img["logvar"].exp().sum(-1), cls["logvar"].exp().sum(-1)
+        assert torch.allclose(scores, -(2 - 2 * cos + tr_i[:, None] + tr_c[None]), atol=1e-5)
+
+
+def test_llip_training_cosines_match_naive_mixer():
+    torch.manual_seed(0)
+    model = create_model("llip_tiny").train()
+    images, tokens = batch()
+    out = model(images, tokens)
+    img, txt = model.encode_image(images), model.encode_text(tokens)
+    naive = model.mixer.naive_pair_cos(img["mix"], txt["mu"], txt["mu"])
+    assert out["pair_cos"].shape == (8, 8) and torch.allclose(out["pair_cos"], naive, atol=1e-5)
+    assert math.isfinite(out["pair_cos"].sum().item())
