@@ -52,11 +52,11 @@ def csd_affine(
     # PCME++ Eq. 1: d(Z1, Z2) = ||mu1 - mu2||^2 + ||sigma1^2 + sigma2^2||_1, expanded into a product
     r1 = mu1.pow(2).sum(-1) + sigma_sq_sum(logvar1)
     r2 = mu2.pow(2).sum(-1) + sigma_sq_sum(logvar2)
-    ones1, ones2 = torch.ones_like(r1), torch.ones_like(r2)
-    scale = _as_tensor(scale, mu1)
-    left = torch.cat([mu1, r1[:, None], ones1[:, None]], dim=1) * scale  # (N1, D+2), cheap
-    right = torch.cat([-2.0 * mu2, ones2[:, None], r2[:, None]], dim=1)  # (N2, D+2)
-    return torch.addmm(_as_tensor(shift, mu1).reshape(1, 1), left, right.T)
+    scale, shift = _as_tensor(scale, mu1), _as_tensor(shift, mu1)
+    # [s mu1, s r1 + shift, s] . [-2 mu2, 1, r2] = s d + shift: one plain product, no bias pass
+    left = torch.cat([mu1 * scale, (scale * r1 + shift)[:, None], scale.expand(r1.shape[0], 1)], dim=1)
+    right = torch.cat([-2.0 * mu2, torch.ones_like(r2)[:, None], r2[:, None]], dim=1)
+    return left @ right.T
 
 
 def csd(mu1: torch.Tensor, logvar1: torch.Tensor, mu2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
@@ -88,10 +88,11 @@ def ppcl_logits(
     """ProLIP logits s * (mu1.mu2 - (tr Sigma1 + tr Sigma2) / 2) + b, (N1, N2), one matrix product."""
     # ProLIP Eq. 2: logit = a (mu_v^T mu_t - 1/2 tr(Sigma_v + Sigma_t)) + b
     s1, s2 = sigma_sq_sum(logvar1), sigma_sq_sum(logvar2)
-    scale = _as_tensor(scale, mu1)
-    left = torch.cat([mu1, s1[:, None], torch.ones_like(s1)[:, None]], dim=1) * scale
-    right = torch.cat([mu2, torch.full_like(s2, -0.5)[:, None], -0.5 * s2[:, None]], dim=1)
-    return torch.addmm(_as_tensor(bias, mu1).reshape(1, 1), left, right.T)
+    scale, bias = _as_tensor(scale, mu1), _as_tensor(bias, mu1)
+    # [s mu1, b - s s1 / 2, s] . [mu2, 1, -s2 / 2]: one plain product, no bias pass
+    left = torch.cat([mu1 * scale, (bias - 0.5 * scale * s1)[:, None], scale.expand(s1.shape[0], 1)], dim=1)
+    right = torch.cat([mu2, torch.ones_like(s2)[:, None], -0.5 * s2[:, None]], dim=1)
+    return left @ right.T
 
 
 def contextual_ppcl_logits(

@@ -17,6 +17,8 @@ D = 512. ``LlipMixer`` never holds more than one chunk of image rows of these:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -65,6 +67,7 @@ class _ChunkedCosine(torch.autograd.Function):
         dL/dr_j    = sum_i g_ij c_ij / n_ij
         dL/dG      = -1/2 sum_ij (g_ij cos_ij / n_ij^2) c_ij^T c_ij
     and finally G = W^T W, r = T W give dW = W (dG + dG^T) + T^T dr, dT = dr W^T.
+    The norm is clamped at 1e-12 like F.normalize; the backward formula assumes it is not hit.
     """
 
     @staticmethod
@@ -196,7 +199,13 @@ class LlipMixer(nn.Module):
         """
         q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
         rows = self.rows_per_chunk(text_hat.shape[0], k.shape[2], text_hat.element_size())
-        return _ChunkedCosine.apply(q, k, v, text_hat, self.out_weight, self.tau, rows)
+        # The custom function runs outside autocast on one common dtype (its backward is not autocast).
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in (q, k, v, text_hat, self.out_weight)])
+        cast = [t.to(dtype) for t in (q, k, v, text_hat, self.out_weight)]
+        if q.device.type in ("cpu", "cuda"):
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                return _ChunkedCosine.apply(*cast, self.tau, rows)
+        return _ChunkedCosine.apply(*cast, self.tau, rows)
 
     def naive_pair_cos(
         self, image_mix_tokens: torch.Tensor, text_query_all: torch.Tensor, text_emb_all: torch.Tensor
