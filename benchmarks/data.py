@@ -1,0 +1,226 @@
+"""Data-pipeline benchmarks, side by side in one run; writes the "data" section of docs/BENCHMARKS.md.
+
+    .venv/bin/python -m benchmarks.data              # full sizes, writes the section
+    .venv/bin/python -m benchmarks.data --quick      # small sizes, prints the table, writes nothing
+
+1. Download: images/s of `python -m jobs.download` against the plain `img2dataset` CLI, the same
+   loopback URL list (served by http.server on 127.0.0.1), the same image settings, the same
+   parallelism (2 Ray tasks vs `--processes_count 2`, 64 threads each). Both are timed end to end as
+   commands (start-up included: Ray's for ours, the spawn pool's for img2dataset), alternating
+   A/B/A/B; the best of the repeats is reported, the other numbers are printed.
+2. Reader vs training: samples/s of `pipelines.reader.read_split` (train split of the bundled
+   digits, decode + augment + tokenize, iterated as Ray Train does with `iter_torch_batches`)
+   against the samples/s the tiny model's training step consumes (clip_tiny + InfoNCE forward,
+   backward and AdamW on batches of 64, one torch thread per worker as in the demo, times the
+   demo's 2 workers).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+ENV = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "NO_ALBUMENTATIONS_UPDATE": "1"}
+
+
+def make_site(folder: Path, n: int) -> list[str]:
+    """n distinct photo-like JPEGs (320x240, smooth colours + noise) named img{i}.jpg."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:240, 0:320].astype(np.float32)
+    names = []
+    for i in range(n):
+        c = rng.random(6).astype(np.float32)
+        base = np.stack([np.sin(xx / (20 + 40 * c[0]) + c[1] * 6) * 0.5 + 0.5,
+                         np.cos(yy / (20 + 40 * c[2]) + c[3] * 6) * 0.5 + 0.5,
+                         np.sin((xx + yy) / (30 + 40 * c[4]) + c[5] * 6) * 0.5 + 0.5], -1)
+        arr = np.clip(base * 255 + rng.normal(0, 8, base.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="JPEG", quality=85)
+        (folder / f"img{i}.jpg").write_bytes(buf.getvalue())
+        names.append(f"img{i}.jpg")
+    return names
+
+
+def _written(folder: Path) -> int:
+    return sum(json.loads(p.read_text())["successes"] for p in folder.glob("*_stats.json"))
+
+
+def run_cli(table: Path, out: Path, image_size: int, threads: int, per_shard: int) -> tuple[float, int]:
+    cmd = [str(Path(PY).parent / "img2dataset"), "--url_list", str(table), "--input_format", "parquet",
+           "--url_col", "url", "--caption_col", "caption", "--output_format", "webdataset",
+           "--output_folder", str(out), "--processes_count", "2", "--thread_count", str(threads),
+           "--image_size", str(image_size), "--resize_mode", "border", "--encode_format", "jpg",
+           "--number_sample_per_shard", str(per_shard), "--enable_wandb", "False", "--extract_exif", "False",
+           "--compute_hash", "sha256", "--timeout", "10", "--retries", "0", "--disallowed_header_directives", "[]"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=1800)
+    return time.perf_counter() - t0, _written(out)
+
+
+def run_ours(table: Path, out: Path, image_size: int, threads: int, per_shard: int, tmp: Path) -> tuple[float, int, dict]:
+    import yaml
+
+    cfg = tmp / f"{out.name}.yaml"
+    cfg.write_text(yaml.safe_dump({"download": {
+        "input": str(table), "output": str(out), "image_size": image_size, "resize_mode": "border",
+        "encode_format": "jpg", "rows_per_shard": per_shard, "threads_per_task": threads, "retries": 0, "timeout": 10,
+        "disallowed_header_directives": [], "compute_hash": "sha256", "extract_exif": False,
+    }}))
+    t0 = time.perf_counter()
+    subprocess.run([PY, "-m", "jobs.download", "--config", str(cfg)], cwd=ROOT, env=ENV, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+    wall = time.perf_counter() - t0
+    return wall, _written(out), json.loads((out / "_summary.json").read_text())
+
+
+def bench_download(n: int, repeats: int, image_size: int = 128, threads: int = 64, per_shard: int = 1000) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.loopback import LoopbackServer
+
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp_name:
+        tmp = Path(tmp_name)
+        names = make_site(tmp / "site", n)
+        with LoopbackServer(tmp / "site") as server:
+            table = tmp / "urls.parquet"
+            pq.write_table(pa.Table.from_pylist([{"url": server.url(name), "caption": f"picture {i}"}
+                                                 for i, name in enumerate(names)]), table)
+            cli, ours, stage = [], [], []
+            for rep in range(repeats):
+                order = ("cli", "ours") if rep % 2 == 0 else ("ours", "cli")
+                for which in order:
+                    if which == "cli":
+                        wall, written = run_cli(table, tmp / f"cli{rep}", image_size, threads, per_shard)
+                        cli.append(written / wall)
+                        print(f"img2dataset CLI  rep {rep}: {written} images in {wall:.1f}s = {written / wall:.1f}/s")
+                    else:
+                        wall, written, summary = run_ours(table, tmp / f"ours{rep}", image_size, threads, per_shard,
+                                                          tmp)
+                        ours.append(written / wall)
+                        stage.append(summary["images_per_s"])
+                        print(f"jobs.download    rep {rep}: {written} images in {wall:.1f}s = {written / wall:.1f}/s "
+                              f"(download stage {summary['images_per_s']:.1f}/s, plan {summary['plan_seconds']:.1f}s)")
+                    assert written == n, f"{which} wrote {written} of {n}"
+            requests = sum(server.requests.values())
+    return {"n": n, "cli": cli, "ours": ours, "stage": stage, "requests": requests, "repeats": repeats,
+            "image_size": image_size, "threads": threads, "per_shard": per_shard}
+
+
+def bench_reader(epochs: int, steps: int, workers: int = 2, batch: int = 64) -> dict:
+    import ray
+    import torch
+
+    from models import create_model, default_loss
+    from models.losses import create_loss
+    from models.objective import Objective
+    from pipelines.digits import write_digit_shards
+    from pipelines.ray_env import init_ray
+    from pipelines.reader import read_split
+
+    with tempfile.TemporaryDirectory(prefix="bench-reader-") as tmp:
+        init_ray()
+        counts = write_digit_shards(tmp, image_size=32, shard_size=500)
+        model = create_model("clip_tiny")
+        ds = read_split(tmp, "train", 32, model.context_length, 0.15, 0.15)
+        for _ in ds.iter_torch_batches(batch_size=batch):  # warm-up epoch (worker start, imports)
+            pass
+        seen, t0 = 0, time.perf_counter()
+        for _ in range(epochs):
+            for b in ds.iter_torch_batches(batch_size=batch):
+                seen += b["image"].shape[0]
+        reader = seen / (time.perf_counter() - t0)
+        ray.shutdown()
+
+    torch.set_num_threads(1)  # one CPU per training worker, as in configs/demo.yaml
+    torch.manual_seed(0)
+    objective = Objective(model, create_loss(default_loss("clip_tiny")))
+    opt = torch.optim.AdamW(objective.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.2)
+    images = torch.randn(batch, 3, 32, 32)
+    tokens = torch.randint(1, 100, (batch, model.context_length))
+
+    def step():
+        out = objective(images, tokens)
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    per_worker = steps * batch / (time.perf_counter() - t0)
+    return {"reader": reader, "per_worker": per_worker, "workers": workers, "consumption": per_worker * workers,
+            "epochs": epochs, "train_samples": counts["train"], "batch": batch, "steps": steps}
+
+
+def markdown(d: dict, r: dict) -> str:
+    from benchmarks.report import machine
+
+    best_cli, best_ours = max(d["cli"]), max(d["ours"])
+    ratio = best_ours / best_cli
+    reader_ratio = r["reader"] / r["consumption"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [
+        "## Data pipeline (benchmarks/data.py)",
+        "",
+        f"Machine: {machine()}; {os.cpu_count()} cores; load average at the end {load} (other jobs share it).",
+        "",
+        "| comparison | ours | alternative | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| download, {d['n']} loopback URLs (320x240 JPEG -> {d['image_size']}px), images/s end to end "
+        f"| `jobs.download` {best_ours:.1f} | `img2dataset` CLI {best_cli:.1f} | {ratio:.2f}x | >= 0.9x |",
+        f"| reader (train digits, decode + augment + tokenize) vs tiny-model training, samples/s "
+        f"| reader {r['reader']:.0f} | clip_tiny consumes {r['consumption']:.0f} ({r['workers']} workers x "
+        f"{r['per_worker']:.0f}) | {reader_ratio:.1f}x | >= 3x |",
+        "",
+        f"- Download: both commands end to end (process start, Ray start for ours, img2dataset's spawn pool), "
+        f"2-way parallel (2 Ray tasks / `--processes_count 2`), {d['threads']} fetch threads each, "
+        f"{d['per_shard']} URLs per shard, best of {d['repeats']} alternating runs "
+        f"(all runs: ours {', '.join(f'{x:.1f}' for x in d['ours'])}; "
+        f"CLI {', '.join(f'{x:.1f}' for x in d['cli'])}). "
+        f"Our download stage alone (after planning and start-up): {max(d['stage']):.1f} images/s.",
+        f"- Reader: `read_split('train')` iterated with `iter_torch_batches(batch_size={r['batch']})` over "
+        f"{r['epochs']} epochs of {r['train_samples']} samples after a warm-up epoch, on a local Ray with all cores. "
+        f"Training: forward + backward + AdamW of clip_tiny with InfoNCE on batches of {r['batch']}, one torch "
+        f"thread (a worker's CPU in configs/demo.yaml), {r['steps']} steps, times {r['workers']} workers.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes; print, do not write the doc")
+    parser.add_argument("--images", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args(argv)
+    n = args.images or (600 if args.quick else 6000)
+    repeats = args.repeats or (1 if args.quick else 2)
+    d = bench_download(n, repeats)
+    r = bench_reader(epochs=1 if args.quick else 4, steps=10 if args.quick else 60)
+    text = markdown(d, r)
+    print(text)
+    if not args.quick:
+        from benchmarks.report import write_section
+
+        write_section("data", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
