@@ -3,6 +3,8 @@
 - Shards: ``{root}/{split}/*.tar`` (or any list of ``.tar`` paths / URIs, e.g. a ``jobs.download``
   output folder), local or on an fsspec object store. Only ``.tar`` files are given to
   ``read_webdataset``: img2dataset's ``.parquet`` / ``_stats.json`` next to them are not webdataset.
+- Cache: small shard sets (<= 512 MB by default) are read once into Ray's object store, still
+  encoded; every epoch then only decodes, augments and tokenizes.
 - Decode: a sample whose image cannot be decoded (or has no image, or unreadable json) is skipped
   and counted, never fatal. Counts live in a small named Ray actor (`ReaderStats`) keyed by
   ``stats_name`` (default: the split); read them with `reader_stats(name)`. A corrupt sample is
@@ -355,13 +357,33 @@ class Preprocess:
         }
 
 
+def _total_bytes(paths: list[str]) -> int:
+    import fsspec
+
+    total = 0
+    for path in paths:
+        fs, p = fsspec.core.url_to_fs(path)
+        total += fs.size(p) or 0
+    return total
+
+
 def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob: float = 0.0,
                 general_prob: float = 0.0, seed: int | None = None, *, augment: bool = False, shuffle: bool = False,
-                stats_name: str | None = "default", batch_size: int = 256):
-    """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring)."""
+                stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
+                cache_max_mb: float = 512.0):
+    """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
+
+    cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
+    epochs only decode and augment; None: when the shards total at most cache_max_mb (re-reading a
+    handful of small tar files each epoch costs more than preprocessing them).
+    """
     import ray.data
 
     ds = ray.data.read_webdataset(paths, decoder=None)
+    if cache is None:
+        cache = _total_bytes(paths) <= cache_max_mb * 2**20
+    if cache:
+        ds = ds.materialize()
     if shuffle:
         ds = ds.randomize_block_order(seed=seed)
     stats = stats_actor() if stats_name else None
@@ -376,12 +398,12 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
 
 def read_split(root: str, split: str, image_size: int, context_length: int, mid_prob: float = 0.0,
                general_prob: float = 0.0, seed: int | None = None, *, augment: bool | None = None,
-               shuffle: bool | None = None, stats_name: str | None = None):
+               shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None):
     """{root}/{split}/*.tar; augmentation and block shuffling default to on for "train" only."""
     train = split == "train"
     return read_shards(shard_paths(root, split), image_size, context_length, mid_prob, general_prob, seed,
                        augment=train if augment is None else augment, shuffle=train if shuffle is None else shuffle,
-                       stats_name=stats_name or split)
+                       stats_name=stats_name or split, cache=cache)
 
 
 def _preprocess(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:
