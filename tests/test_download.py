@@ -262,3 +262,45 @@ def test_kill_and_resume(ray_local, tmp_path):
     got = {k: (s["url"], s["txt"], s["sha"]) for k, s in read_samples(out).items()}
     want = {k: (s["url"], s["txt"], s["sha"]) for k, s in read_samples(tmp_path / "reference").items()}
     assert got == want and len(got) == n
+
+
+def test_job_cli_prints_and_logs_the_summary_to_mlflow(downloaded, mlflow_uri, tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from jobs.download import main
+
+    cfg, table, summary, _ = downloaded
+    cfg_file = tmp_path / "download.yaml"
+    cfg_file.write_text(yaml.safe_dump({"run": {"name": "dl", "experiment": "downloads"},
+                                        "download": cfg.model_dump(mode="json"), "tracking": {"uri": mlflow_uri}}))
+    assert main(["--config", str(cfg_file)]) == 0  # a re-run: every shard already finished
+    out = capsys.readouterr().out
+    assert f"written {summary['written']}, failed {summary['failed']}" in out and REASON_404 in out
+    client = MlflowClient(mlflow_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("downloads").experiment_id])
+    assert run.data.metrics["written"] == summary["written"]
+    assert run.data.metrics["duplicates_removed"] == table["duplicates"]
+    assert run.data.metrics["failed.HTTP_Error_404_File_not_found"] == 3
+    assert run.data.params["download.image_size"] == str(IMAGE_SIZE)
+    assert main(["--config", str(cfg_file), "--set", "download.nope=1"]) == 2
+
+
+def test_hung_part_is_cancelled_counted_and_retried(ray_local, tmp_path):
+    """A part that outlives part_timeout_s is killed and counted; the run goes on; a re-run completes it."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"slow{i}.jpg").write_bytes(jpeg(2000 + i))
+    with LoopbackServer(folder, delay_s=4.0) as server:
+        table = tmp_path / "urls.jsonl"
+        table.write_text("".join(json.dumps({"url": server.url(f"slow{i}.jpg"), "caption": f"slow {i}"}) + "\n"
+                                 for i in range(4)))
+        cfg = DownloadConfig(input=str(table), output=str(tmp_path / "out"), image_size=IMAGE_SIZE, rows_per_shard=2,
+                             threads_per_task=1, disallowed_header_directives=[], part_timeout_s=2.5)
+        first = run_download(cfg, local_only=True)
+        assert first["shards_failed"] == first["shards"] and first["written"] == 0 and first["failed"] == 4
+        [(reason, n)] = first["failed_by_reason"].items()
+        assert reason == "part failed: timed out after 2.5s" and n == 4
+        assert not list((tmp_path / "out").glob("*.tar"))  # nothing half-written is visible
+        second = run_download(cfg.model_copy(update={"part_timeout_s": 120}), local_only=True)
+    assert second["written"] == 4 and second["shards_complete"] == second["shards"]
