@@ -43,6 +43,8 @@ class DataConfig(Section):
     # Folder (or fsspec URI) holding {train,val,test}/*.tar webdataset shards.
     root: str = ".probvlp/data/digits"
     image_size: int = Field(32, ge=8, le=1024)
+    # Train-split augmentation (RandomResizedCrop 0.8-1.0, colour jitter, grayscale); never on evaluation.
+    augment: bool = True
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
     deterministic: bool = False
     shard_size: int = Field(500, ge=1)

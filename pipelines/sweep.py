@@ -136,9 +136,10 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         if unknown:
             raise ConfigError(f"tune.points_to_evaluate[{i}]: keys not in space: {', '.join(sorted(unknown))}")
         trial_config(base_dict, point)
-    if sweep.tune.metric.startswith("zero_shot_top1_") and sweep.tune.metric != f"zero_shot_top1_{base.eval.split}":
-        raise ConfigError(f"tune.metric: {sweep.tune.metric} is not reported; the base evaluates "
-                          f"eval.split={base.eval.split} (zero_shot_top1_{base.eval.split})")
+    reported = {f"zero_shot_top1_{base.eval.split}", f"loss_{base.eval.split}"}
+    if sweep.tune.metric not in reported:
+        raise ConfigError(f"tune.metric: {sweep.tune.metric!r} is not reported; with eval.split={base.eval.split} "
+                          f"trials report {' and '.join(sorted(reported))}")
     t = base.train
     if not t.eval_every:
         raise ConfigError("train.eval_every: must be > 0 in the base config so schedulers see intermediate results")

@@ -61,6 +61,17 @@ def evaluate_zero_shot(model: torch.nn.Module, ds, batch_size: int) -> float:
 
 
 @torch.no_grad()
+def held_out_loss(objective: torch.nn.Module, ds, batch_size: int) -> float:
+    """Mean training loss over eval-split batches (single process: the batch is its own negatives)."""
+    total, count = 0.0, 0
+    for batch in ds.iter_torch_batches(batch_size=batch_size, drop_last=False):
+        n = batch["image"].shape[0]
+        total += objective(batch["image"], batch["text"], World())["loss"].item() * n
+        count += n
+    return total / max(count, 1)
+
+
+@torch.no_grad()
 def embedding_probe(model: torch.nn.Module, ds, n: int = 8) -> dict[str, torch.Tensor]:
     """A few inputs and the embeddings the trained model gives them, to check that saved models reload exactly."""
     batch = next(iter(ds.iter_torch_batches(batch_size=n)))
@@ -179,17 +190,27 @@ class Trainer:
             self.logger.flush()
 
     def validate(self) -> dict[str, float]:
-        """Zero-shot top-1 on the eval split (collective: rank 0 evaluates gathered weights, all ranks get it)."""
+        """Held-out zero-shot top-1 and loss (collective: rank 0 evaluates gathered weights, all ranks get it)."""
         weights = full_state_dict(self.engine, self.engine.module.model)
-        result = [None]
-        if self.rank == 0:
-            model = create_model(self.cfg.model.name, **self.cfg.model.overrides)
-            model.load_state_dict(weights)
-            key = f"zero_shot_top1_{self.cfg.eval.split}"
-            result = [{key: evaluate_zero_shot(model, ray.train.get_dataset_shard("eval"), self.cfg.eval.batch_size)}]
-            self.logger.log(result[0], self.progress.step)
+        loss_weights = full_state_dict(self.engine, self.engine.module.loss)
+        result = [self.evaluate(weights, loss_weights)[1] if self.rank == 0 else None]
         torch.distributed.broadcast_object_list(result, src=0)
         return result[0]
+
+    def evaluate(self, weights, loss_weights) -> tuple[torch.nn.Module, dict[str, float]]:
+        """Rank 0: a fresh model with these weights, its eval-split metrics (logged), and the model."""
+        cfg = self.cfg
+        model = create_model(cfg.model.name, **cfg.model.overrides)
+        model.load_state_dict(weights)
+        loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
+        loss.load_state_dict(loss_weights)
+        objective = Objective(model, loss).eval()
+        ds = ray.train.get_dataset_shard("eval")
+        split = cfg.eval.split
+        metrics = {f"zero_shot_top1_{split}": evaluate_zero_shot(model, ds, cfg.eval.batch_size),
+                   f"loss_{split}": held_out_loss(objective, ds, cfg.eval.batch_size)}
+        self.logger.log(metrics, self.progress.step)
+        return model, metrics
 
     def finish(self) -> None:
         """Final weights, evaluation and artifacts (rank 0), final checkpoint and report (all ranks)."""
@@ -210,13 +231,8 @@ class Trainer:
         from pipelines.plots import sigma2_histograms
 
         cfg = self.cfg
-        model = create_model(cfg.model.name, **cfg.model.overrides)
-        model.load_state_dict(weights)
-        model.eval()
+        model, metrics = self.evaluate(weights, loss_weights)
         eval_ds = ray.train.get_dataset_shard("eval")
-        key = f"zero_shot_top1_{cfg.eval.split}"
-        metrics = {key: evaluate_zero_shot(model, eval_ds, cfg.eval.batch_size)}
-        self.logger.log(metrics, self.progress.step)
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             save_model(weights, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)

@@ -42,7 +42,8 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
 @pytest.fixture
 def ray_head(tmp_path):
     """A Ray head (GCS, dashboard, jobs API) on loopback with token auth; torn down after the test."""
-    gcs, dash = free_port(), free_port()
+    # Every port explicit: other Ray instances on this machine hold the fixed defaults (e.g. the agent's 52365).
+    gcs, dash, agent = free_port(), free_port(), free_port()
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     env.pop("RAY_ADDRESS", None)
@@ -51,7 +52,8 @@ def ray_head(tmp_path):
     # --block ties the cluster's life to this process, so stopping it cannot touch other Ray instances.
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=4", f"--temp-dir={temp}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+         "--num-cpus=4", f"--temp-dir={temp}",
          "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
     )
@@ -75,7 +77,12 @@ def test_job_submit_runs_pretrain_and_logs_to_mlflow(ray_head, tmp_path):
             "--set", "train.steps=20", "--set", "run.name=submitted", "--set", "run.experiment=jobs",
             "--set", f"tracking.uri={uri}", "--set", f"run.storage_path={tmp_path / 'ray'}",
             "--set", f"data.root={tmp_path / 'digits'}", "--set", "model.overrides.vision_depth=1"]
-    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    deadline = time.monotonic() + 120
+    while True:  # the head's job agent comes up a little after the dashboard answers
+        out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        if out.returncode == 0 or "No available agent" not in out.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
     assert out.returncode == 0, out.stderr[-2000:]
     job_id = next(line.split("'")[1] for line in out.stdout.splitlines() if "submitted successfully" in line)
 

@@ -14,7 +14,7 @@ from pipelines.trainer import fit
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",
-         "train.warmup_steps=2", "eval.batch_size=512", "data.mid_caption_prob=0", "data.general_caption_prob=0"]
+         "train.warmup_steps=2", "eval.batch_size=512", "data.mid_caption_prob=0", "data.general_caption_prob=0", "data.augment=false"]
 
 
 def config(tmp, digits_root, name, *extra):
@@ -82,11 +82,13 @@ def test_failure_without_retries_fails_the_run(ray_local, digits_root, tmp_path)
         fit(cfg)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])  # stage 2: tests/test_pretrain.py
 def test_zero_stage_trains(ray_local, digits_root, tmp_path, stage):
-    cfg = config(tmp_path, digits_root, f"zero{stage}", f"train.zero_stage={stage}", "train.steps=60",
-                 "train.log_every=5", "train.lr=1e-3", "train.warmup_steps=10")
+    # Full tiny model and the demo's optimiser settings: the tiny CLIP first sits at loss = log(batch).
+    cfg = config(tmp_path, digits_root, f"zero{stage}", f"train.zero_stage={stage}", "train.steps=150",
+                 "train.log_every=10", "train.lr=2e-3", "train.warmup_steps=50", "train.batch_size=64",
+                 "model.overrides.vision_depth=2", "model.overrides.text_depth=2")
     result = fit(cfg)
     losses = [m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")]
-    assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:2]) / 2
+    assert len(losses) == 15 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3
     assert result.metrics["zero_shot_top1_test"] > 0.2  # chance is 0.1
