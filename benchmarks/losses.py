@@ -358,10 +358,10 @@ B = {sizes['pair_small']} and extrapolated by (B / {sizes['pair_small']})^2 (it 
 
 ### Llip contextualised cosines (`models.llip.LlipMixer`), K = 64 mixture tokens, 8 heads, D = {sizes['llip_d']}
 
-Chunked (ours): image rows in chunks (~32 MiB per intermediate) inside a custom autograd
-function. The cosine uses z.t = c.(T W_o) and ||z||^2 = c (W_o^T W_o) c^T, so z itself is never
-formed; only the (B, N) cosines and norms are kept for backward, which recomputes each chunk's
-attention and mixture. Naive: `LlipMixer.naive_pair_cos`, the same formulas with the (B, N, D)
+Chunked (ours): image rows in chunks (~64 MiB per intermediate) inside a custom autograd
+function; the forward forms z one chunk at a time and keeps only the (B, N) cosines and norms;
+the backward recomputes each chunk's attention and mixture c and uses z.t = c.(T W_o) and
+||z||^2 = c (W_o^T W_o) c^T, so it needs no z either. Naive: `LlipMixer.naive_pair_cos`, the same formulas with the (B, N, D)
 features and (heads, B, N, K) attention weights materialised (what autograd would store).
 Forward+backward of the naive form at B = N = {sizes['llip_b']} would need about 16 GB, so it is measured
 at B = N = {sizes['llip_b_small']} and extrapolated by (B / {sizes['llip_b_small']})^2.

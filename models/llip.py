@@ -6,12 +6,12 @@ and the loss needs cos(z_ij, z'_j) for all B_local x N_global pairs. Materialisi
 is a (B, N, D) tensor (plus (heads, B, N, K) attention weights): 2 GB each at B = N = 1024,
 D = 512. ``LlipMixer`` never holds more than one chunk of image rows of these:
 
-- algebra: z_ij . t_j = c_ij . r_j with r = T W_o (N x D, once), and ||z_ij||^2 = c_ij G c_ij^T with
-  G = W_o^T W_o (D x D, once), so the cosine needs c_ij G, never z_ij itself;
-- chunks with recomputation: a custom autograd function keeps only the (B, N) cosines and norms;
-  its backward recomputes each chunk's c (the cheap attention part) and needs two (rows N, D) x
-  (D, D) products per chunk, so forward + backward cost the same three such products as the naive
-  form (plain checkpointing would cost four: it repeats the whole forward).
+- forward: z and the cosines are computed one chunk of image rows at a time (the naive formulas);
+  only the (B, N) cosines and norms are kept;
+- backward (custom autograd function): recomputes each chunk's c (the cheap attention part) and
+  uses z . t_j = c . r_j with r = T W_o and ||z||^2 = c G c^T with G = W_o^T W_o, so it needs two
+  (rows N, D) x (D, D) products per chunk and never z: forward + backward cost the same three such
+  products as the naive form (plain checkpointing would cost four: it repeats the whole forward).
 
 ``LlipMixer.naive_pair_cos`` materialises z (reference for tests and benchmarks).
 """
@@ -61,8 +61,10 @@ _NORM_EPS = 1e-12
 class _ChunkedCosine(torch.autograd.Function):
     """cos(c_ij W_o^T, t_j) for all pairs, in chunks of image rows, without storing (B, N, D) tensors.
 
-    forward: per chunk c (rows, N, D) -> y = c G, norm = sqrt(c . y), cos = (c . r) / norm.
-    backward, per chunk (c recomputed with autograd for the attention part):
+    forward: per chunk, z = c W_o^T and cos = z . t / ||z|| (exactly the naive formulas, one chunk
+    at a time); the (B, N) cosines and norms are kept.
+    backward, per chunk (c recomputed with autograd for the attention part), with G = W_o^T W_o,
+    r = T W_o, y = c G (so that ||z||^2 = c . y and z . t = c . r):
         dcos/dc_ij = r_j / n_ij - cos_ij / n_ij^2 * y_ij
         dL/dr_j    = sum_i g_ij c_ij / n_ij
         dL/dG      = -1/2 sum_ij (g_ij cos_ij / n_ij^2) c_ij^T c_ij
@@ -72,23 +74,21 @@ class _ChunkedCosine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, text_hat, w_o, tau: float, rows: int):
-        gram, r = w_o.T @ w_o, text_hat @ w_o
         b, n = k.shape[1], text_hat.shape[0]
         cos, norm = text_hat.new_empty(b, n), text_hat.new_empty(b, n)
         for start in range(0, b, rows):
             sl = slice(start, start + rows)
-            c = llip_heads(llip_attention(q, k[:, sl], tau), v[:, sl])
-            y = torch.matmul(c, gram)
-            nrm = (c * y).sum(-1).clamp_min(_NORM_EPS**2).sqrt()
-            norm[sl] = nrm
-            cos[sl] = (c * r.unsqueeze(0)).sum(-1) / nrm
-        ctx.save_for_backward(q, k, v, text_hat, w_o, gram, r, cos, norm)
+            z = llip_mix(llip_attention(q, k[:, sl], tau), v[:, sl], w_o)  # one chunk of z only
+            cos[sl] = llip_cosine(z, text_hat)
+            norm[sl] = torch.linalg.vector_norm(z, dim=-1).clamp_min(_NORM_EPS)
+        ctx.save_for_backward(q, k, v, text_hat, w_o, cos, norm)
         ctx.tau, ctx.rows = tau, rows
         return cos
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, text_hat, w_o, gram, r, cos, norm = ctx.saved_tensors
+        q, k, v, text_hat, w_o, cos, norm = ctx.saved_tensors
+        gram, r = w_o.T @ w_o, text_hat @ w_o
         need_q, need_k, need_v, need_t, need_w = ctx.needs_input_grad[:5]
         d_r, d_gram = torch.zeros_like(r), torch.zeros_like(gram)
         d_q = torch.zeros_like(q) if need_q else None
@@ -145,7 +145,7 @@ class LlipMixer(nn.Module):
         heads: int = 8,
         tau: float = 5.0,
         chunk_size: int = 0,
-        chunk_mib: float = 32.0,
+        chunk_mib: float = 64.0,
         query_proj: bool = True,
     ):
         super().__init__()

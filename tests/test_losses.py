@@ -269,7 +269,7 @@ def test_pml_labels_with_msda():
 def naive_llip_cos(mixer: LlipMixer, tokens, query, text):
     """Loops over every (image, caption, head): Llip Eq. 1-2, then the cosine."""
     h, dh = mixer.heads, mixer.dim // mixer.heads
-    wq = mixer.q_proj.weight
+    wq = mixer.q_proj.weight if isinstance(mixer.q_proj, torch.nn.Linear) else torch.eye(mixer.dim, dtype=query.dtype)
     wk, wv, wo = mixer.k_proj.weight, mixer.v_proj.weight, mixer.out_weight
     rows = []
     for i in range(tokens.shape[0]):
@@ -485,3 +485,22 @@ def test_bfloat16_inputs_are_computed_in_float32():
     for name in ("ppcl", "prolip", "siglip", "pml"):
         got = create_loss(name)(out, ONE)
         assert got["loss"].dtype == torch.float32 and torch.isfinite(got["loss"])
+
+
+def test_llip_mixer_partial_gradients_and_bfloat16_autocast():
+    torch.manual_seed(2)
+    mixer = LlipMixer(8, heads=2, tau=2.0, chunk_size=2, query_proj=False).double()
+    mixer.out_weight.requires_grad_(False)
+    tokens, query, text = _llip_inputs(12)
+    text = text.detach()
+    w = torch.randn(5, 5, dtype=f64)
+    got = torch.autograd.grad((mixer(tokens, query, text) * w).sum(), [tokens, query, mixer.k_proj.weight])
+    ref = torch.autograd.grad((naive_llip_cos(mixer, tokens, query, text) * w).sum(), [tokens, query, mixer.k_proj.weight])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    mixer32 = LlipMixer(8, heads=2, chunk_size=2)
+    t32 = [x.detach().float().requires_grad_() for x in _llip_inputs(13)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cos = mixer32(*t32)
+    cos.float().sum().backward()
+    assert torch.isfinite(cos.float()).all() and all(torch.isfinite(x.grad).all() for x in t32)
