@@ -174,13 +174,10 @@ def finite(value: Any) -> bool:
 
 def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict)."""
-    import ray
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.trainer import prepare_data, storage_path
+    from pipelines.trainer import prepare_data, resolve_storage
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
@@ -188,8 +185,8 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     t = base.train
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.num_workers * s.max_concurrent, t.cpus_per_worker))
     uri = tracking_uri(base.tracking.uri)
-    root = storage_path(Config.from_dict({**base.to_dict(), "run": {**base.to_dict()["run"], "storage_path": s.storage_path}}))
-    exp_path = f"{root.rstrip('/')}/{s.name}"
+    root = resolve_storage(s.storage_path).rstrip("/")
+    exp_path = f"{root}/{s.name}"
 
     parent = find_run(uri, s.experiment, f"sweep:{s.name}")
     if parent is None:
@@ -199,7 +196,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
                            {"probvlp.run_name": f"sweep:{s.name}", "probvlp.sweep": s.name})
 
     trainable = tune.with_parameters(run_trial, base=base.to_dict(), sweep_name=s.name,
-                                     storage_path=f"{root.rstrip('/')}/{s.name}_train", parent_run_id=parent)
+                                     storage_path=f"{root}/{s.name}_train", parent_run_id=parent)
     # The trial function only drives its TorchTrainer; the workers request their own CPUs.
     trainable = tune.with_resources(trainable, {"CPU": 0})
     if tune.Tuner.can_restore(exp_path):

@@ -41,9 +41,13 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
     }
 
 
-def storage_path(cfg: Config) -> str:
-    path = cfg.run.storage_path
+def resolve_storage(path: str) -> str:
+    """URIs as they are; local paths absolute (Ray workers run in other directories)."""
     return path if "://" in path else str(Path(path).expanduser().resolve())
+
+
+def storage_path(cfg: Config) -> str:
+    return resolve_storage(cfg.run.storage_path)
 
 
 def run_exists(cfg: Config) -> bool:

@@ -74,7 +74,7 @@ def test_job_submit_runs_pretrain_and_logs_to_mlflow(ray_head, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = [str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".", "--no-wait", "--",
             "python", "-m", "jobs.pretrain", "--config", "configs/demo.yaml",
-            "--set", "train.steps=20", "--set", "run.name=submitted", "--set", "run.experiment=jobs",
+            "--set", "train.steps=10", "--set", "run.name=submitted", "--set", "run.experiment=jobs",
             "--set", f"tracking.uri={uri}", "--set", f"run.storage_path={tmp_path / 'ray'}",
             "--set", f"data.root={tmp_path / 'digits'}", "--set", "model.overrides.vision_depth=1"]
     deadline = time.monotonic() + 120
@@ -87,7 +87,7 @@ def test_job_submit_runs_pretrain_and_logs_to_mlflow(ray_head, tmp_path):
     job_id = next(line.split("'")[1] for line in out.stdout.splitlines() if "submitted successfully" in line)
 
     status = "PENDING"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 900
     while status not in ("SUCCEEDED", "FAILED", "STOPPED") and time.monotonic() < deadline:
         time.sleep(3)
         status = subprocess.run([str(BIN / "ray"), "job", "status", f"--address={address}", job_id], env=env,
