@@ -43,6 +43,7 @@ class Progress:
     epoch: int = 0
     batch_in_epoch: int = 0
     samples: int = 0
+    skipped_batches: int = 0
 
 
 def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:

@@ -87,6 +87,8 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     grad_clip: float = Field(1.0, ge=0)
     grad_accum: int = Field(1, ge=1)
+    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the run.
+    max_bad_batches: int = Field(20, ge=1)
     log_every: int = Field(10, ge=1)
     # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
     # so a restart never logs a step twice.

@@ -146,9 +146,20 @@ class Trainer:
         t0, samples0 = time.perf_counter(), p.samples
         if p.step >= self.last_step:
             return
+        bad_in_a_row = 0
         for batch in self.batches():
             images = batch["image"].to(self.dtype)
             out = engine(images, batch["text"], self.world)
+            if not self._finite_on_all_ranks(out["loss"]):
+                # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.
+                bad_in_a_row += 1
+                p.skipped_batches += 1
+                if bad_in_a_row >= t.max_bad_batches:
+                    raise FloatingPointError(
+                        f"loss was not finite for {bad_in_a_row} batches in a row at step {p.step} "
+                        f"(train.max_bad_batches); lower train.lr or check the data")
+                continue
+            bad_in_a_row = 0
             engine.backward(out["loss"])
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
@@ -159,7 +170,8 @@ class Trainer:
             if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
                 metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
                 rate = (p.samples - samples0) / (time.perf_counter() - t0)
-                metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch)
+                metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
+                               skipped_batches=p.skipped_batches)
                 self.logger.log(metrics, p.step)
             self._maybe_fail(p.step)
             if p.step >= self.last_step:
@@ -171,6 +183,12 @@ class Trainer:
                 self.checkpoint(metrics)
             elif due_eval:
                 ray.train.report(metrics)
+
+    def _finite_on_all_ranks(self, loss: torch.Tensor) -> bool:
+        bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=loss.device)
+        if self.world.size > 1:
+            torch.distributed.all_reduce(bad)
+        return bad.item() == 0
 
     def _maybe_fail(self, step: int) -> None:
         if self.t.fail_once_at_step != step or self.rank != self.world.size - 1 or not self.failure_marker:

@@ -92,3 +92,11 @@ def test_zero_stage_trains(ray_local, digits_root, tmp_path, stage):
     losses = [m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")]
     assert len(losses) == 15 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3
     assert result.metrics["zero_shot_top1_test"] > 0.2  # chance is 0.1
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run_clearly(ray_local, digits_root, tmp_path):
+    # An absurd learning rate overflows the weights within a few steps; every later loss is NaN.
+    cfg = config(tmp_path, digits_root, "diverging", "train.steps=40", "train.lr=1e12", "train.warmup_steps=0",
+                 "train.max_bad_batches=3", "train.log_every=1")
+    with pytest.raises(Exception, match=r"loss was not finite for 3 batches in a row"):
+        fit(cfg)
