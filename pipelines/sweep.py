@@ -197,8 +197,9 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
 
     trainable = tune.with_parameters(run_trial, base=base.to_dict(), sweep_name=s.name,
                                      storage_path=f"{root}/{s.name}_train", parent_run_id=parent)
-    # The trial function only drives its TorchTrainer; the workers request their own CPUs.
-    trainable = tune.with_resources(trainable, {"CPU": 0})
+    # The trial function only drives its TorchTrainer (the workers request their own CPUs); Tune
+    # needs a non-empty bundle for it, so a sliver of a CPU.
+    trainable = tune.with_resources(trainable, {"CPU": 0.1})
     if tune.Tuner.can_restore(exp_path):
         tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
@@ -258,8 +259,9 @@ def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> 
         for child in client.search_runs([client.get_experiment_by_name(base.run.experiment).experiment_id],
                                         filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
             client.set_tag(child.info.run_id, "probvlp.trial_status", status)
-            if child.info.status == "RUNNING":
-                client.set_terminated(child.info.run_id, "KILLED" if status != "error" else "FAILED")
+            if child.info.status == "RUNNING":  # Tune stopped the trial before its fit() returned
+                final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(status, "FAILED")
+                client.set_terminated(child.info.run_id, final)
     table = pd.DataFrame(rows)
     scored = table[table[s.metric].map(finite)]
     if scored.empty:

@@ -183,6 +183,10 @@ class Trainer:
                 self.checkpoint(metrics)
             elif due_eval:
                 ray.train.report(metrics)
+                if self.logger and not t.checkpoint_every:
+                    # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
+                    # this run right after the report: write what we have now.
+                    self.logger.flush()
 
     def _finite_on_all_ranks(self, loss: torch.Tensor) -> bool:
         bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=loss.device)
