@@ -16,9 +16,10 @@
   generator draws every parameter, so a seed makes them reproducible.
 - Randomness: with ``seed`` set, each batch's generator is seeded from (seed, the batch's first
   key), so captions and augmentations do not depend on task scheduling; with ``seed=None`` they
-  are fresh every run. Shuffling (train by default) randomizes the block order with the seed; Ray
-  Train's ``iter_torch_batches(local_shuffle_buffer_size=..., local_shuffle_seed=...)`` shuffles
-  within each worker's stream.
+  are fresh every run. Shuffling (train by default) shuffles the order of the shard files as they
+  are read (seeded, reseeded each epoch; a cached set keeps the order of its one read); Ray Train's
+  ``iter_torch_batches(local_shuffle_buffer_size=..., local_shuffle_seed=...)`` shuffles within
+  each worker's stream.
 - Per-worker shards: pass the dataset to ``TorchTrainer(datasets=...)`` with
   ``DataConfig(datasets_to_split=["train"])``; each worker reads ``get_dataset_shard("train")``.
   Every sample reaches exactly one worker per epoch (tests/test_reader.py).
@@ -379,13 +380,14 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
     """
     import ray.data
 
-    ds = ray.data.read_webdataset(paths, decoder=None)
+    # File-order shuffling at read time (reseeded every epoch) streams; randomize_block_order would be a
+    # barrier that reads the whole dataset before the first batch.
+    file_shuffle = ray.data.FileShuffleConfig(seed=seed) if shuffle else None
+    ds = ray.data.read_webdataset(paths, decoder=None, shuffle=file_shuffle)
     if cache is None:
         cache = _total_bytes(paths) <= cache_max_mb * 2**20
     if cache:
         ds = ds.materialize()
-    if shuffle:
-        ds = ds.randomize_block_order(seed=seed)
     stats = stats_actor() if stats_name else None
     # Tasks rather than an actor pool: each epoch re-executes the pipeline, and tasks start cheaply.
     return ds.map_batches(
@@ -399,7 +401,7 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
 def read_split(root: str, split: str, image_size: int, context_length: int, mid_prob: float = 0.0,
                general_prob: float = 0.0, seed: int | None = None, *, augment: bool | None = None,
                shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None):
-    """{root}/{split}/*.tar; augmentation and block shuffling default to on for "train" only."""
+    """{root}/{split}/*.tar; augmentation and file shuffling default to on for "train" only."""
     train = split == "train"
     return read_shards(shard_paths(root, split), image_size, context_length, mid_prob, general_prob, seed,
                        augment=train if augment is None else augment, shuffle=train if shuffle is None else shuffle,
