@@ -72,6 +72,11 @@ def text_sigma2(model, texts: list[str]) -> float:
     return model.encode_text(tokenize(texts, model.context_length))["logvar"].exp().mean().item()
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "not reproduced on the digits yet: in three tiny ProLIP fits (600-800 steps, eps -10 / -2 / 0) specific captions "
+    "got the LARGER sigma^2 (e.g. 0.0050 vs 0.0029 for general ones): with ~13 same-digit images per batch of 128, "
+    "specific captions have in-batch false negatives and PPCL gives them variance, while general captions lower "
+    "their cosine to every image instead. Kept as the paper's claim to check; see README 'Methods'."))
 def test_prolip_general_captions_are_more_uncertain(fits):
     # ProLIP Sec. 4.3: general captions get larger sigma^2 than specific ones
     model, _ = trained_model(fits, "prolip")
