@@ -10,6 +10,8 @@ import ray
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Per-operator progress bars flood job logs; Ray Train and our own metrics report progress.
 _QUIET_ENV = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+# A busy laptop or CI box can take over a minute to start the worker actors (Ray's default is 60 s).
+_LOCAL_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -26,6 +28,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    for key, value in _LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
     os.environ.update(_LOOPBACK_ENV)  # for the processes Ray starts (they import ray afresh)
     # This process imported ray before the variable was set; its constant is read at import time.
     from ray._private import ray_constants
@@ -33,7 +37,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
         address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {**_LOOPBACK_ENV, **_QUIET_ENV}},
+        runtime_env={"env_vars": {**_LOCAL_ENV, **_LOOPBACK_ENV, **_QUIET_ENV}},
     )
 
 

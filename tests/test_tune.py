@@ -62,6 +62,7 @@ def children(uri: str, sweep: str) -> list:
     return client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.sweep` = '{sweep}'")
 
 
+@pytest.mark.timeout(2400)
 def test_sweep_logs_trials_and_stops_bad_ones_early(ray_local, digits_root, tmp_path):
     path = sweep_file(tmp_path, digits_root, "four", num_samples=4)
     best_out = tmp_path / "best.yaml"
@@ -92,6 +93,7 @@ def test_sweep_logs_trials_and_stops_bad_ones_early(ray_local, digits_root, tmp_
                                "--set", f"run.storage_path={tmp_path / 'best_run'}"]) == 0
 
 
+@pytest.mark.timeout(2400)
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(digits_root, tmp_path):
     path = sweep_file(tmp_path, digits_root, "resumable", num_samples=3, scheduler="fifo")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
