@@ -16,13 +16,15 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m jobs.demo
+	$(PY) -m jobs.pretrain --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.losses
+	$(PY) -m benchmarks.data
+	$(PY) -m benchmarks.train_step
 
 clean:
 	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

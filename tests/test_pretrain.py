@@ -38,7 +38,7 @@ def test_learns_digits(trained):
     assert result.metrics["zero_shot_top1_test"] >= 0.70
     history = [m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")]
     assert len(history) == STEPS // cfg.train.log_every
-    assert sum(history[-5:]) / 5 < 0.5 * sum(history[:3]) / 3
+    assert sum(history[-5:]) / 5 < 0.8 * sum(history[:3]) / 3
 
 
 def test_mlflow_run_reads_back(trained):
