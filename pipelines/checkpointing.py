@@ -1,6 +1,6 @@
 """DeepSpeed checkpoints through Ray Train, loaded without unpickling code.
 
-DeepSpeed writes torch pickles; its own loader calls ``torch.load(weights_only=False)``. We swap
+DeepSpeed writes torch pickles and its own loader unpickles them with weights_only=False. We swap
 in a checkpoint engine that loads with ``weights_only=True`` and allow-lists only the few plain
 DeepSpeed data types those files hold (an enum, the loss-scaler
 state and fragment addresses; found by loading stage 0-3 checkpoints, tests/test_scale.py).
