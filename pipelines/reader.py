@@ -97,9 +97,13 @@ def _stats_actor_class():
 
 
 def stats_actor():
-    """The job's `ReaderStats` actor (created on first use; lives as long as the driver)."""
+    """The cluster's `ReaderStats` actor (created on first use).
+
+    Detached: a non-detached actor dies once the last handle to it is dropped (when a dataset is
+    freed), and a later run in the same driver would get the dying actor by name.
+    """
     return _stats_actor_class().options(name=STATS_ACTOR, namespace=STATS_NAMESPACE, get_if_exists=True,
-                                        lifetime=None).remote()
+                                        lifetime="detached").remote()
 
 
 def reader_stats(name: str) -> dict:
