@@ -15,11 +15,12 @@ class CLIP(nn.Module):
 
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
-        text_heads: int = 8, embed_dim: int = 768,
+        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768,
     ):
         super().__init__()
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads)
+        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
+                                 pre_norm=vision_pre_norm)
         self.text = TextTower(context_length, text_width, text_depth, text_heads)
         self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
         self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
@@ -50,9 +51,9 @@ class CLIP(nn.Module):
         return image_out["mu"] @ class_out["mu"].T
 
 
-# Tiny: CPU tests and the demo. B16: the papers' ViT-B/16 with a 12-layer 512-wide text transformer,
-# 768-d embeddings and a 64-token text context (ProLIP B.1).
-TINY = dict(img_size=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=2,
+# Tiny: CPU tests and the demo (no ln_pre, see ImageTower; vision_pre_norm=True to load CLIP weights).
+# B16: the papers' ViT-B/16 with a 12-layer 512-wide text transformer, 768-d embeddings and a 64-token text context (ProLIP B.1).
+TINY = dict(img_size=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=2, vision_pre_norm=False,
             context_length=16, text_width=64, text_depth=2, text_heads=2, embed_dim=64)
 B16 = dict(img_size=224, patch_size=16, vision_width=768, vision_depth=12, vision_heads=12,
            context_length=64, text_width=512, text_depth=12, text_heads=8, embed_dim=768)

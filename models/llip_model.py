@@ -23,15 +23,15 @@ from models.towers import ImageTower, TextTower
 class Llip(nn.Module):
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
-        text_heads: int = 8, embed_dim: int = 768, mixture_tokens: int = 64, mixer_heads: int = 8,
+        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, mixture_tokens: int = 64, mixer_heads: int = 8,
         tau: float = 5.0,
     ):
         super().__init__()
         if mixture_tokens < 1:
             raise ValueError("mixture_tokens must be >= 1")
         self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
-                                 extra_tokens=mixture_tokens, class_token=False)
+                                 pre_norm=vision_pre_norm, extra_tokens=mixture_tokens, class_token=False)
         self.text = TextTower(context_length, text_width, text_depth, text_heads)
         self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
         self.text_proj = nn.Linear(text_width, embed_dim, bias=False)

@@ -85,6 +85,9 @@ def openclip_to_probvlp(source: dict[str, torch.Tensor], model: nn.Module) -> di
             unused.append(key)
     if unused:
         raise ValueError(f"open_clip keys with no place in {type(model).__name__}: {', '.join(unused)}")
+    if "visual.vit.norm_pre.weight" in out and "visual.vit.norm_pre.weight" not in target:
+        raise ValueError(f"{type(model).__name__} was built without CLIP's ln_pre: create it with vision_pre_norm=True "
+                         "to load open_clip weights")
     for key, value in out.items():
         if key not in target:
             raise ValueError(f"{key}: not in {type(model).__name__} (mapped from open_clip)")
@@ -107,3 +110,21 @@ def load_openclip_weights(model: nn.Module, source: nn.Module | dict[str, torch.
         for key, value in mapped.items():
             (params.get(key) if key in params else buffers[key]).copy_(value)
     return sorted(k for k in model.state_dict() if k not in mapped)
+
+
+def read_openclip_state(source: str) -> dict[str, torch.Tensor]:
+    """An open_clip CLIP state dict from ``open_clip:<arch>/<pretrained tag>`` (open_clip's own download
+    and cache, e.g. ``open_clip:ViT-B-16/laion2b_s34b_b88k``), a ``.safetensors`` file, or a torch file
+    read with ``weights_only=True`` (a bare state dict or one under ``"state_dict"``)."""
+    if source.startswith("open_clip:"):
+        import open_clip
+
+        arch, _, tag = source.removeprefix("open_clip:").partition("/")
+        return open_clip.create_model(arch, pretrained=tag or None).state_dict()
+    if source.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(source)
+    state = torch.load(source, map_location="cpu", weights_only=True)
+    return state.get("state_dict", state) if isinstance(state, dict) else state
+

@@ -63,14 +63,15 @@ def mixed_sample(images: torch.Tensor, fraction: float, beta: float) -> tuple[to
 class PCMEPP(nn.Module):
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
-        text_heads: int = 8, embed_dim: int = 768, logvar_bias_init: float = -5.0, msda_fraction: float = 0.25,
+        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, logvar_bias_init: float = -5.0, msda_fraction: float = 0.25,
         msda_beta: float = 2.0,
     ):
         super().__init__()
         if not 0.0 <= msda_fraction <= 1.0 or msda_beta <= 0:
             raise ValueError("msda_fraction must be in [0, 1] and msda_beta > 0")
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads)
+        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
+                                 pre_norm=vision_pre_norm)
         self.text = TextTower(context_length, text_width, text_depth, text_heads)
         # log sigma^2 heads: duplicates of the last block, freshly initialised, with their own final norm
         self.image_var_block = copy.deepcopy(self.visual.vit.blocks[-1])

@@ -20,27 +20,29 @@ from models.gather import World
 from models.llip import LlipMixer
 from models.prolip import ProLIP
 from models.registry import register_model
-from models.towers import ImageTower
 
 
 class ProbLlip(ProLIP):
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
-        text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0, mask_fraction: float = 0.125,
-        mask_ratio: float = 0.75, mixture_tokens: int = 64, mixer_heads: int = 8, tau: float = 5.0,
+        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0,
+        mask_fraction: float = 0.125, mask_ratio: float = 0.75, mixture_tokens: int = 64, mixer_heads: int = 8,
+        tau: float = 5.0,
     ):
-        super().__init__(img_size=img_size, patch_size=patch_size, vision_width=vision_width,
-                         vision_depth=vision_depth, vision_heads=vision_heads, context_length=context_length,
-                         text_width=text_width, text_depth=text_depth, text_heads=text_heads, embed_dim=embed_dim,
-                         unc_bias_init=unc_bias_init, mask_fraction=mask_fraction, mask_ratio=mask_ratio)
         if mixture_tokens < 1:
             raise ValueError("mixture_tokens must be >= 1")
-        # [UNC] + K mixture tokens, no [CLS]
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
-                                 extra_tokens=1 + mixture_tokens, class_token=False)
+        self.mixture_tokens = mixture_tokens  # read by image_prefix() while ProLIP builds the towers
+        super().__init__(img_size=img_size, patch_size=patch_size, vision_width=vision_width,
+                         vision_depth=vision_depth, vision_heads=vision_heads, vision_pre_norm=vision_pre_norm,
+                         context_length=context_length, text_width=text_width, text_depth=text_depth,
+                         text_heads=text_heads, embed_dim=embed_dim, unc_bias_init=unc_bias_init,
+                         mask_fraction=mask_fraction, mask_ratio=mask_ratio)
         self.mixer = LlipMixer(embed_dim, heads=mixer_heads, tau=tau)
-        self.mixture_tokens = mixture_tokens
+
+    def image_prefix(self) -> dict:
+        """[UNC] + K mixture tokens, no [CLS]."""
+        return {"extra_tokens": 1 + self.mixture_tokens, "class_token": False}
 
     def encode_image(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = self.visual(images, keep)  # [UNC], K mixture tokens, patches

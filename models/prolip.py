@@ -46,14 +46,15 @@ def masked_rows(batch: int, fraction: float, device=None) -> torch.Tensor:
 class ProLIP(nn.Module):
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, context_length: int = 64, text_width: int = 512, text_depth: int = 12,
-        text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0, mask_fraction: float = 0.125,
+        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0, mask_fraction: float = 0.125,
         mask_ratio: float = 0.75,
     ):
         super().__init__()
         if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0:
             raise ValueError("mask_fraction must be in [0, 1] and mask_ratio in [0, 1)")
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads, extra_tokens=1)
+        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
+                                 pre_norm=vision_pre_norm, **self.image_prefix())
         self.text = TextTower(context_length, text_width, text_depth, text_heads, append_tokens=2, mask_token=True)
         self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
         self.image_unc_proj = unc_projection(vision_width, embed_dim, unc_bias_init)
@@ -61,6 +62,10 @@ class ProLIP(nn.Module):
         self.text_unc_proj = unc_projection(text_width, embed_dim, unc_bias_init)
         self.context_length, self.img_size = context_length, img_size
         self.mask_fraction, self.mask_ratio = mask_fraction, mask_ratio
+
+    def image_prefix(self) -> dict:
+        """ImageTower prefix layout: [CLS] then [UNC]."""
+        return {"extra_tokens": 1}
 
     def encode_image(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = self.visual(images, keep)  # [CLS], [UNC], patches

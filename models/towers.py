@@ -28,15 +28,18 @@ class ImageTower(nn.Module):
 
     Position embeddings cover the patches only (timm ``no_embed_class``): prefix tokens are plain
     learnable vectors (for CLIP weights, [CLS] := class_embedding + its position embedding).
+    ``pre_norm`` is CLIP's LayerNorm before the first block (``ln_pre``): needed to load CLIP weights,
+    but from scratch it slows early training of small towers markedly (a 2-block ViT sits at
+    loss = log(batch) for ~100 steps with it), so the tiny models leave it out.
     """
 
     def __init__(self, img_size: int, patch_size: int, width: int, depth: int, heads: int, extra_tokens: int = 0,
-                 class_token: bool = True):
+                 class_token: bool = True, pre_norm: bool = True):
         super().__init__()
         self.vit = VisionTransformer(
             img_size=img_size, patch_size=patch_size, embed_dim=width, depth=depth, num_heads=heads,
             num_classes=0, global_pool="", class_token=class_token, reg_tokens=extra_tokens,
-            no_embed_class=True, pre_norm=True, norm_layer=LayerNorm,
+            no_embed_class=True, pre_norm=pre_norm, norm_layer=LayerNorm,
         )
         self.width = width
         self.num_prefix = int(class_token) + extra_tokens

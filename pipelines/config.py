@@ -63,6 +63,9 @@ class ModelConfig(Section):
     name: str = "clip_tiny"
     # Keyword overrides passed to the registry's constructor, e.g. {embed_dim: 128}.
     overrides: dict[str, Any] = Field(default_factory=dict)
+    # Start the towers from open_clip CLIP weights (PCME++ Sec. 2.5 fine-tunes from CLIP):
+    # "open_clip:ViT-B-16/laion2b_s34b_b88k" (open_clip downloads), or a .safetensors / torch state-dict file.
+    init_from_openclip: str | None = None
 
 
 class LossConfig(Section):
@@ -260,6 +263,24 @@ def _check_loss(cfg: Config) -> None:
     arch = model_arch(cfg.model.name)
     if arch is not None:
         _check_kwargs("model.overrides", f"model {cfg.model.name!r}", arch, cfg.model.overrides)
+    _check_openclip_init(cfg)
+
+
+def _check_openclip_init(cfg: Config) -> None:
+    source = cfg.model.init_from_openclip
+    if source is None:
+        return
+    if not source.startswith("open_clip:") and not Path(source).is_file():
+        raise ConfigError(f"model.init_from_openclip: no such file {source!r} (or use open_clip:<arch>/<tag>)")
+    import torch
+
+    from models.registry import create_model
+
+    with torch.device("meta"):
+        model = create_model(cfg.model.name, **cfg.model.overrides)
+    if "visual.vit.norm_pre.weight" not in model.state_dict():
+        raise ConfigError("model.init_from_openclip: CLIP weights need CLIP's ln_pre; "
+                          "set model.overrides.vision_pre_norm: true")
 
 
 def _check_kwargs(prefix: str, what: str, cls: type, kwargs: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from models import create_model, default_loss
+from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.checkpoint import save_model
 from models.gather import World
 from models.losses import create_loss
@@ -111,6 +112,11 @@ class Trainer:
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = create_model(cfg.model.name, **cfg.model.overrides)
+        if cfg.model.init_from_openclip:  # a resumed run then restores its checkpoint over these
+            fresh = load_openclip_weights(model, read_openclip_state(cfg.model.init_from_openclip))
+            if self.rank == 0:
+                print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
+                      "own initialisation", flush=True)
         loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
         objective = Objective(model, loss)
         optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr,

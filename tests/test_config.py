@@ -40,6 +40,7 @@ def test_demo_config_loads_and_overrides():
         ({"loss": {"name": "infonce", "params": {"temperature": 1}}}, "loss.params.temperature: unknown key"),
         ({"loss": {"name": "infonce", "params": {"init_temperature": "hot"}}}, "loss.params.init_temperature:"),
         ({"data": {"mid_caption_prob": 0.7, "general_caption_prob": 0.7}}, "mid_caption_prob + data.general"),
+        ({"model": {"init_from_openclip": "/no/such/clip.safetensors"}}, "model.init_from_openclip: no such file"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, data, expected):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models import create_model
-from models.openclip_weights import load_openclip_weights, openclip_to_probvlp
+from models.openclip_weights import load_openclip_weights, openclip_to_probvlp, read_openclip_state
 from models.tokenizer import tokenize
 
 
@@ -28,7 +28,7 @@ def inputs():
 @pytest.mark.parametrize("source_context", [16, 20])
 def test_clip_embeddings_match_openclip(source_context):
     src = tiny_openclip(source_context)
-    ours = create_model("clip_tiny").eval()
+    ours = create_model("clip_tiny", vision_pre_norm=True).eval()
     assert load_openclip_weights(ours, src) == []  # every parameter of our CLIP came from open_clip
     images, tokens = inputs()
     with torch.no_grad():
@@ -47,7 +47,7 @@ def test_clip_embeddings_match_openclip(source_context):
 ])
 def test_towers_of_other_methods_load(name, new_prefixes):
     src = tiny_openclip()
-    model = create_model(name)
+    model = create_model(name, vision_pre_norm=True)
     fresh = load_openclip_weights(model, src)
     assert fresh and all(k.startswith(new_prefixes) for k in fresh) if new_prefixes else fresh == []
     state = model.state_dict()
@@ -66,9 +66,37 @@ def test_towers_of_other_methods_load(name, new_prefixes):
 
 def test_shape_mismatch_names_the_key():
     src = tiny_openclip()
-    model = create_model("clip_tiny", vision_width=128, vision_heads=2)
+    model = create_model("clip_tiny", vision_pre_norm=True, vision_width=128, vision_heads=2)
     with pytest.raises(ValueError, match="visual.vit"):
         load_openclip_weights(model, src)
+
+
+def test_tiny_without_ln_pre_says_how_to_load():
+    with pytest.raises(ValueError, match="vision_pre_norm=True"):
+        load_openclip_weights(create_model("clip_tiny"), tiny_openclip())
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_state_files_load_into_a_config_built_model(tmp_path, suffix):
+    """model.init_from_openclip: a saved open_clip state dict passes config validation and loads exactly."""
+    import yaml
+    from safetensors.torch import save_file
+
+    from pipelines.config import ConfigError, load_config
+
+    src = tiny_openclip()
+    path = tmp_path / f"clip{suffix}"
+    state = {k: v.contiguous() for k, v in src.state_dict().items()}
+    save_file(state, path) if suffix == ".safetensors" else torch.save({"state_dict": state}, path)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({"model": {"name": "pcmepp_tiny", "init_from_openclip": str(path)}}))
+    with pytest.raises(ConfigError, match="vision_pre_norm: true"):
+        load_config(cfg_path)
+    cfg = load_config(cfg_path, ["model.overrides.vision_pre_norm=true"])
+    model = create_model(cfg.model.name, **cfg.model.overrides)
+    load_openclip_weights(model, read_openclip_state(cfg.model.init_from_openclip))
+    assert torch.equal(model.state_dict()["visual.vit.norm_pre.weight"], state["visual.ln_pre.weight"])
+    assert torch.equal(model.state_dict()["text_proj.weight"], state["text_projection"].T)
 
 
 def test_openclip_factory_vit_b16_maps_onto_clip_vit_b16():
