@@ -375,12 +375,14 @@ def _total_bytes(paths: list[str]) -> int:
 def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob: float = 0.0,
                 general_prob: float = 0.0, seed: int | None = None, *, augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
-                cache_max_mb: float = 512.0):
+                cache_max_mb: float = 512.0, ordered: bool = False):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
     cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
     epochs only decode and augment; None: when the shards total at most cache_max_mb (re-reading a
     handful of small tar files each epoch costs more than preprocessing them).
+    ordered: the cached blocks keep the file order (else they come in read-task completion order,
+    which differs between runs); needed, with a seed and ordered execution, for exact resumes.
     """
     import ray.data
 
@@ -391,6 +393,8 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
     if cache is None:
         cache = _total_bytes(paths) <= cache_max_mb * 2**20
     if cache:
+        if ordered:
+            ds.context.execution_options.preserve_order = True
         ds = ds.materialize()
     stats = stats_actor() if stats_name else None
     # Tasks rather than an actor pool: each epoch re-executes the pipeline, and tasks start cheaply.
@@ -404,12 +408,13 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
 
 def read_split(root: str, split: str, image_size: int, context_length: int, mid_prob: float = 0.0,
                general_prob: float = 0.0, seed: int | None = None, *, augment: bool | None = None,
-               shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None):
+               shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None,
+               ordered: bool = False):
     """{root}/{split}/*.tar; augmentation and file shuffling default to on for "train" only."""
     train = split == "train"
     return read_shards(shard_paths(root, split), image_size, context_length, mid_prob, general_prob, seed,
                        augment=train if augment is None else augment, shuffle=train if shuffle is None else shuffle,
-                       stats_name=stats_name or split, cache=cache)
+                       stats_name=stats_name or split, cache=cache, ordered=ordered)
 
 
 def _preprocess(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
         "train": read_split(split="train", mid_prob=cfg.data.mid_caption_prob,
                             general_prob=cfg.data.general_caption_prob,
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
-                            **common),
+                            ordered=cfg.data.deterministic, **common),
         "eval": read_split(split=cfg.eval.split, **common),
     }
 
