@@ -100,7 +100,7 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0)
     # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
     stop_at_step: int | None = Field(None, ge=1)
-    # Fault-injection for testing recovery: one worker raises once when this step completes.
+    # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.
     fail_once_at_step: int | None = Field(None, ge=1)
 
 

@@ -103,7 +103,8 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id, "mlflow_uri": uri,
-                           "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{cfg.run.name}.done")},
+                           # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
+                           "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run_id}.done")},
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(

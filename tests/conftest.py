@@ -49,12 +49,6 @@ PENDING = (
     "tests/test_tune.py::test_interrupted_sweep_resumes_without_rerunning_finished_trials",  # issue 7
     "tests/test_job_submit.py::test_job_submit_runs_pretrain_and_logs_to_mlflow",  # issue 6
     "tests/test_scale.py::test_zero_stage_trains[3]",  # issue 6: OOM-killed twice on the shared node
-    # issue 6: passed at 04:05; after the reader's caching/shuffle rewrite the resumed parameters
-    # differ in the 3rd decimal (sample order or captions no longer reproduce under data.deterministic)
-    "tests/test_scale.py::test_resume_is_bit_exact",
-    # issue 6: passed at 04:05, not re-run after the reader's stats-actor fix before the stop
-    "tests/test_scale.py::test_worker_failure_recovers_from_checkpoint",
-    "tests/test_scale.py::test_failure_without_retries_fails_the_run",
 )
 
 
