@@ -47,8 +47,6 @@ PENDING = (
     "tests/test_methods.py::",  # issue 4: per-method training to >= 0.70 and ProLIP uncertainty
     "tests/test_tune.py::test_sweep_logs_trials_and_stops_bad_ones_early",  # issue 7
     "tests/test_tune.py::test_interrupted_sweep_resumes_without_rerunning_finished_trials",  # issue 7
-    "tests/test_job_submit.py::test_job_submit_runs_pretrain_and_logs_to_mlflow",  # issue 6
-    "tests/test_scale.py::test_zero_stage_trains[3]",  # issue 6: OOM-killed twice on the shared node
 )
 
 
