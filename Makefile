@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test test-long install clean bench
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Every method trained to its accuracy target (~30 min on 2 cores; outside `make test` to keep CI short).
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.losses

@@ -35,8 +35,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+    # The dashboard (on 127.0.0.1) serves the state API, which Ray Train's placement-group cleaner needs:
+    # without it, the worker placement group of a run whose controller is killed (a sweep trial that
+    # ASHA stops) is never released and later trials wait forever for CPUs.
     ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+        _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {**_LOCAL_ENV, **_LOOPBACK_ENV, **_QUIET_ENV}},
     )
 

@@ -181,9 +181,9 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
-    prepare_data(base)  # once, before concurrent trials could race on it
     t = base.train
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.num_workers * s.max_concurrent, t.cpus_per_worker))
+    prepare_data(base)  # once, before concurrent trials could race on it
     uri = tracking_uri(base.tracking.uri)
     root = resolve_storage(s.storage_path).rstrip("/")
     exp_path = f"{root}/{s.name}"
@@ -232,8 +232,10 @@ def _scheduler(sweep: SweepConfig):
     s = sweep.tune
     if s.scheduler == "fifo":
         return FIFOScheduler()
-    max_t = sweep.reports_per_trial
-    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(s.grace_period, max_t),
+    # One past the last report: a trial that runs to the end finishes by itself (final checkpoint, model
+    # artifacts, MLflow status) instead of being stopped by ASHA at its last report.
+    max_t = sweep.reports_per_trial + 1
+    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(s.grace_period, max_t - 1),
                          reduction_factor=s.reduction_factor)
 
 

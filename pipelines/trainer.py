@@ -93,9 +93,9 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
 
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
-    prepare_data(cfg)
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
+    prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
     uri = tracking_uri(cfg.tracking.uri)
     run_id = mlflow_run(cfg, uri, extra_tags)
