@@ -43,11 +43,7 @@ def digits_root(tmp_path_factory) -> str:
 # are collected with the `pending` marker and deselected by default (pyproject addopts), so they
 # are listed as deselected, not hidden; run them with `pytest -m pending`. A later session that
 # sees them pass removes their entry here.
-PENDING = (
-    "tests/test_methods.py::",  # issue 4: per-method training to >= 0.70 and ProLIP uncertainty
-    "tests/test_tune.py::test_sweep_logs_trials_and_stops_bad_ones_early",  # issue 7
-    "tests/test_tune.py::test_interrupted_sweep_resumes_without_rerunning_finished_trials",  # issue 7
-)
+PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 
 def pytest_collection_modifyitems(config, items):
