@@ -64,8 +64,8 @@ class PCMEPP(nn.Module):
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
         vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, logvar_bias_init: float = -5.0, msda_fraction: float = 0.25,
-        msda_beta: float = 2.0,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, logvar_bias_init: float = -5.0,
+        msda_fraction: float = 0.25, msda_beta: float = 2.0,
     ):
         super().__init__()
         if not 0.0 <= msda_fraction <= 1.0 or msda_beta <= 0:

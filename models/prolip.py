@@ -47,8 +47,8 @@ class ProLIP(nn.Module):
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
         vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0, mask_fraction: float = 0.125,
-        mask_ratio: float = 0.75,
+        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0,
+        mask_fraction: float = 0.125, mask_ratio: float = 0.75,
     ):
         super().__init__()
         if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0:
