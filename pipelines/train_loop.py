@@ -112,7 +112,7 @@ class Trainer:
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = create_model(cfg.model.name, **cfg.model.overrides)
-        if cfg.model.init_from_openclip:  # a resumed run then restores its checkpoint over these
+        if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
             fresh = load_openclip_weights(model, read_openclip_state(cfg.model.init_from_openclip))
             if self.rank == 0:
                 print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
