@@ -113,7 +113,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = create_model(cfg.model.name, **cfg.model.overrides)
         if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
-            fresh = load_openclip_weights(model, read_openclip_state(cfg.model.init_from_openclip))
+            fresh = load_openclip_weights(model, self._read_openclip_state(cfg.model.init_from_openclip))
             if self.rank == 0:
                 print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
                       "own initialisation", flush=True)
@@ -127,6 +127,15 @@ class Trainer:
         )
         checkpointing.use_weights_only_loading(engine)
         return engine, scheduler
+
+    def _read_openclip_state(self, source: str) -> dict[str, torch.Tensor]:
+        """open_clip downloads into a per-machine cache: one rank per node fetches it, the others then read the cache."""
+        if not source.startswith("open_clip:") or self.world.size == 1:
+            return read_openclip_state(source)
+        first_on_node = ray.train.get_context().get_local_rank() == 0
+        state = read_openclip_state(source) if first_on_node else None
+        torch.distributed.barrier()
+        return state if first_on_node else read_openclip_state(source)
 
     @property
     def last_step(self) -> int:
