@@ -48,14 +48,17 @@ class DataConfig(Section):
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
     deterministic: bool = False
     shard_size: int = Field(500, ge=1)
-    # Probability of drawing a mid-level / general caption instead of a specific one (digits only).
+    # Probability of drawing a mid-level / general / instance-level caption instead of the class-level
+    # ("specific") one (digits only; see pipelines.digits for the levels).
     mid_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
     general_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
+    instance_caption_prob: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _probs(self) -> "DataConfig":
-        if self.mid_caption_prob + self.general_caption_prob > 1.0:
-            raise ValueError("data.mid_caption_prob + data.general_caption_prob must be <= 1")
+        if self.mid_caption_prob + self.general_caption_prob + self.instance_caption_prob > 1.0:
+            raise ValueError("data.mid_caption_prob + data.general_caption_prob + data.instance_caption_prob "
+                             "must be <= 1")
         return self
 
 

@@ -1,7 +1,11 @@
 """The bundled dataset: scikit-learn's 1,797 real handwritten digits as image-text pairs.
 
-Each image carries captions at three levels of generality, which is what the probabilistic
-models' uncertainty is asked to reflect (general captions should be more uncertain).
+Each image carries captions at four levels of generality, which is what the probabilistic
+models' uncertainty is asked to reflect (more general captions should be more uncertain):
+"instance" (the class plus three attributes measured on that image: ink, width, slant, each as a
+within-class tertile, e.g. "a bold wide seven, slanted right": 27 kinds per class, so ~1 match in a
+batch of 128), "specific" (the class: the zero-shot templates), "mid" (parity / size) and "general"
+(every image).
 
 The digits take the same path as a user's URL table: the images are written to a folder, served by
 `http.server` on 127.0.0.1 (ephemeral port, a thread), listed in one URL table per split (url,
@@ -36,14 +40,52 @@ def specific_captions(label: int) -> list[str]:
     return [t.format(name=NAMES[label], digit=label) for t in SPECIFIC_TEMPLATES]
 
 
+ATTRIBUTE_WORDS = (("thin", "medium", "bold"), ("narrow", "medium-width", "wide"),
+                   ("slanted left", "upright", "slanted right"))
+
+
+def attribute_values(pixels: np.ndarray) -> np.ndarray:
+    """(N, 8, 8) digit arrays -> (N, 3): ink (total intensity), width (ink-weighted horizontal spread),
+    slant (ink-weighted regression of x on height; > 0 leans right)."""
+    w = pixels.astype(np.float64)
+    total = w.sum(axis=(1, 2))
+    ys, xs = np.indices(pixels.shape[1:])
+    mx = (w * xs).sum(axis=(1, 2)) / total
+    my = (w * ys).sum(axis=(1, 2)) / total
+    dx, dy = xs[None] - mx[:, None, None], my[:, None, None] - ys[None]  # dy > 0 upwards
+    width = np.sqrt((w * dx**2).sum(axis=(1, 2)) / total)
+    slant = (w * dx * dy).sum(axis=(1, 2)) / (w * dy**2).sum(axis=(1, 2))
+    return np.stack([total, width, slant], axis=1)
+
+
+def attribute_levels(values: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """(N, 3) values -> (N, 3) levels 0..2: the tertile of each value among the images of the same class."""
+    levels = np.zeros(values.shape, dtype=np.int64)
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        for j in range(values.shape[1]):
+            rank = np.argsort(np.argsort(values[idx, j], kind="stable"), kind="stable")
+            levels[idx, j] = rank * 3 // len(idx)
+    return levels
+
+
+def instance_captions(label: int, levels) -> list[str]:
+    ink, width, slant = (words[int(i)] for words, i in zip(ATTRIBUTE_WORDS, levels))
+    return [f"a {ink} {width} {NAMES[label]}, {slant}", f"a {ink}, {width} handwritten {label}, {slant}"]
+
+
 def mid_captions(label: int) -> list[str]:
     parity = "an odd digit" if label % 2 else "an even digit"
     size = "a digit greater than four" if label > 4 else "a digit less than five"
     return [parity, size]
 
 
-def captions_for(label: int) -> dict[str, list[str]]:
-    return {"specific": specific_captions(label), "mid": mid_captions(label), "general": list(GENERAL_CAPTIONS)}
+def captions_for(label: int, levels=None) -> dict[str, list[str]]:
+    """Captions by level; "instance" only with the image's attribute levels."""
+    caps = {"specific": specific_captions(label), "mid": mid_captions(label), "general": list(GENERAL_CAPTIONS)}
+    if levels is not None:
+        caps["instance"] = instance_captions(label, levels)
+    return caps
 
 
 def split_of(n: int, seed: int = 0) -> np.ndarray:
@@ -74,10 +116,11 @@ class DigitSample:
     label: int
     split: str
     image: Image.Image
+    attributes: tuple[int, int, int]  # ink, width, slant levels (0..2) within the class
 
     @property
     def meta(self) -> dict:
-        return {"label": self.label, "split": self.split, "captions": captions_for(self.label)}
+        return {"label": self.label, "split": self.split, "captions": captions_for(self.label, self.attributes)}
 
 
 def iter_digits(image_size: int, seed: int = 0):
@@ -85,8 +128,10 @@ def iter_digits(image_size: int, seed: int = 0):
 
     digits = load_digits()
     splits = split_of(len(digits.target), seed)
+    levels = attribute_levels(attribute_values(digits.images), digits.target)
     for i, (pixels, label) in enumerate(zip(digits.images, digits.target)):
-        yield DigitSample(f"{i:06d}", int(label), str(splits[i]), digit_image(pixels, image_size))
+        yield DigitSample(f"{i:06d}", int(label), str(splits[i]), digit_image(pixels, image_size),
+                          tuple(int(v) for v in levels[i]))
 
 
 def write_url_tables(root: str | Path, image_size: int, seed: int, base_url: str) -> dict[str, Path]:
@@ -104,7 +149,7 @@ def write_url_tables(root: str | Path, image_size: int, seed: int, base_url: str
             sample.image.save(images / name, format="PNG")  # lossless; img2dataset encodes the jpg
         rows[sample.split].append({
             "url": f"{base_url}/images/{name}", "caption": specific_captions(sample.label)[0],
-            "label": sample.label, "split": sample.split, "captions": captions_for(sample.label),
+            "label": sample.label, "split": sample.split, "captions": sample.meta["captions"],
             "digit_index": int(sample.key),
         })
     tables = {}
@@ -132,7 +177,7 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
 
     root = Path(root)
     marker = root / "_SUCCESS.json"
-    wanted = {"image_size": image_size, "shard_size": shard_size, "seed": seed, "via": "img2dataset"}
+    wanted = {"image_size": image_size, "shard_size": shard_size, "seed": seed, "via": "img2dataset", "captions": 2}
     if marker.exists() and json.loads(marker.read_text()).get("params") == wanted:
         return json.loads(marker.read_text())["counts"]
     marker.unlink(missing_ok=True)

@@ -297,9 +297,10 @@ class Preprocess:
     """Row batch of raw webdataset bytes -> image (B,3,H,W) float32, text (B,L) int64, label, sample_id."""
 
     def __init__(self, image_size: int, context_length: int, mid_prob: float = 0.0, general_prob: float = 0.0,
-                 seed: int | None = None, augment: bool = False, stats=None, stats_name: str | None = None):
+                 seed: int | None = None, augment: bool = False, stats=None, stats_name: str | None = None,
+                 instance_prob: float = 0.0):
         self.image_size, self.context_length = image_size, context_length
-        self.mid_prob, self.general_prob = mid_prob, general_prob
+        self.mid_prob, self.general_prob, self.instance_prob = mid_prob, general_prob, instance_prob
         self.seed, self.augment = seed, augment
         self.stats, self.stats_name = stats, stats_name
         self.rng = np.random.default_rng(seed)
@@ -309,7 +310,12 @@ class Preprocess:
         if not caps:
             return fallback
         u = self.rng.random()
-        level = "general" if u < self.general_prob else "mid" if u < self.general_prob + self.mid_prob else "specific"
+        level = "specific"
+        for name, share in (("general", self.general_prob), ("mid", self.mid_prob), ("instance", self.instance_prob)):
+            if u < share:
+                level = name
+                break
+            u -= share
         options = caps.get(level) or caps["specific"]
         return options[self.rng.integers(len(options))]
 
@@ -375,7 +381,7 @@ def _total_bytes(paths: list[str]) -> int:
 def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob: float = 0.0,
                 general_prob: float = 0.0, seed: int | None = None, *, augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
-                cache_max_mb: float = 512.0, ordered: bool = False):
+                cache_max_mb: float = 512.0, ordered: bool = False, instance_prob: float = 0.0):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
     cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
@@ -401,7 +407,7 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
     return ds.map_batches(
         _preprocess, fn_kwargs=dict(image_size=image_size, context_length=context_length, mid_prob=mid_prob,
                                     general_prob=general_prob, seed=seed, augment=augment, stats=stats,
-                                    stats_name=stats_name),
+                                    stats_name=stats_name, instance_prob=instance_prob),
         batch_size=batch_size, batch_format="numpy",
     )
 
@@ -409,12 +415,12 @@ def read_shards(paths: list[str], image_size: int, context_length: int, mid_prob
 def read_split(root: str, split: str, image_size: int, context_length: int, mid_prob: float = 0.0,
                general_prob: float = 0.0, seed: int | None = None, *, augment: bool | None = None,
                shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None,
-               ordered: bool = False):
+               ordered: bool = False, instance_prob: float = 0.0):
     """{root}/{split}/*.tar; augmentation and file shuffling default to on for "train" only."""
     train = split == "train"
     return read_shards(shard_paths(root, split), image_size, context_length, mid_prob, general_prob, seed,
                        augment=train if augment is None else augment, shuffle=train if shuffle is None else shuffle,
-                       stats_name=stats_name or split, cache=cache, ordered=ordered)
+                       stats_name=stats_name or split, cache=cache, ordered=ordered, instance_prob=instance_prob)
 
 
 def _preprocess(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:

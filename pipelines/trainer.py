@@ -34,7 +34,7 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
     common = dict(root=cfg.data.root, image_size=cfg.data.image_size, context_length=context_length)
     return {
         "train": read_split(split="train", mid_prob=cfg.data.mid_caption_prob,
-                            general_prob=cfg.data.general_caption_prob,
+                            general_prob=cfg.data.general_caption_prob, instance_prob=cfg.data.instance_caption_prob,
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
                             ordered=cfg.data.deterministic, **common),
         "eval": read_split(split=cfg.eval.split, **common),

@@ -1,4 +1,4 @@
-"""The bundled digits dataset: real images, captions at three levels, deterministic split by image.
+"""The bundled digits dataset: real images, captions at four levels, deterministic split by image.
 
 The shards are made the way a user's URL table is: served on 127.0.0.1 and downloaded by img2dataset.
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipelines.digits import SPLITS, captions_for, split_of, write_digit_shards
+from pipelines.digits import (SPLITS, attribute_levels, attribute_values, captions_for, iter_digits, split_of,
+                             write_digit_shards)
 
 
 def read_shards(root: Path, split: str) -> dict[str, dict]:
@@ -39,6 +40,38 @@ def test_captions_have_three_levels():
     assert "an odd digit" in caps["mid"]
     assert "a handwritten digit" in caps["general"]
     assert captions_for(4)["mid"][0] == "an even digit"
+    assert "instance" not in caps
+    assert captions_for(7, (2, 0, 2))["instance"][0] == "a bold narrow seven, slanted right"
+
+
+def test_attributes_measure_the_strokes():
+    blank = np.zeros((8, 8))
+    thin_upright, bold_upright = blank.copy(), blank.copy()
+    thin_upright[1:7, 4] = 8
+    bold_upright[1:7, 3:5] = 16
+    leaning_right = blank.copy()
+    for y in range(1, 7):
+        leaning_right[y, 7 - y] = 8  # row index grows downwards: the top of the stroke is on the right
+    wide = blank.copy()
+    wide[1:7, 1] = wide[1:7, 6] = 8
+    ink, width, slant = attribute_values(np.stack([thin_upright, bold_upright, leaning_right, wide])).T
+    assert ink[1] > ink[0] and width[3] > width[1] > width[0] == 0.0
+    assert slant[2] > 0.5 and slant[0] == 0.0
+
+
+def test_attribute_levels_are_tertiles_within_each_class():
+    samples = list(iter_digits(8))
+    levels = np.array([s.attributes for s in samples])
+    labels = np.array([s.label for s in samples])
+    for c in range(10):
+        for j in range(3):
+            counts = np.bincount(levels[labels == c, j], minlength=3)
+            assert counts.max() - counts.min() <= 1  # equal thirds of the class
+    # the levels follow the measured values: tertiles of a column are ordered
+    values = np.array([[1.0], [5.0], [3.0], [2.0], [9.0], [4.0]])
+    assert attribute_levels(values, np.zeros(6, int))[:, 0].tolist() == [0, 2, 1, 0, 2, 1]
+    captions = {s.meta["captions"]["instance"][0] for s in samples}
+    assert len(captions) > 200  # 27 kinds per class: a caption that picks out a few images of the set
 
 
 def test_shards_hold_every_image_once(tmp_path):
@@ -56,7 +89,7 @@ def test_shards_hold_every_image_once(tmp_path):
         assert img.size == (24, 24) and img.mode == "RGB"
         meta = json.loads(first["json"])
         assert meta["split"] == split and first["txt"].decode() in meta["captions"]["specific"]
-        assert set(meta["captions"]) == {"specific", "mid", "general"} and meta["label"] in range(10)
+        assert set(meta["captions"]) == {"instance", "specific", "mid", "general"} and meta["label"] in range(10)
         assert meta["url"].startswith("http://127.0.0.1:")  # fetched from the loopback server
         assert np.asarray(img).std() > 10  # a real drawing, not a blank image
         # img2dataset's per-shard stats sit next to every shard

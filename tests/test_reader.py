@@ -11,7 +11,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from pipelines.reader import color_maps, decode_image, read_shards, read_split, reader_stats, resize
+from pipelines.reader import Preprocess, color_maps, decode_image, read_shards, read_split, reader_stats, resize
 
 SIZE, CONTEXT = 16, 12
 
@@ -192,3 +192,17 @@ def test_ordered_reads_repeat_exactly(ray_local, tmp_path):
     second = per_worker_streams(tmp_path, paths, "ordered-b", epochs=2, ordered=True)
     assert first == second
     assert [r[0] for r in first[0, 0]] != [r[0] for r in first[1, 0]]  # yet reshuffled between epochs
+
+
+def test_caption_levels_are_drawn_at_their_shares():
+    caps = {"general": ["g"], "mid": ["m"], "instance": ["i"], "specific": ["s1", "s2"]}
+    pre = Preprocess(SIZE, CONTEXT, mid_prob=0.1, general_prob=0.2, instance_prob=0.4, seed=None)
+    pre.rng = np.random.default_rng(0)
+    drawn = [pre.caption({"captions": caps}, "fallback") for _ in range(4000)]
+    share = {c: drawn.count(c) / len(drawn) for c in ("g", "m", "i")}
+    assert abs(share["g"] - 0.2) < 0.03 and abs(share["m"] - 0.1) < 0.03 and abs(share["i"] - 0.4) < 0.03
+    assert abs((drawn.count("s1") + drawn.count("s2")) / len(drawn) - 0.3) < 0.03
+    # a level the sample lacks falls back to the specific captions; no captions at all: the txt
+    no_instance = {k: v for k, v in caps.items() if k != "instance"}
+    assert {pre.caption({"captions": no_instance}, "fallback") for _ in range(200)} <= {"g", "m", "s1", "s2"}
+    assert pre.caption({}, "fallback") == "fallback"
