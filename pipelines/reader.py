@@ -307,7 +307,7 @@ class Preprocess:
 
     def caption(self, meta: dict, fallback: str) -> str:
         caps = meta.get("captions")
-        if not caps:
+        if not caps or not isinstance(caps, dict):  # a user's json may carry anything under "captions"
             return fallback
         u = self.rng.random()
         level = "specific"
@@ -316,8 +316,10 @@ class Preprocess:
                 level = name
                 break
             u -= share
-        options = caps.get(level) or caps["specific"]
-        return options[self.rng.integers(len(options))]
+        options = caps.get(level) or caps.get("specific")
+        if not isinstance(options, list) or not options:
+            return fallback
+        return str(options[self.rng.integers(len(options))])
 
     def images(self, decoded: list[np.ndarray]) -> np.ndarray:
         size = self.image_size

@@ -206,3 +206,5 @@ def test_caption_levels_are_drawn_at_their_shares():
     no_instance = {k: v for k, v in caps.items() if k != "instance"}
     assert {pre.caption({"captions": no_instance}, "fallback") for _ in range(200)} <= {"g", "m", "s1", "s2"}
     assert pre.caption({}, "fallback") == "fallback"
+    for odd in (["a list"], {"general": []}, {"specific": "not a list"}):
+        assert pre.caption({"captions": odd}, "fallback") == "fallback"
