@@ -241,29 +241,15 @@ def _scheduler(sweep: SweepConfig):
 
 def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
-    import tempfile
-
     import pandas as pd
     from mlflow import MlflowClient
 
     s = sweep.tune
     client = MlflowClient(uri)
-    rows = []
-    for result in grid:
-        trial_id = result.path.rstrip("/").split("/")[-1] if result.path else ""
-        metrics = result.metrics or {}
-        trial_id = metrics.get("trial_id", trial_id)
-        step = metrics.get("step", 0)
-        status = "error" if result.error else ("completed" if step >= base.train.steps else "stopped early")
-        row = {"trial_id": trial_id, **{k: result.config.get(k) for k in sweep.space}, s.metric: metrics.get(s.metric),
-               "step": step, "status": status}
-        rows.append(row)
-        for child in client.search_runs([client.get_experiment_by_name(base.run.experiment).experiment_id],
-                                        filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
-            client.set_tag(child.info.run_id, "probvlp.trial_status", status)
-            if child.info.status == "RUNNING":  # Tune stopped the trial before its fit() returned
-                final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(status, "FAILED")
-                client.set_terminated(child.info.run_id, final)
+    experiment_id = client.get_experiment_by_name(base.run.experiment).experiment_id
+    rows = [trial_row(result, sweep, base) for result in grid]
+    for row in rows:
+        close_child_runs(client, experiment_id, row["trial_id"], row["status"])
     table = pd.DataFrame(rows)
     scored = table[table[s.metric].map(finite)]
     if scored.empty:
@@ -272,17 +258,42 @@ def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> 
     best_params = {k: _plain(best[k]) for k in sweep.space}
     best_cfg = trial_config(base.to_dict(), best_params)
     best_cfg.run.name = None
+    log_sweep_artifacts(client, parent, table, sweep, best_cfg)
+    client.log_metric(parent, f"best_{s.metric}", float(best[s.metric]))
+    client.set_terminated(parent, "FINISHED")
+    return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
+
+
+def trial_row(result, sweep: SweepConfig, base: Config) -> dict[str, Any]:
+    """One Tune result -> trial id, its sampled knobs, the metric, the last step and how it ended."""
+    metrics = result.metrics or {}
+    trial_id = metrics.get("trial_id", result.path.rstrip("/").split("/")[-1] if result.path else "")
+    step = metrics.get("step", 0)
+    status = "error" if result.error else ("completed" if step >= base.train.steps else "stopped early")
+    return {"trial_id": trial_id, **{k: result.config.get(k) for k in sweep.space},
+            sweep.tune.metric: metrics.get(sweep.tune.metric), "step": step, "status": status}
+
+
+def close_child_runs(client, experiment_id: str, trial_id: str, status: str) -> None:
+    """Tag the trial's MLflow run with how it ended, and end it if Tune stopped it before fit() returned."""
+    for child in client.search_runs([experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
+        client.set_tag(child.info.run_id, "probvlp.trial_status", status)
+        if child.info.status == "RUNNING":
+            final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(status, "FAILED")
+            client.set_terminated(child.info.run_id, final)
+
+
+def log_sweep_artifacts(client, parent: str, table, sweep: SweepConfig, best_cfg: Config) -> None:
+    import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         table.to_csv(tmp / "results.csv", index=False)
         (tmp / "results.md").write_text(markdown_table(table))
         (tmp / "best_config.yaml").write_text(best_cfg.to_yaml())
-        plot_knobs(table, list(sweep.space), s.metric, tmp / "metric_vs_knobs.png")
+        plot_knobs(table, list(sweep.space), sweep.tune.metric, tmp / "metric_vs_knobs.png")
         for name in ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"):
             client.log_artifact(parent, str(tmp / name))
-    client.log_metric(parent, f"best_{s.metric}", float(best[s.metric]))
-    client.set_terminated(parent, "FINISHED")
-    return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
 
 
 def _plain(value: Any) -> Any:
