@@ -73,8 +73,7 @@ class ProLIP(nn.Module):
 
     def encode_text(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = self.text(tokens, mask)  # ..., [UNC], [CLS]
-        length = tokens.shape[1]
-        return {"mu": F.normalize(self.text_proj(x[:, length + 1]), dim=-1), "logvar": self.text_unc_proj(x[:, length])}
+        return {"mu": F.normalize(self.text_proj(x[:, -1]), dim=-1), "logvar": self.text_unc_proj(x[:, -2])}
 
     def masked_inputs(self, images: torch.Tensor, tokens: torch.Tensor):
         """Rows with masked copies, kept patch indices for them, and their text [MASK] positions."""

@@ -7,7 +7,9 @@ Both towers are laid out like OpenAI/open_clip CLIP (pre-norm ViT, LayerNorm eps
   mixture tokens) and token dropping (``keep``) that drops patch tokens only, never the prefix.
 - TextTower: ``append_tokens`` learnable tokens appended after the context (ProLIP: [UNC], [CLS]);
   they attend to the real tokens (up to EOT) and each other, never to padding. Token masking
-  replaces chosen token embeddings by a learned [MASK] embedding (``mask_token=True``).
+  replaces chosen token embeddings by a learned [MASK] embedding (``mask_token=True``). Padding
+  after the batch's longest caption is cut before the blocks: under causal attention no position
+  up to a caption's EOT sees it, so the result is the same and short captions cost less.
 """
 from __future__ import annotations
 
@@ -84,8 +86,9 @@ def random_text_mask(tokens: torch.Tensor, ratio: float) -> torch.Tensor:
 class TextTower(nn.Module):
     """CLIP text transformer: token + position embeddings, causal blocks, final LayerNorm.
 
-    ``append_tokens`` learnable tokens follow the context (ProLIP puts [UNC] and [CLS] there);
-    output positions L .. L + append_tokens - 1 hold them.
+    The context is cut to L' = the batch's longest caption (up to its EOT); ``append_tokens`` learnable
+    tokens follow it (ProLIP puts [UNC] and [CLS] there): the output is (B, L' + append_tokens, width),
+    the appended tokens last.
     """
 
     def __init__(self, context_length: int, width: int, depth: int, heads: int, vocab_size: int = VOCAB_SIZE,
@@ -110,7 +113,8 @@ class TextTower(nn.Module):
             nn.init.normal_(blk.mlp.fc2.weight, std=proj_std)
 
     def embed(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Input embeddings (B, L + appended, width) and the attention mask the blocks need (None: plain causal)."""
+        """Input embeddings (B, L' + appended, width) and the attention mask the blocks need (None: plain causal)."""
+        tokens, mask = self.trim(tokens, mask)
         x = self.token_embedding(tokens)
         if mask is not None:
             if self.mask_embedding is None:
@@ -137,6 +141,12 @@ class TextTower(nn.Module):
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x, attn_mask = self.embed(tokens, mask)
         return self.ln_final(self.run(x, self.blocks, attn_mask))
+
+    @classmethod
+    def trim(cls, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drop the padding columns after the longest caption's EOT (exact under causal attention)."""
+        length = int(cls.eot_index(tokens).max()) + 1 if tokens.numel() else tokens.shape[1]
+        return tokens[:, :length], None if mask is None else mask[:, :length]
 
     @staticmethod
     def eot_index(tokens: torch.Tensor) -> torch.Tensor:

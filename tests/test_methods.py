@@ -73,8 +73,9 @@ def text_sigma2(model, texts: list[str]) -> float:
     return model.encode_text(tokenize(texts, model.context_length))["logvar"].exp().mean().item()
 
 
-def held_out_instance_captions() -> list[str]:
-    return [s.meta["captions"]["instance"][0] for s in iter_digits(8) if s.split == "test"]
+def held_out_instance_captions(label: int | None = None) -> list[str]:
+    return [s.meta["captions"]["instance"][0] for s in iter_digits(8)
+            if s.split == "test" and (label is None or s.label == label)]
 
 
 def test_prolip_general_captions_are_more_uncertain(fits):
@@ -85,8 +86,11 @@ def test_prolip_general_captions_are_more_uncertain(fits):
     assert cfg.data.instance_caption_prob > 0
     class_level = [c for label in range(len(NAMES)) for c in specific_captions(label)]
     assert text_sigma2(model, class_level) > text_sigma2(model, held_out_instance_captions())
-    assert text_sigma2(model, ["the digit seven"]) > text_sigma2(
-        model, [c for c in held_out_instance_captions() if " seven," in c])
+    # and class by class: the class's captions (its 5 templates) vs its held-out images' instance captions.
+    # A trend, as in the paper's Fig. 7, not a law: 10 of 10 classes in the fits we ran, 8 asked for.
+    per_class = [text_sigma2(model, specific_captions(c)) > text_sigma2(model, held_out_instance_captions(c))
+                 for c in range(len(NAMES))]
+    assert sum(per_class) >= 8, per_class
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -117,10 +117,34 @@ def test_appended_text_tokens_ignore_padding():
         noisy[i, e + 1 :] = 1234  # garbage in the padding
     with torch.no_grad():
         a, b = tower(tokens), tower(noisy)
-    assert a.shape == (2, 18, 64)
-    assert torch.allclose(a[:, 16:], b[:, 16:], atol=1e-5)  # [UNC], [CLS] never see padding
+    # the context is cut after the longest caption's EOT; the shorter caption keeps (garbage) padding
+    assert a.shape == b.shape == (2, int(eot.max()) + 1 + 2, 64) and eot[1] < eot[0]
+    assert torch.allclose(a[:, -2:], b[:, -2:], atol=1e-5)  # [UNC], [CLS] never see padding
     for i, e in enumerate(eot):
         assert torch.allclose(a[i, : e + 1], b[i, : e + 1], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_text_encoding_does_not_depend_on_batch_padding(name):
+    # the text tower cuts the padding after the batch's longest caption: a caption must encode the same
+    # alone, next to a caption that fills the whole context, and with [MASK]ed words (ProLIP's masked copies)
+    torch.manual_seed(0)
+    model = create_model(name).eval()
+    short = tokenize(["the digit seven", "a number"], model.context_length)
+    long = tokenize([" ".join(["seven"] * 40)], model.context_length)
+    assert int(TextTower.eot_index(long)[0]) == model.context_length - 1  # truncated: EOT in the last column
+    with torch.no_grad():
+        alone, mixed = model.encode_text(short), model.encode_text(torch.cat([short, long]))
+        for key in alone:
+            assert torch.allclose(alone[key], mixed[key][:2], atol=1e-5), key
+        if hasattr(model.text, "mask_embedding") and model.text.mask_embedding is not None:
+            mask = torch.zeros_like(short, dtype=torch.bool)
+            mask[:, 1] = True
+            pad_mask = torch.zeros_like(long, dtype=torch.bool)
+            alone = model.encode_text(short, mask)
+            mixed = model.encode_text(torch.cat([short, long]), torch.cat([mask, pad_mask]))
+            for key in alone:
+                assert torch.allclose(alone[key], mixed[key][:2], atol=1e-5), key
 
 
 def test_text_masking_masks_words_only():
