@@ -21,7 +21,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every method trained to its accuracy target (~14 min on 2 cores; outside `make test` to keep CI short).
+# Every method trained to its accuracy target (~28 min on 2 cores; outside `make test` to keep CI short).
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long tests
 

@@ -21,6 +21,7 @@ back-to-back steps' ratio (robust to load that drifts during the run; the verdic
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ import time
 import torch
 
 from models import create_model, default_loss
+from models.registry import model_arch
 from models.clip import B16, TINY
 from models.losses import create_loss
 from models.objective import Objective
@@ -54,7 +56,7 @@ def captions(kind: str, batch: int) -> list[str]:
 
 def build(name: str, size: dict, mixture_tokens: int, device: str):
     overrides = dict(size)
-    if "llip" in name:
+    if "mixture_tokens" in inspect.signature(model_arch(name)).parameters:
         overrides["mixture_tokens"] = mixture_tokens
     torch.manual_seed(0)
     objective = Objective(create_model(name, **overrides), create_loss(default_loss(name))).to(device).train()

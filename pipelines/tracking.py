@@ -37,14 +37,23 @@ def redact(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sqlite_artifact_root(uri: str) -> str | None:
+    """`mlartifacts/` beside a sqlite store's file, as an absolute URI (None for other stores).
+
+    MLflow's default for a database store is `./mlruns` of whichever process creates the experiment:
+    Ray workers (other working directories) would scatter a run's artifacts, and a run from a
+    checkout would write into it."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri[len(prefix):] in ("", ":memory:"):
+        return None
+    return (Path(uri[len(prefix):]).resolve().parent / "mlartifacts").as_uri()
+
+
 def experiment_id(client, uri: str, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = None
-    if uri.startswith("sqlite:"):
-        # Absolute artifact root, so Ray workers (other working directories) write to the same place.
-        location = (LOCAL_DIR / "mlartifacts").as_uri() if uri == tracking_uri(None) else None
+    location = sqlite_artifact_root(uri)
     try:
         return client.create_experiment(name, artifact_location=location)
     except Exception:  # created concurrently by another process

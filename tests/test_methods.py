@@ -22,7 +22,7 @@ from pipelines.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_capt
 from pipelines.trainer import fit
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.long  # ~14 min on 2 cores: `make test-long`
+pytestmark = pytest.mark.long  # ~28 min on 2 cores: `make test-long`
 METHODS = ["siglip", "pcmepp", "prolip", "llip", "prolip_llip"]
 
 

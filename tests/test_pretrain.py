@@ -54,6 +54,9 @@ def test_mlflow_run_reads_back(trained):
     assert run.data.tags["probvlp.master_addr"] == "127.0.0.1"
     assert run.data.tags["probvlp.world_size"] == "2"
 
+    # artifacts beside the sqlite file (MLflow's default, ./mlruns of the creating process, is not shared)
+    assert run.info.artifact_uri.startswith((tmp / "mlartifacts").as_uri())
+    assert (tmp / "mlartifacts").is_dir()
     saved = download_artifacts(run_id=result.mlflow_run_id, artifact_path="config.yaml",
                                dst_path=str(tmp / "dl"), tracking_uri=result.mlflow_uri)
     assert Config.from_dict(yaml.safe_load(Path(saved).read_text())) == cfg
