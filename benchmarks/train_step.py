@@ -29,10 +29,10 @@ import time
 import torch
 
 from models import create_model, default_loss
-from models.registry import model_arch
 from models.clip import B16, TINY
 from models.losses import create_loss
 from models.objective import Objective
+from models.registry import model_arch
 from models.tokenizer import tokenize
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).

@@ -137,7 +137,7 @@ def test_text_encoding_does_not_depend_on_batch_padding(name):
         alone, mixed = model.encode_text(short), model.encode_text(torch.cat([short, long]))
         for key in alone:
             assert torch.allclose(alone[key], mixed[key][:2], atol=1e-5), key
-        if hasattr(model.text, "mask_embedding") and model.text.mask_embedding is not None:
+        if model.text.mask_embedding is not None:
             mask = torch.zeros_like(short, dtype=torch.bool)
             mask[:, 1] = True
             pad_mask = torch.zeros_like(long, dtype=torch.bool)
