@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.sweep import run_sweep
     from pipelines.tracking import LOCAL_DIR
 
-    _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
+    try:
+        _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
+    except ConfigError as err:  # eval data that lacks what a task needs, found once the data is prepared
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     out = Path(args.best_config_out or LOCAL_DIR / "tune" / f"{sweep.tune.name}_best.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(summary["best_config"].to_yaml())

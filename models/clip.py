@@ -12,6 +12,8 @@ from models.towers import ImageTower, TextTower
 
 class CLIP(nn.Module):
     """[CLS] of a ViT and EOT token of a causal text transformer, linearly projected and L2-normalised."""
+    # encode_* return mu only
+    probabilistic = False
 
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,

@@ -21,6 +21,9 @@ from models.towers import ImageTower, TextTower
 
 
 class Llip(nn.Module):
+    # encode_* return mu (and the mixture tokens); scored by the contextualised cosine
+    probabilistic = False
+
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
         vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,

@@ -61,6 +61,9 @@ def mixed_sample(images: torch.Tensor, fraction: float, beta: float) -> tuple[to
 
 
 class PCMEPP(nn.Module):
+    # encode_* return log sigma^2 ("logvar") beside mu: scored by CSD, calibrated in evaluation
+    probabilistic = True
+
     def __init__(
         self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
         vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,

@@ -99,7 +99,7 @@ class TrainConfig(Section):
     # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
     # so a restart never logs a step twice.
     checkpoint_every: int = Field(0, ge=0)
-    # Zero-shot validation (eval.split) every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
+    # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
     eval_every: int = Field(0, ge=0)
     # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
     stop_at_step: int | None = Field(None, ge=1)
@@ -107,9 +107,63 @@ class TrainConfig(Section):
     fail_once_at_step: int | None = Field(None, ge=1)
 
 
+TASK_NAME = r"^[A-Za-z0-9_.-]+$"
+
+
+class EvalTask(Section):
+    """One evaluation: its metrics are logged as `{name}/{metric}` (see pipelines.evaluation)."""
+
+    name: str = Field(pattern=TASK_NAME)
+    # retrieval: image-text pairs (captions in txt, one per line); zeroshot: a classification set in
+    # CLIP_benchmark's webdataset layout; loss: the training objective on held-out pairs.
+    kind: Literal["retrieval", "zeroshot", "loss"]
+    # Dataset folder or fsspec URI holding {split}/*.tar (and, for zeroshot, classnames.txt and
+    # zeroshot_classification_templates.txt). "{data.root}" stands for the training data's root.
+    # None: the training data ({data.root}), i.e. its held-out split.
+    data: str | None = None
+    # Subfolder of `data` with the shards; None: eval.split.
+    split: str | None = None
+    # zeroshot only: a JSON file with a list of templates ("{c}" for the class name) or a mapping
+    # class name -> prompts (CLIP_benchmark's custom template file); None: the dataset's templates file.
+    templates: str | None = None
+
+    @model_validator(mode="after")
+    def _templates_only_for_zeroshot(self) -> "EvalTask":
+        if self.templates is not None and self.kind != "zeroshot":
+            raise ValueError(f"templates: only zeroshot tasks take templates (task {self.name!r} is {self.kind})")
+        return self
+
+
 class EvalConfig(Section):
-    split: Literal["val", "test"] = "test"
+    # Default shard subfolder of every task (the training data's held-out split).
+    split: str = Field("test", pattern=TASK_NAME)
     batch_size: int = Field(256, ge=1)
+    # None: retrieval and loss on the training data's held-out split (tasks "heldout", "heldout_loss").
+    tasks: list[EvalTask] | None = None
+    # Queries per uncertainty bin are equal; calibration uses this many bins (PCME++ / ProbVLM: 10).
+    calibration_bins: int = Field(10, ge=2)
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique(cls, tasks: list[EvalTask] | None) -> list[EvalTask] | None:
+        if tasks is not None:
+            if not tasks:
+                raise ValueError("give at least one task, or leave tasks out for the defaults")
+            names = [t.name for t in tasks]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"task names must be unique; repeated: {', '.join(dup)}")
+        return tasks
+
+    def resolved_tasks(self, data_root: str) -> list[EvalTask]:
+        """Tasks with data and split filled in ({data.root} replaced)."""
+        tasks = self.tasks or [EvalTask(name="heldout", kind="retrieval"), EvalTask(name="heldout_loss", kind="loss")]
+        out = []
+        for t in tasks:
+            data = (t.data or "{data.root}").replace("{data.root}", data_root.rstrip("/"))
+            templates = t.templates.replace("{data.root}", data_root.rstrip("/")) if t.templates else None
+            out.append(t.model_copy(update={"data": data, "split": t.split or self.split, "templates": templates}))
+        return out
 
 
 class TrackingConfig(Section):

@@ -208,3 +208,64 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
             ray.shutdown()
     marker.write_text(json.dumps({"params": wanted, "counts": counts}))
     return counts
+
+
+# Evaluation sets: the zero-shot set in CLIP_benchmark's webdataset layout, and image-caption pairs for
+# retrieval, both from the downloaded val/test shards (the same image bytes as the held-out splits).
+EVAL_TEMPLATES = ["the digit {c}", "a photo of the number {c}", "the number {c} written by hand"]
+
+
+def write_tar(path: Path, samples: list[dict[str, bytes]]) -> None:
+    """Samples {"__key__": key, ext: bytes} -> a webdataset tar (members key.ext, fixed mtime)."""
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tarfile.open(tmp, "w") as tar:
+        for sample in samples:
+            for ext, data in sample.items():
+                if ext == "__key__":
+                    continue
+                info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
+                info.size, info.mtime = len(data), 0
+                tar.addfile(info, io.BytesIO(data))
+    tmp.replace(path)
+
+
+def retrieval_captions(meta: dict) -> list[str]:
+    """Two captions per image: one of the class templates (shared by ~a fifth of the class) and its
+    instance caption (class + ink, width, slant: shared by a few images)."""
+    caps = meta["captions"]
+    return [caps["specific"][int(meta["digit_index"]) % len(caps["specific"])], caps["instance"][0]]
+
+
+def write_digit_eval_sets(root: str | Path, splits=("val", "test")) -> dict[str, Path]:
+    """{root}/eval/zeroshot (classnames.txt, zeroshot_classification_templates.txt, prompts.json with the
+    exact class prompts of training, {split}/0.tar with jpg + cls) and {root}/eval/retrieval ({split}/0.tar
+    with jpg + txt, two captions a line each). Idempotent: redone only when the shards changed."""
+    from pipelines.eval_data import iter_tar_samples
+    from pipelines.reader import shard_paths
+
+    root = Path(root)
+    out = {"zeroshot": root / "eval" / "zeroshot", "retrieval": root / "eval" / "retrieval"}
+    source = (root / "_SUCCESS.json").read_text()
+    marker = root / "eval" / "_SUCCESS.json"
+    if marker.exists() and marker.read_text() == source:
+        return out
+    for split in splits:
+        zs, ret = [], []
+        for sample in iter_tar_samples(shard_paths(str(root), split)):
+            meta = json.loads(sample["json"])
+            zs.append({"__key__": sample["__key__"], "jpg": sample["jpg"], "cls": str(meta["label"]).encode()})
+            ret.append({"__key__": sample["__key__"], "jpg": sample["jpg"],
+                        "txt": "\n".join(retrieval_captions(meta)).encode()})
+        for kind, samples in (("zeroshot", zs), ("retrieval", ret)):
+            write_tar(out[kind] / split / "0.tar", samples)
+            (out[kind] / split / "nshards.txt").write_text("1\n")
+    (out["zeroshot"] / "classnames.txt").write_text("\n".join(NAMES) + "\n")
+    (out["zeroshot"] / "zeroshot_classification_templates.txt").write_text("\n".join(EVAL_TEMPLATES) + "\n")
+    # the training captions' own class prompts ("a handwritten 7" needs the numeral, which {c} cannot give)
+    (out["zeroshot"] / "prompts.json").write_text(json.dumps({NAMES[c]: specific_captions(c) for c in range(len(NAMES))}))
+    (out["retrieval"] / "dataset_type.txt").write_text("retrieval\n")
+    marker.write_text(source)
+    return out

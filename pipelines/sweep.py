@@ -62,7 +62,8 @@ class Domain(Section):
 
 class TuneSettings(Section):
     name: str = "sweep"
-    metric: str = "zero_shot_top1_val"
+    # Any `{task}/{metric}` the trial config reports (pipelines.evaluation.metric_names).
+    metric: str = "heldout/rsum"
     mode: Literal["max", "min"] = "max"
     num_samples: int = Field(4, ge=1)
     max_concurrent: int = Field(1, ge=1)
@@ -136,10 +137,15 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         if unknown:
             raise ConfigError(f"tune.points_to_evaluate[{i}]: keys not in space: {', '.join(sorted(unknown))}")
         trial_config(base_dict, point)
-    reported = {f"zero_shot_top1_{base.eval.split}", f"loss_{base.eval.split}"}
+    from pipelines.evaluation import metric_names
+
+    reported = metric_names(base)
     if sweep.tune.metric not in reported:
-        raise ConfigError(f"tune.metric: {sweep.tune.metric!r} is not reported; with eval.split={base.eval.split} "
-                          f"trials report {' and '.join(sorted(reported))}")
+        task = sweep.tune.metric.split("/")[0]
+        same = [m.split("/", 1)[1] for m in reported if m.startswith(f"{task}/")]
+        hint = (f"task {task!r} reports {', '.join(same)}" if same else
+                f"no eval task is named {task!r}; tasks: {', '.join(dict.fromkeys(m.split('/')[0] for m in reported))}")
+        raise ConfigError(f"tune.metric: {sweep.tune.metric!r} is not reported ({hint})")
     t = base.train
     if not t.eval_every:
         raise ConfigError("train.eval_every: must be > 0 in the base config so schedulers see intermediate results")
@@ -177,13 +183,14 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     from ray import tune
 
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.trainer import prepare_data, resolve_storage
+    from pipelines.trainer import check_eval_tasks, prepare_data, resolve_storage
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
     t = base.train
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.num_workers * s.max_concurrent, t.cpus_per_worker))
     prepare_data(base)  # once, before concurrent trials could race on it
+    check_eval_tasks(base)
     uri = tracking_uri(base.tracking.uri)
     root = resolve_storage(s.storage_path).rstrip("/")
     exp_path = f"{root}/{s.name}"

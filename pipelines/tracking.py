@@ -140,3 +140,46 @@ def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     from mlflow import MlflowClient
 
     MlflowClient(uri).set_terminated(run_id, status=status)
+
+
+def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
+    """A model to evaluate: a .safetensors file, `runs:/<run_id>/model`, or a run id.
+
+    Returns {"model": path, "loss": path or None (loss.safetensors beside the model), "run_id": source run
+    or None, "config": the source run's config.yaml text or None}."""
+    from mlflow.artifacts import download_artifacts
+
+    path = Path(source)
+    if path.is_file():
+        loss = path.with_name("loss.safetensors")
+        return {"model": path, "loss": loss if loss.is_file() else None, "run_id": None, "config": None}
+    run_id = source[len("runs:/"):].split("/")[0] if source.startswith("runs:/") else source
+    if not re.fullmatch(r"[0-9a-f]{32}", run_id):
+        raise ValueError(f"--model {source!r}: not a file, runs:/<run_id>/model, or an MLflow run id")
+    try:
+        folder = Path(download_artifacts(run_id=run_id, artifact_path="model", dst_path=str(dst), tracking_uri=uri))
+        config = Path(download_artifacts(run_id=run_id, artifact_path="config.yaml", dst_path=str(dst),
+                                         tracking_uri=uri)).read_text()
+    except Exception as err:  # noqa: BLE001 - MLflow raises several kinds for a missing run or artifact
+        raise ValueError(f"--model {source!r}: cannot read the run's model from {uri} ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if not (folder / "model.safetensors").is_file():
+        raise ValueError(f"--model {source!r}: the run has no model/model.safetensors (did it finish?)")
+    loss = folder / "loss.safetensors"
+    return {"model": folder / "model.safetensors", "loss": loss if loss.is_file() else None, "run_id": run_id,
+            "config": config}
+
+
+def log_evaluation(uri: str, run_id: str, metrics: dict[str, float], files: list[tuple[Path, str]]) -> None:
+    """Metrics (step 0) and files (local path, artifact folder) of an evaluation run, then end it."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    client = MlflowClient(uri)
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
+    for i in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[i : i + 1000])
+    for path, folder in files:
+        client.log_artifact(run_id, str(path), folder)
+    client.set_terminated(run_id, "FINISHED")

@@ -18,11 +18,11 @@ from models.checkpoint import save_model
 from models.gather import World
 from models.losses import create_loss
 from models.objective import Objective
-from models.zeroshot import class_embeddings, zero_shot_accuracy
+from models.tokenizer import tokenize
 from pipelines import checkpointing
 from pipelines.checkpointing import Progress
-from pipelines.config import Config
-from pipelines.digits import NAMES, specific_captions
+from pipelines.config import Config, EvalTask
+from pipelines.evaluation import TaskResult, embed_task_locally, held_out_loss, prefixed, score_task, write_plots
 from pipelines.optim import param_groups, warmup_cosine
 from pipelines.tracking import StepLogger
 
@@ -50,35 +50,31 @@ def full_state_dict(engine, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
 
 
-def digit_prompts() -> list[list[str]]:
-    return [specific_captions(label) for label in range(len(NAMES))]
+def eval_dataset_name(task: EvalTask) -> str:
+    """The Ray Train dataset that carries an eval task's data to the workers (rank 0 reads it)."""
+    return f"eval_{task.name}"
 
 
-def evaluate_zero_shot(model: torch.nn.Module, ds, batch_size: int) -> float:
-    model.eval()
-    classes = class_embeddings(model, digit_prompts(), model.context_length)
-    batches = ((b["image"], b["label"]) for b in ds.iter_torch_batches(batch_size=batch_size))
-    return zero_shot_accuracy(model, classes, batches)
-
-
-@torch.no_grad()
-def held_out_loss(objective: torch.nn.Module, ds, batch_size: int) -> float:
-    """Mean training loss over eval-split batches (single process: the batch is its own negatives)."""
-    total, count = 0.0, 0
-    for batch in ds.iter_torch_batches(batch_size=batch_size, drop_last=False):
-        n = batch["image"].shape[0]
-        total += objective(batch["image"], batch["text"], World())["loss"].item() * n
-        count += n
-    return total / max(count, 1)
+def eval_batches(task: EvalTask, batch_size: int):
+    shard = ray.train.get_dataset_shard(eval_dataset_name(task))
+    if task.kind == "loss":
+        return shard.iter_torch_batches(batch_size=batch_size, drop_last=False)
+    return shard.iter_batches(batch_size=batch_size, batch_format="numpy")
 
 
 @torch.no_grad()
-def embedding_probe(model: torch.nn.Module, ds, n: int = 8) -> dict[str, torch.Tensor]:
+def embedding_probe(model: torch.nn.Module, task: EvalTask, batch_size: int, n: int = 8) -> dict[str, torch.Tensor]:
     """A few inputs and the embeddings the trained model gives them, to check that saved models reload exactly."""
-    batch = next(iter(ds.iter_torch_batches(batch_size=n)))
-    tokens = batch["text"]
-    return {"images": batch["image"].contiguous(), "tokens": tokens.contiguous(),
-            **{f"image_{k}": v.contiguous() for k, v in model.encode_image(batch["image"]).items()},
+    batch = next(iter(eval_batches(task, n)))
+    images = torch.as_tensor(batch["image"])[:n].contiguous()
+    if task.kind == "loss":
+        tokens = batch["text"][:n]
+    else:
+        captions = [c.split("\n")[0] or "a photo" for c in batch["captions"][:n]]
+        tokens = tokenize(captions, model.context_length)
+    tokens = tokens.contiguous()
+    return {"images": images, "tokens": tokens,
+            **{f"image_{k}": v.contiguous() for k, v in model.encode_image(images).items()},
             **{f"text_{k}": v.contiguous() for k, v in model.encode_text(tokens).items()}}
 
 
@@ -95,6 +91,7 @@ class Trainer:
         if not self.use_gpu:
             torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
         self.failure_marker = failure_marker
+        self.tasks = cfg.eval.resolved_tasks(cfg.data.root)
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
         self.progress = checkpointing.restore(self.engine) or Progress()
@@ -227,27 +224,33 @@ class Trainer:
             self.logger.flush()
 
     def validate(self) -> dict[str, float]:
-        """Held-out zero-shot top-1 and loss (collective: rank 0 evaluates gathered weights, all ranks get it)."""
+        """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them)."""
         weights = full_state_dict(self.engine, self.engine.module.model)
         loss_weights = full_state_dict(self.engine, self.engine.module.loss)
         result = [self.evaluate(weights, loss_weights)[1] if self.rank == 0 else None]
         torch.distributed.broadcast_object_list(result, src=0)
         return result[0]
 
-    def evaluate(self, weights, loss_weights) -> tuple[torch.nn.Module, dict[str, float]]:
-        """Rank 0: a fresh model with these weights, its eval-split metrics (logged), and the model."""
+    def evaluate(self, weights, loss_weights) -> tuple[torch.nn.Module, dict[str, float], dict[str, TaskResult]]:
+        """Rank 0: a fresh model with these weights, its `{task}/{metric}` numbers (logged) and per-task results."""
         cfg = self.cfg
         model = create_model(cfg.model.name, **cfg.model.overrides)
         model.load_state_dict(weights)
         loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
         loss.load_state_dict(loss_weights)
         objective = Objective(model, loss).eval()
-        ds = ray.train.get_dataset_shard("eval")
-        split = cfg.eval.split
-        metrics = {f"zero_shot_top1_{split}": evaluate_zero_shot(model, ds, cfg.eval.batch_size),
-                   f"loss_{split}": held_out_loss(objective, ds, cfg.eval.batch_size)}
+        metrics: dict[str, float] = {}
+        results: dict[str, TaskResult] = {}
+        for task in self.tasks:
+            batches = eval_batches(task, cfg.eval.batch_size)
+            if task.kind == "loss":
+                metrics[f"{task.name}/loss"] = held_out_loss(objective, batches)
+                continue
+            results[task.name] = score_task(model, task, embed_task_locally(model, task, batches, cfg.eval.batch_size),
+                                            cfg.eval.calibration_bins)
+            metrics.update(prefixed(task, results[task.name]))
         self.logger.log(metrics, self.progress.step)
-        return model, metrics
+        return model, metrics, results
 
     def finish(self) -> None:
         """Final weights, evaluation and artifacts (rank 0), final checkpoint and report (all ranks)."""
@@ -264,21 +267,23 @@ class Trainer:
             self.logger.flush()
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
+        import json
+
         from pipelines.model_card import model_card
-        from pipelines.plots import sigma2_histograms
 
         cfg = self.cfg
-        model, metrics = self.evaluate(weights, loss_weights)
-        eval_ds = ray.train.get_dataset_shard("eval")
+        model, metrics, results = self.evaluate(weights, loss_weights)
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             save_model(weights, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
             save_file({k: v.contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
-            save_file(embedding_probe(model, eval_ds), str(tmp / "probe.safetensors"))
+            save_file(embedding_probe(model, self.tasks[0], cfg.eval.batch_size), str(tmp / "probe.safetensors"))
             (tmp / "README.md").write_text(model_card(cfg, metrics, self.progress.step))
             for name in ("model.safetensors", "loss.safetensors", "probe.safetensors", "README.md"):
                 self.logger.artifact(tmp / name, "model")
-            for png in sigma2_histograms(model, eval_ds, digit_prompts(), tmp):
+            (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+            self.logger.artifact(tmp / "metrics.json", "eval")
+            for png in write_plots(results, tmp):
                 self.logger.artifact(png, "plots")
         return metrics
 

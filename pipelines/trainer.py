@@ -22,23 +22,41 @@ class FitResult:
 
 def prepare_data(cfg: Config) -> None:
     if cfg.data.source == "digits":
-        from pipelines.digits import write_digit_shards
+        from pipelines.digits import write_digit_eval_sets, write_digit_shards
 
         write_digit_shards(cfg.data.root, image_size=cfg.data.image_size, shard_size=cfg.data.shard_size,
                            seed=cfg.run.seed)
+        write_digit_eval_sets(cfg.data.root)
+
+
+def check_eval_tasks(cfg: Config) -> None:
+    """Every eval task's data has what its kind needs (one-line ConfigError otherwise), before training."""
+    from pipelines.eval_data import check_task
+
+    for task in cfg.eval.resolved_tasks(cfg.data.root):
+        check_task(task)
 
 
 def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
-    from pipelines.reader import read_split
+    from pipelines.eval_data import read_eval_shards, task_paths
+    from pipelines.reader import read_shards, read_split
+    from pipelines.train_loop import eval_dataset_name
 
-    common = dict(root=cfg.data.root, image_size=cfg.data.image_size, context_length=context_length)
-    return {
-        "train": read_split(split="train", mid_prob=cfg.data.mid_caption_prob,
+    size = cfg.data.image_size
+    datasets = {
+        "train": read_split(cfg.data.root, "train", size, context_length, mid_prob=cfg.data.mid_caption_prob,
                             general_prob=cfg.data.general_caption_prob, instance_prob=cfg.data.instance_caption_prob,
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
-                            ordered=cfg.data.deterministic, **common),
-        "eval": read_split(split=cfg.eval.split, **common),
+                            ordered=cfg.data.deterministic),
     }
+    for task in cfg.eval.resolved_tasks(cfg.data.root):
+        name = eval_dataset_name(task)
+        if task.kind == "loss":
+            # the reader's training-style batches (tokens, a caption drawn per sample), seeded: the same every eval
+            datasets[name] = read_shards(task_paths(task), size, context_length, seed=0, stats_name=name, ordered=True)
+        else:
+            datasets[name] = read_eval_shards(task_paths(task), size, stats_name=name)
+    return datasets
 
 
 def resolve_storage(path: str) -> str:
@@ -96,6 +114,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
+    check_eval_tasks(cfg)
     context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
     uri = tracking_uri(cfg.tracking.uri)
     run_id = mlflow_run(cfg, uri, extra_tags)

@@ -39,7 +39,7 @@ def fits(ray_local, digits_root, tmp_path_factory):
             ])
             t0 = time.perf_counter()
             result = fit(cfg)
-            print(f"\n{method}: zero-shot top-1 {result.metrics.get('zero_shot_top1_test')}, "
+            print(f"\n{method}: zero-shot top-1 {result.metrics.get('digits_zeroshot/top1')}, "
                   f"{cfg.train.steps} steps, fit {time.perf_counter() - t0:.0f} s")
             cache[method] = (cfg, result, tmp)
         return cache[method]
@@ -58,7 +58,7 @@ def trained_model(fits, method: str):
 def test_method_learns_digits(fits, method):
     cfg, result, _ = fits(method)
     assert result.metrics["step"] == cfg.train.steps
-    assert result.metrics["zero_shot_top1_test"] >= 0.70
+    assert result.metrics["digits_zeroshot/top1"] >= 0.70
 
 
 def held_out_images() -> torch.Tensor:

@@ -48,7 +48,7 @@ def test_run_reaches_mlflow_server(ray_local, digits_root, mlflow_server, tmp_pa
     assert run.info.status == "FINISHED"
     assert run.data.params["train.steps"] == "20" and run.data.params["tracking.uri"] == mlflow_server
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20]
-    assert "zero_shot_top1_test" in run.data.metrics
+    assert "digits_zeroshot/top1" in run.data.metrics
     # The artifact went through the server (proxied artifact store), not a shared local path.
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")
     folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),

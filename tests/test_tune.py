@@ -47,7 +47,7 @@ def sweep_file(tmp: Path, digits_root: str, name: str, num_samples: int, space=N
                  "experiment": "sweeps", "points_to_evaluate": [GOOD, BAD], "grace_period": 1,
                  # Held-out loss separates a learning trial from a frozen one from the first report on,
                  # while zero-shot top-1 of the tiny model is still at chance then.
-                 "metric": "loss_val", "mode": "min", **tune},
+                 "metric": "heldout_loss/loss", "mode": "min", **tune},
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -76,14 +76,14 @@ def test_sweep_logs_trials_and_stops_bad_ones_early(ray_local, digits_root, tmp_
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parent.info.run_id}
     for r in runs:
         assert set(KNOBS) <= set(r.data.params)  # eps, c, alpha, beta, tau, K (and lr) as sampled
-        assert {"zero_shot_top1_val", "loss_val"} <= set(r.data.metrics)
+        assert {"digits_zeroshot/top1", "heldout_loss/loss"} <= set(r.data.metrics)
     statuses = [r.data.tags["probvlp.trial_status"] for r in runs]
     assert "stopped early" in statuses and "completed" in statuses
     lrs = {float(r.data.params["train.lr"]) for r in runs if r.data.tags["probvlp.trial_status"] == "stopped early"}
     assert 1.0e-7 in lrs  # the hopeless learning rate was cut at the first rung
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"} <= artifacts
-    assert parent.data.metrics["best_loss_val"] < min(r.data.metrics["loss_val"] for r in runs
+    assert parent.data.metrics["best_heldout_loss/loss"] < min(r.data.metrics["heldout_loss/loss"] for r in runs
                                                       if float(r.data.params["train.lr"]) < 1e-6)
 
     best = yaml.safe_load(best_out.read_text())

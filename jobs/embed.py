@@ -1,0 +1,57 @@
+"""Embed a shard set with a saved model (Ray Data batch inference), for indexing or the ProbVLM adapter.
+
+    python -m jobs.embed --model <file.safetensors | runs:/<run_id>/model | run id> --data DIR_OR_URI
+        [--split test] --out DIR [--actors 2] [--gpus-per-actor 0] [--no-texts]
+
+Writes {out}/images/*.parquet (key, captions, cls, mu[, logvar][, mix]) and, unless --no-texts, the
+distinct captions' embeddings in {out}/texts/*.parquet (index, text, mu[, logvar]).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.embed", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True, help="folder or URI with *.tar (or with {split}/*.tar, see --split)")
+    parser.add_argument("--split", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--gpus-per-actor", type=float, default=0.0)
+    parser.add_argument("--no-texts", action="store_true", help="images only")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow store of a run id (default as jobs.pretrain)")
+    args = parser.parse_args(argv)
+
+    from models.checkpoint import load_model
+    from pipelines.batch_inference import InferenceOptions, embed_images, embed_texts, read_embeddings
+    from pipelines.evaluation import distinct_captions, split_captions
+    from pipelines.ray_env import init_ray
+    from pipelines.reader import shard_paths
+    from pipelines.tracking import resolve_model, tracking_uri
+
+    out = Path(args.out).resolve()
+    try:
+        source = resolve_model(args.model, tracking_uri(args.tracking_uri), out / "source")
+        paths = shard_paths(args.data, args.split)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    init_ray()
+    model = load_model(source["model"])
+    opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
+    folder = embed_images(str(source["model"]), paths, model.img_size, out, opts, stats_name="embed")
+    cols, _ = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
+    print(f"{len(cols['key'])} image embeddings in {folder}")
+    if not args.no_texts:
+        texts = distinct_captions(split_captions(cols["captions"]))
+        if texts:
+            print(f"{len(texts)} caption embeddings in {embed_texts(str(source['model']), texts, out, opts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

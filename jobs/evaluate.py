@@ -1,0 +1,69 @@
+"""Evaluate a saved model on the eval tasks of a config (retrieval, zero-shot, loss, calibration).
+
+    python -m jobs.evaluate --model <file.safetensors | runs:/<run_id>/model | run id> --config configs/demo.yaml
+        [--set eval.split=val ...] [--out DIR] [--actors 2] [--gpus-per-actor 0]
+
+Embeddings come from Ray Data batch inference (an actor pool) and are kept as parquet under --out;
+results go to {out}/results.json and a new MLflow run tagged with the source run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from pipelines.config import ConfigError, load_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="model.safetensors, runs:/<run_id>/model, or an MLflow run id")
+    parser.add_argument("--config", required=True, help="YAML whose eval section lists the tasks (e.g. configs/demo.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=None, help="embeddings and results (default .probvlp/eval/<time>)")
+    parser.add_argument("--actors", type=int, default=2, help="embedding actors (model copies)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--gpus-per-actor", type=float, default=0.0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+    from jobs.pretrain import headline
+    from pipelines.batch_inference import InferenceOptions
+    from pipelines.evaluate_model import evaluate_model
+    from pipelines.ray_env import init_ray
+    from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
+    from pipelines.trainer import check_eval_tasks, prepare_data
+
+    out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        source = resolve_model(args.model, tracking_uri(cfg.tracking.uri), out / "source")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    try:
+        prepare_data(cfg)
+        check_eval_tasks(cfg)
+        opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
+        result = evaluate_model(cfg, source, out, opts)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(f"results: {out / 'results.json'}; MLflow run {result['mlflow_run_id']} at {tracking_uri(cfg.tracking.uri)}")
+    for line in headline(result["metrics"]):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Ray Data batch inference: a saved model's embeddings of images and captions, written as parquet.
+
+Images: decoded shards (pipelines.eval_data) -> `map_batches(ImageEmbedder)` on an actor pool (one model
+per actor, loaded once; `num_gpus` per actor on a GPU cluster) -> ``{out}/images/*.parquet`` with
+columns key, captions (one per line), cls, and the model's outputs (mu, logvar for probabilistic
+models, mix for Llip's mixture tokens, flattened) as fixed-size float32 lists, readable by pandas,
+pyarrow or faiss without this project. Texts: the same for a list of strings ->
+``{out}/texts/*.parquet`` (index, text, mu[, logvar]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+OUTPUT_KEYS = ("mu", "logvar", "mix")
+
+
+@dataclass
+class InferenceOptions:
+    concurrency: int = 2  # actors (model copies)
+    batch_size: int = 256
+    num_gpus: float = 0.0  # per actor
+    threads: int = 1  # torch threads per actor on CPU
+
+
+def _device(num_gpus: float) -> torch.device:
+    return torch.device("cuda") if num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
+
+
+def _fixed_lists(out: dict[str, torch.Tensor]) -> dict:
+    import pyarrow as pa
+
+    cols = {}
+    for k in OUTPUT_KEYS:
+        if k in out:
+            arr = out[k].float().cpu().numpy().reshape(out[k].shape[0], -1)
+            cols[k] = pa.FixedSizeListArray.from_arrays(pa.array(arr.ravel(), pa.float32()), arr.shape[1])
+    return cols
+
+
+class _Embedder:
+    def __init__(self, model_file: str, num_gpus: float = 0.0, threads: int = 1):
+        from models.checkpoint import load_model
+
+        if num_gpus <= 0:
+            torch.set_num_threads(max(1, threads))
+        self.device = _device(num_gpus)
+        self.model = load_model(model_file).to(self.device).eval()
+
+
+class ImageEmbedder(_Embedder):
+    """Decoded batch -> pyarrow table of key, captions, cls and the image outputs."""
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, np.ndarray]):
+        import pyarrow as pa
+
+        out = self.model.encode_image(torch.as_tensor(batch["image"]).to(self.device))
+        return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
+                         "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
+                         "cls": pa.array(np.asarray(batch["cls"], np.int64)), **_fixed_lists(out)})
+
+
+class TextEmbedder(_Embedder):
+    """Batch of (index, text) -> pyarrow table of index, text and the text outputs."""
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, np.ndarray]):
+        import pyarrow as pa
+
+        from models.tokenizer import tokenize
+
+        texts = [str(t) for t in batch["text"]]
+        out = self.model.encode_text(tokenize(texts, self.model.context_length).to(self.device))
+        return pa.table({"index": pa.array(np.asarray(batch["index"], np.int64)), "text": pa.array(texts, pa.string()),
+                         **_fixed_lists(out)})
+
+
+def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
+    return dict(fn=cls, fn_constructor_kwargs={"model_file": str(model_file), "num_gpus": opts.num_gpus,
+                                               "threads": opts.threads},
+                concurrency=opts.concurrency, batch_size=opts.batch_size, num_gpus=opts.num_gpus or None,
+                num_cpus=None if opts.num_gpus else opts.threads)
+
+
+def embed_images(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
+                 stats_name: str | None = None) -> Path:
+    """Shards -> {out}/images/*.parquet through an actor pool; returns the folder."""
+    from pipelines.eval_data import read_eval_shards
+
+    folder = Path(out) / "images"
+    ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size)
+    ds.map_batches(**_pool(ImageEmbedder, model_file, opts)).write_parquet(str(folder))
+    return folder
+
+
+def embed_texts(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> Path:
+    """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
+    import ray.data
+
+    folder = Path(out) / "texts"
+    items = [{"index": i, "text": t} for i, t in enumerate(texts)]
+    ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)).write_parquet(str(folder))
+    return folder
+
+
+def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | None = None):
+    """Parquet written above -> (table columns as numpy / lists, outputs as tensors), rows sorted by `order_by`."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(folder))
+    if table.num_rows == 0:
+        raise ValueError(f"{folder}: no embeddings")
+    table = table.sort_by(order_by)
+    outputs = {}
+    for k in OUTPUT_KEYS:
+        if k in table.column_names:
+            col = table.column(k).combine_chunks()
+            arr = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
+            if k == "mix":
+                arr = arr.reshape(len(col), mixture_tokens, -1)
+            outputs[k] = torch.from_numpy(arr.copy())
+    columns = {c: table.column(c).to_pylist() for c in table.column_names if c not in OUTPUT_KEYS}
+    return columns, outputs
+
+
+def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, opts: InferenceOptions):
+    """One eval task's embeddings through the actor pools, written under {out} and read back
+    (pipelines.evaluation.TaskEmbeddings, in the same canonical order as the in-process path)."""
+    from pipelines.eval_data import task_paths
+    from pipelines.evaluation import TaskEmbeddings, split_captions, task_texts
+
+    mixture_tokens = getattr(model, "mixture_tokens", None)
+    folder = embed_images(model_file, task_paths(task), model.img_size, out, opts, stats_name=f"embed:{task.name}")
+    cols, image = read_embeddings(folder, "key", mixture_tokens)
+    captions = split_captions(cols["captions"])
+    texts, counts, classnames = task_texts(task, captions)
+    _, text = read_embeddings(embed_texts(model_file, texts, out, opts), "index")
+    return TaskEmbeddings(cols["key"], image, captions, torch.tensor(cols["cls"], dtype=torch.long), texts, text,
+                          counts, classnames)

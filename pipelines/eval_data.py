@@ -1,0 +1,226 @@
+"""Evaluation data: webdataset shards decoded for evaluation, CLIP_benchmark metadata, and the checks
+that run before any work.
+
+Layout of a task's data (CLIP_benchmark's webdataset layout; `jobs.download` output folders too):
+
+    {data}/{split}/*.tar                          samples: an image (jpg/jpeg/png/webp), and
+                                                  retrieval: txt (captions, one per line), or
+                                                  zeroshot: cls (the class index as text)
+    {data}/classnames.txt                         zeroshot: one class name per line
+    {data}/zeroshot_classification_templates.txt  zeroshot: one template per line, "{c}" for the class
+
+Decoded batches: ``key`` (str), ``image`` (B,3,H,W) float32 normalised as in training (no
+augmentation), ``captions`` (str, one caption per line; empty when there is none) and ``cls``
+(int64, -1 when there is none). An undecodable sample is skipped and counted (`reader_stats`).
+"""
+from __future__ import annotations
+
+import json
+import tarfile
+
+import numpy as np
+
+from pipelines.config import ConfigError, EvalTask
+from pipelines.reader import IMAGE_COLUMNS, MEAN, STD, _total_bytes, decode_image, resize, shard_paths, stats_actor
+
+CLASSNAMES, TEMPLATES = "classnames.txt", "zeroshot_classification_templates.txt"
+
+
+def captions_of(txt, meta: dict) -> list[str]:
+    """Non-empty captions: the lines of txt, else the json's "caption"."""
+    if isinstance(txt, bytes):
+        txt = txt.decode("utf-8", errors="replace")
+    if not txt and isinstance(meta.get("caption"), str):
+        txt = meta["caption"]
+    return [line.strip() for line in str(txt or "").splitlines() if line.strip()]
+
+
+class EvalDecode:
+    """Raw webdataset columns -> key, image, captions, cls (see module docstring)."""
+
+    def __init__(self, image_size: int, stats=None, stats_name: str | None = None):
+        self.image_size, self.stats, self.stats_name = image_size, stats, stats_name
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = len(next(iter(batch.values())))
+        keys = [str(k) for k in batch.get("__key__", [f"row{i}" for i in range(n)])]
+        image_cols = [batch[c] for c in IMAGE_COLUMNS if c in batch]
+        txts, metas, clss = (batch.get(c, [None] * n) for c in ("txt", "json", "cls"))
+        images, out_keys, captions, labels, corrupt = [], [], [], [], []
+        for i in range(n):
+            try:
+                data = next((col[i] for col in image_cols if col[i] is not None), None)
+                if data is None:
+                    raise ValueError("no image")
+                meta = json.loads(metas[i]) if metas[i] is not None else {}
+                if not isinstance(meta, dict):
+                    raise ValueError("json is not an object")
+                label = int(clss[i].decode() if isinstance(clss[i], bytes) else clss[i]) if clss[i] is not None else -1
+                img = resize(decode_image(data), self.image_size)
+            except Exception:  # noqa: BLE001 - a broken sample is skipped and counted
+                corrupt.append(keys[i])
+                continue
+            images.append(img)
+            out_keys.append(keys[i])
+            captions.append("\n".join(captions_of(txts[i], meta)))
+            labels.append(label)
+        if self.stats is not None:
+            import ray
+
+            ray.get(self.stats.add.remote(self.stats_name, len(images), corrupt))
+        size = self.image_size
+        arr = (np.stack(images).astype(np.float32) / 255.0 if images else np.zeros((0, size, size, 3), np.float32))
+        return {
+            "key": np.asarray(out_keys, dtype=object),
+            "image": ((arr - MEAN) / STD).transpose(0, 3, 1, 2).copy(),
+            "captions": np.asarray(captions, dtype=object),
+            "cls": np.asarray(labels, dtype=np.int64),
+        }
+
+
+def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None = None, batch_size: int = 256,
+                     cache_max_mb: float = 512.0):
+    """Ray Dataset of decoded evaluation batches, in file order (small sets cached still encoded)."""
+    import ray.data
+
+    ds = ray.data.read_webdataset(paths, decoder=None)
+    if _total_bytes(paths) <= cache_max_mb * 2**20:
+        ds.context.execution_options.preserve_order = True
+        ds = ds.materialize()
+    stats = stats_actor() if stats_name else None
+    return ds.map_batches(_decode, fn_kwargs=dict(image_size=image_size, stats=stats, stats_name=stats_name),
+                          batch_size=batch_size, batch_format="numpy")
+
+
+def _decode(batch, **kwargs):
+    return EvalDecode(**kwargs)(batch)
+
+
+def iter_local_batches(paths: list[str], image_size: int, batch_size: int = 256):
+    """The same decoded batches without Ray (a plain loop over the tar files, in order)."""
+    decode = EvalDecode(image_size)
+    rows: dict[str, list] = {}
+    for sample in iter_tar_samples(paths):
+        for key, value in sample.items():
+            rows.setdefault(key, []).append(value)
+        if len(rows["__key__"]) == batch_size:
+            yield decode(_columns(rows))
+            rows = {}
+    if rows:
+        yield decode(_columns(rows))
+
+
+def _columns(rows: dict[str, list]) -> dict[str, np.ndarray]:
+    n = len(rows["__key__"])
+    return {k: np.asarray(v + [None] * (n - len(v)), dtype=object) for k, v in rows.items()}
+
+
+def iter_tar_samples(paths: list[str], limit: int | None = None):
+    """Webdataset samples ({"__key__": key, ext: bytes}) from tar files, in order (fsspec paths too)."""
+    import fsspec
+
+    seen = 0
+    for path in paths:
+        with fsspec.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
+            sample: dict = {}
+            for member in tar:
+                if not member.isfile():
+                    continue
+                base = member.name.rsplit("/", 1)[-1]
+                key, _, ext = base.partition(".")
+                prefix = member.name[: len(member.name) - len(base)] + key
+                if sample and sample["__key__"] != prefix:
+                    yield _rekey(sample)
+                    seen += 1
+                    if limit is not None and seen >= limit:
+                        return
+                    sample = {}
+                sample.setdefault("__key__", prefix)
+                sample[ext.lower()] = tar.extractfile(member).read()
+            if sample:
+                yield _rekey(sample)
+                seen += 1
+                if limit is not None and seen >= limit:
+                    return
+
+
+def _rekey(sample: dict) -> dict:
+    return {**sample, "__key__": sample["__key__"].rsplit("/", 1)[-1]}
+
+
+# ------------------------------------------------------------------------------------ metadata
+
+
+def read_text(uri: str) -> str | None:
+    """A text file's content (local path or fsspec URI); None if it does not exist."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return f.read()
+
+
+def zeroshot_prompts(task: EvalTask) -> tuple[list[str], list[list[str]]]:
+    """Class names and each class's prompts (templates filled in, or the per-class prompts of a JSON)."""
+    where = f"eval task {task.name!r} (zeroshot)"
+    text = read_text(f"{task.data}/{CLASSNAMES}")
+    if text is None:
+        raise ConfigError(f"{where}: no {CLASSNAMES} in {task.data}")
+    classnames = [line.strip() for line in text.splitlines() if line.strip()]
+    if not classnames:
+        raise ConfigError(f"{where}: {CLASSNAMES} in {task.data} is empty")
+    if task.templates:
+        raw = read_text(task.templates)
+        if raw is None:
+            raise ConfigError(f"{where}: templates file {task.templates} not found")
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: templates file {task.templates} is not JSON ({err.msg})") from None
+    else:
+        raw = read_text(f"{task.data}/{TEMPLATES}")
+        if raw is None:
+            raise ConfigError(f"{where}: no {TEMPLATES} in {task.data} (or give the task a templates file)")
+        spec = [line.strip() for line in raw.splitlines() if line.strip()]
+    if isinstance(spec, dict):
+        missing = [c for c in classnames if not spec.get(c)]
+        if missing:
+            raise ConfigError(f"{where}: templates file has no prompts for {', '.join(missing[:5])}")
+        return classnames, [[str(p) for p in spec[c]] for c in classnames]
+    if not isinstance(spec, list) or not spec or not all(isinstance(t, str) for t in spec):
+        raise ConfigError(f"{where}: templates must be a non-empty list of strings or a class -> prompts mapping")
+    return classnames, [[t.replace("{c}", c) for t in spec] for c in classnames]
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def task_paths(task: EvalTask) -> list[str]:
+    try:
+        return shard_paths(task.data, task.split)
+    except FileNotFoundError:
+        raise ConfigError(f"eval task {task.name!r} ({task.kind}): no shards in {task.data}/{task.split}/*.tar "
+                          f"(empty or missing split {task.split!r})") from None
+
+
+def check_task(task: EvalTask) -> None:
+    """Fail before any work, with one line naming the task and what its data lacks."""
+    where = f"eval task {task.name!r} ({task.kind})"
+    paths = task_paths(task)
+    first = next(iter_tar_samples(paths, limit=1), None)
+    if first is None:
+        raise ConfigError(f"{where}: {task.data}/{task.split} holds no samples (empty split)")
+    if not any(ext in first for ext in IMAGE_COLUMNS):
+        raise ConfigError(f"{where}: samples have no image ({'/'.join(IMAGE_COLUMNS)}); first sample has "
+                          f"{', '.join(sorted(k for k in first if k != '__key__'))}")
+    if task.kind == "zeroshot":
+        if "cls" not in first:
+            raise ConfigError(f"{where}: samples have no 'cls' class index (first sample {first['__key__']!r})")
+        classnames, _ = zeroshot_prompts(task)
+        label = int(first["cls"].decode().strip())
+        if not 0 <= label < len(classnames):
+            raise ConfigError(f"{where}: cls {label} is outside the {len(classnames)} classes of {CLASSNAMES}")
+    elif "txt" not in first and "json" not in first:
+        raise ConfigError(f"{where}: samples have no caption (txt) (first sample {first['__key__']!r})")

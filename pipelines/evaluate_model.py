@@ -1,0 +1,83 @@
+"""`jobs.evaluate`: a saved model on the eval tasks of a config, embeddings by Ray Data batch inference.
+
+Writes {out}/{task}/images|texts/*.parquet (the embeddings), {out}/results.json (one record per task
+and metric) and the uncertainty plots, and logs them to a new MLflow run tagged with the source run.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipelines.batch_inference import InferenceOptions, embed_task
+from pipelines.config import Config, ConfigError
+
+
+def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, dict]:
+    """The loss to rebuild for `loss` tasks: the source run's, unless the eval config names one."""
+    if cfg.loss.name is None and source_config:
+        loss = (yaml.safe_load(source_config) or {}).get("loss") or {}
+        return loss.get("name"), loss.get("params") or {}
+    return cfg.loss.name, cfg.loss.params
+
+
+def held_out_loss_of(cfg: Config, model, source: dict, task) -> float:
+    from safetensors.torch import load_file
+
+    from models import default_loss
+    from models.losses import create_loss
+    from models.objective import Objective
+    from pipelines.eval_data import task_paths
+    from pipelines.evaluation import held_out_loss
+    from pipelines.reader import read_shards
+
+    if source["loss"] is None:
+        raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
+                          f"{source['model']}")
+    name, params = loss_section(cfg, source["config"])
+    loss = create_loss(name or default_loss(model_name(source["model"])), **params)
+    loss.load_state_dict(load_file(str(source["loss"])))
+    ds = read_shards(task_paths(task), model.img_size, model.context_length, seed=0, stats_name=f"eval_{task.name}",
+                     ordered=True)
+    return held_out_loss(Objective(model, loss), ds.iter_torch_batches(batch_size=cfg.eval.batch_size, drop_last=False))
+
+
+def model_name(path: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {})["model"]
+
+
+def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+    """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
+    from models.checkpoint import load_model
+    from pipelines.evaluation import prefixed, score_task, write_plots
+    from pipelines.tracking import log_evaluation, start_run, tracking_uri
+
+    model = load_model(source["model"])
+    tasks = cfg.eval.resolved_tasks(cfg.data.root)
+    metrics: dict[str, float] = {}
+    results = {}
+    for task in tasks:
+        if task.kind == "loss":
+            metrics[f"{task.name}/loss"] = held_out_loss_of(cfg, model, source, task)
+            continue
+        emb = embed_task(str(source["model"]), model, task, out / task.name, opts)
+        results[task.name] = score_task(model, task, emb, cfg.eval.calibration_bins)
+        metrics.update(prefixed(task, results[task.name]))
+    records = [{"task": k.split("/", 1)[0], "metric": k.split("/", 1)[1], "value": v} for k, v in metrics.items()]
+    (out / "results.json").write_text(json.dumps(records, indent=1))
+    plots = write_plots(results, out)
+
+    uri = tracking_uri(cfg.tracking.uri)
+    tags = {"probvlp.source_run": source["run_id"] or "", "probvlp.model": model_name(source["model"]),
+            "probvlp.kind": "evaluation"}
+    params = {"model": str(source["model"]), **{f"eval.tasks.{t.name}": f"{t.kind} {t.data}/{t.split}" for t in tasks}}
+    run_id = start_run(uri, cfg.run.experiment, cfg.run.name or f"eval-{tags['probvlp.model']}", params, cfg.to_yaml(),
+                       tags)
+    log_evaluation(uri, run_id, metrics, [(out / "results.json", "eval"), *((png, "plots") for png in plots)])
+    return {"metrics": metrics, "records": records, "results": results, "mlflow_run_id": run_id}

@@ -1,0 +1,315 @@
+"""Evaluation tasks on any data: embeddings in, `{task}/{metric}` numbers and plots out.
+
+The same scoring serves the training run (rank 0 embeds in process at each eval point) and
+`jobs.evaluate` (embeddings from Ray Data batch inference, read back from parquet), so both give the
+same numbers for the same model and data.
+
+- retrieval: images and their captions (several per image; a caption string shared by several
+  images makes each of them a positive). i2t queries are the images that have a caption, t2i queries
+  the distinct captions. R@1/5/10 (a hit when any positive is in the top K), rsum, mAP@R and
+  R-Precision (PCME++ B.1), ranked by the model's own score (CSD for probabilistic models, the
+  contextualised cosine for Llip) and, for probabilistic models, also by the means alone (``cos_``).
+- zeroshot: prompt ensemble per class (the model's `class_embeddings`), top-1, top-5, mean per-class recall.
+- loss: the training objective over held-out batches (each batch its own negatives).
+- probabilistic models, every embedding task: mean sigma^2 of images and captions, and calibration
+  (queries in `eval.calibration_bins` equal-count bins by sigma^2; Spearman rho, R^2, -rho R^2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from models.metrics import Calibration, Ranked, calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
+from models.tokenizer import tokenize
+from pipelines.config import Config, EvalTask
+
+DIRECTIONS = ("i2t", "t2i")
+RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
+CALIBRATION_METRICS = ("calib_rho", "calib_r2", "calib_score")
+SCORE_ELEMENTS = 2**24  # queries x gallery scores held at once
+
+
+# ------------------------------------------------------------------------------------ names
+
+
+def task_metric_names(task: EvalTask, probabilistic: bool) -> list[str]:
+    """The metrics a task logs (without the `{task}/` prefix)."""
+    if task.kind == "loss":
+        return ["loss"]
+    if task.kind == "retrieval":
+        names = list(RETRIEVAL_METRICS)
+        if probabilistic:
+            names += [f"cos_{m}" for m in RETRIEVAL_METRICS]
+            names += [f"{d}_{c}" for d in DIRECTIONS for c in CALIBRATION_METRICS]
+    else:
+        names = ["top1", "top5", "mean_per_class_recall"]
+        if probabilistic:
+            names += [f"top1_{c}" for c in CALIBRATION_METRICS]
+    if probabilistic:
+        names += ["image_sigma2_mean", "text_sigma2_mean"]
+    return names
+
+
+def metric_names(cfg: Config) -> list[str]:
+    """Every `{task}/{metric}` a run of `cfg` reports."""
+    from models.registry import model_arch
+
+    probabilistic = bool(getattr(model_arch(cfg.model.name), "probabilistic", False))
+    return [f"{t.name}/{m}" for t in cfg.eval.resolved_tasks(cfg.data.root) for m in task_metric_names(t, probabilistic)]
+
+
+# ------------------------------------------------------------------------------------ embeddings
+
+
+@dataclass
+class TaskEmbeddings:
+    """One task's embeddings: images with their captions / class, and the texts scored against them
+    (retrieval: the distinct captions; zeroshot: every class's prompts, flat, `prompt_counts` per class)."""
+
+    keys: list[str]
+    image: dict[str, torch.Tensor]
+    captions: list[list[str]]
+    cls: torch.Tensor
+    texts: list[str]
+    text: dict[str, torch.Tensor]
+    prompt_counts: list[int] | None = None
+    classnames: list[str] | None = None
+
+
+def distinct_captions(captions: list[list[str]]) -> list[str]:
+    """Every caption string once, in order of first appearance."""
+    return list(dict.fromkeys(c for caps in captions for c in caps))
+
+
+def split_captions(column: Iterable[str]) -> list[list[str]]:
+    return [[c for c in str(s).split("\n") if c] for s in column]
+
+
+@torch.no_grad()
+def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], dict[str, torch.Tensor],
+                                                                           list[list[str]], torch.Tensor]:
+    """Decoded eval batches (pipelines.eval_data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
+    keys, outs, captions, classes = [], [], [], []
+    for batch in batches:
+        if len(batch["key"]) == 0:
+            continue
+        outs.append({k: v.float() for k, v in model.encode_image(torch.as_tensor(batch["image"])).items()})
+        keys += [str(k) for k in batch["key"]]
+        captions += split_captions(batch["captions"])
+        classes.append(torch.as_tensor(np.asarray(batch["cls"], dtype=np.int64)))
+    if not keys:
+        raise ValueError("no decodable images")
+    # canonical order (by key), whatever order the batches came in: Ray Data batch inference gives the same
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    idx = torch.tensor(order, dtype=torch.long)
+    image = {k: torch.cat([o[k] for o in outs])[idx] for k in outs[0]}
+    return [keys[i] for i in order], image, [captions[i] for i in order], torch.cat(classes)[idx]
+
+
+@torch.no_grad()
+def embed_texts(model: torch.nn.Module, texts: list[str], batch_size: int = 256) -> dict[str, torch.Tensor]:
+    outs = [{k: v.float() for k, v in model.encode_text(tokenize(texts[i : i + batch_size], model.context_length)).items()}
+            for i in range(0, len(texts), batch_size)]
+    return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+
+def task_texts(task: EvalTask, captions: list[list[str]]) -> tuple[list[str], list[int] | None, list[str] | None]:
+    """The texts a task scores: distinct captions (retrieval) or the flat prompts (zeroshot)."""
+    if task.kind == "zeroshot":
+        from pipelines.eval_data import zeroshot_prompts
+
+        classnames, prompts = zeroshot_prompts(task)
+        return [p for per_class in prompts for p in per_class], [len(p) for p in prompts], classnames
+    texts = distinct_captions(captions)
+    if not texts:
+        raise ValueError(f"eval task {task.name!r} (retrieval): no image has a caption")
+    return texts, None, None
+
+
+def embed_task_locally(model: torch.nn.Module, task: EvalTask, batches: Iterable[dict],
+                       batch_size: int = 256) -> TaskEmbeddings:
+    """In-process embeddings of a task's decoded batches (the training run's evaluation, and the
+    single-process reference for Ray Data batch inference)."""
+    keys, image, captions, cls = embed_images(model, batches)
+    texts, counts, classnames = task_texts(task, captions)
+    return TaskEmbeddings(keys, image, captions, cls, texts, embed_texts(model, texts, batch_size), counts, classnames)
+
+
+# ------------------------------------------------------------------------------------ scoring
+
+
+@dataclass
+class TaskResult:
+    metrics: dict[str, float]
+    calibrations: dict[str, Calibration] = field(default_factory=dict)
+    sigma2: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _rows(out: dict[str, torch.Tensor], idx: slice | torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[idx] for k, v in out.items()}
+
+
+def _mean_only(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same outputs with sigma^2 = 0: the model's score then depends on the means alone."""
+    return {**out, "logvar": torch.full_like(out["logvar"], float("-inf"))} if "logvar" in out else out
+
+
+def sigma2(out: dict[str, torch.Tensor]) -> np.ndarray:
+    """Per item: sigma^2 averaged over the embedding dimensions."""
+    return out["logvar"].float().exp().mean(dim=-1).numpy()
+
+
+@torch.no_grad()
+def rank_retrieval(model, image: dict, text: dict, image_pos: list[list[int]]) -> tuple[Ranked, Ranked, torch.Tensor]:
+    """i2t over the images that have a caption and t2i over every text, chunked (no full score matrix)."""
+    n_img, n_txt = next(iter(image.values())).shape[0], next(iter(text.values())).shape[0]
+    queries = torch.tensor([i for i, p in enumerate(image_pos) if p], dtype=torch.long)
+    pos = torch.zeros(n_img, n_txt, dtype=torch.bool)  # n_img x n_txt booleans: small next to the scores
+    for i, p in enumerate(image_pos):
+        pos[i, p] = True
+    i2t, t2i = [], []
+    step = max(1, SCORE_ELEMENTS // max(n_txt, 1))
+    for a in range(0, len(queries), step):
+        q = queries[a : a + step]
+        i2t.append(rank_queries(model.class_scores(_rows(image, q), text), pos[q]))
+    step = max(1, SCORE_ELEMENTS // max(n_img, 1))
+    for a in range(0, n_txt, step):
+        s = slice(a, a + step)
+        t2i.append(rank_queries(model.class_scores(image, _rows(text, s)).T, pos[:, s].T))
+    return Ranked.cat(i2t), Ranked.cat(t2i), queries
+
+
+def score_retrieval(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> TaskResult:
+    index = {c: j for j, c in enumerate(emb.texts)}
+    image_pos = [[index[c] for c in caps] for caps in emb.captions]
+    variants = [("", lambda o: o)] + ([("cos_", _mean_only)] if model.probabilistic else [])
+    result = TaskResult({})
+    for prefix, view in variants:
+        i2t, t2i, queries = rank_retrieval(model, view(emb.image), view(emb.text), image_pos)
+        part = {**retrieval_summary("i2t", i2t), **retrieval_summary("t2i", t2i)}
+        part["rsum"] = 100 * sum(part[f"{d}_R{k}"] for d in DIRECTIONS for k in (1, 5, 10))
+        result.metrics.update({prefix + k: v for k, v in part.items()})
+        if prefix == "" and model.probabilistic:
+            image_var, text_var = sigma2(emb.image), sigma2(emb.text)
+            result.sigma2 = {"images": image_var, "captions": text_var}
+            for direction, var, ranked in (("i2t", image_var[queries.numpy()], i2t), ("t2i", text_var, t2i)):
+                result.calibrations[direction] = _calibrate(task, direction, var, ranked.first_hit == 0, bins)
+    return _with_uncertainty(result, model)
+
+
+def score_zeroshot(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> TaskResult:
+    labels = emb.cls
+    if bool((labels < 0).any()):
+        raise ValueError(f"eval task {task.name!r} (zeroshot): {int((labels < 0).sum())} samples have no 'cls'")
+    if int(labels.max()) >= len(emb.prompt_counts):
+        raise ValueError(f"eval task {task.name!r} (zeroshot): cls {int(labels.max())} but only "
+                         f"{len(emb.prompt_counts)} class names")
+    classes = class_embeddings(model, emb.text, emb.prompt_counts)
+    scores = torch.cat([model.class_scores(_rows(emb.image, slice(a, a + 1024)), classes)
+                        for a in range(0, len(labels), 1024)])
+    predicted = scores.argmax(dim=1)
+    result = TaskResult({"top1": topk_accuracy(scores, labels, 1), "top5": topk_accuracy(scores, labels, 5),
+                         "mean_per_class_recall": mean_per_class_recall(predicted, labels)})
+    if model.probabilistic:
+        result.sigma2 = {"images": sigma2(emb.image), "prompts": sigma2(emb.text)}
+        result.calibrations["top1"] = _calibrate(task, "top1", result.sigma2["images"], predicted == labels, bins)
+    return _with_uncertainty(result, model)
+
+
+def class_embeddings(model, text: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
+    """Flat prompt outputs -> one embedding per class through the model's prompt ensemble."""
+    if len(set(counts)) == 1:  # one call on (C, T, D)
+        return model.class_embeddings({k: v.reshape(len(counts), counts[0], *v.shape[1:]) for k, v in text.items()})
+    parts, start = [], 0
+    for n in counts:
+        parts.append(model.class_embeddings({k: v[start : start + n][None] for k, v in text.items()}))
+        start += n
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _calibrate(task: EvalTask, what: str, uncertainty: np.ndarray, correct: torch.Tensor, bins: int) -> Calibration:
+    if len(uncertainty) < bins:
+        raise ValueError(f"eval task {task.name!r}: {what} calibration needs at least {bins} queries "
+                         f"(eval.calibration_bins), the data gives {len(uncertainty)}")
+    return calibration(uncertainty, correct.numpy(), bins)
+
+
+def _with_uncertainty(result: TaskResult, model) -> TaskResult:
+    for name, cal in result.calibrations.items():
+        result.metrics.update({f"{name}_calib_rho": cal.rho, f"{name}_calib_r2": cal.r2, f"{name}_calib_score": cal.score})
+    if model.probabilistic:
+        texts = result.sigma2.get("captions", result.sigma2.get("prompts"))
+        result.metrics.update(image_sigma2_mean=float(result.sigma2["images"].mean()),
+                              text_sigma2_mean=float(texts.mean()))
+    return result
+
+
+def score_task(model, task: EvalTask, emb: TaskEmbeddings, bins: int = 10) -> TaskResult:
+    model.eval()
+    if task.kind == "retrieval":
+        return score_retrieval(model, task, emb, bins)
+    if task.kind == "zeroshot":
+        return score_zeroshot(model, task, emb, bins)
+    raise ValueError(f"eval task {task.name!r}: {task.kind} tasks are not scored from embeddings")
+
+
+@torch.no_grad()
+def held_out_loss(objective: torch.nn.Module, batches: Iterable[dict]) -> float:
+    """Mean training loss over held-out batches (single process: each batch is its own negatives)."""
+    from models.gather import World
+
+    objective.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        n = batch["image"].shape[0]
+        if n == 0:
+            continue
+        total += objective(batch["image"], batch["text"], World())["loss"].item() * n
+        count += n
+    if count == 0:
+        raise ValueError("held-out loss: no batches")
+    return total / count
+
+
+def prefixed(task: EvalTask, result: TaskResult) -> dict[str, float]:
+    return {f"{task.name}/{k}": float(v) for k, v in result.metrics.items()}
+
+
+# ------------------------------------------------------------------------------------ plots
+
+
+def write_plots(results: dict[str, TaskResult], folder: Path) -> list[Path]:
+    """Per task with uncertainty: calibration curve(s) and sigma^2 histograms, as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, res in results.items():
+        if not res.calibrations:
+            continue
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for what, cal in res.calibrations.items():
+            label = {"i2t": "image->text R@1", "t2i": "text->image R@1", "top1": "zero-shot top-1"}.get(what, what)
+            left.plot(np.arange(1, len(cal.bin_metric) + 1), cal.bin_metric, marker="o",
+                      label=f"{label} (rho {cal.rho:.2f}, R2 {cal.r2:.2f})")
+        left.set_xlabel("uncertainty bin (1 = lowest sigma^2)")
+        left.set_ylabel("metric in bin")
+        left.set_title(f"{name}: calibration")
+        left.legend(fontsize=8)
+        for what, values in res.sigma2.items():
+            right.hist(values, bins=40, alpha=0.6, label=f"{what} (mean {values.mean():.2e})")
+        right.set_xlabel("sigma^2 (mean over dimensions)")
+        right.set_ylabel("count")
+        right.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / f"{name}_uncertainty.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
