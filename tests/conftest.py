@@ -39,6 +39,24 @@ def digits_root(tmp_path_factory) -> str:
     return str(root)
 
 
+DEMO_STEPS = 600
+
+
+@pytest.fixture(scope="session")
+def trained_clip(ray_local, digits_root, tmp_path_factory):
+    """The demo's tiny CLIP trained once per session (2 workers, ZeRO-2): (config, FitResult, folder).
+    Several modules read the run (training, MLflow, evaluation) instead of training again."""
+    from pipelines.config import load_config
+    from pipelines.trainer import fit
+
+    tmp = tmp_path_factory.mktemp("pretrain")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [
+        f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
+        f"train.steps={DEMO_STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
+    ])
+    return cfg, fit(cfg), tmp
+
+
 # Capability tests that have not yet passed on an unshared machine (see the session notes): they
 # are collected with the `pending` marker and deselected by default (pyproject addopts), so they
 # are listed as deselected, not hidden; run them with `pytest -m pending`. A later session that

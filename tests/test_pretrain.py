@@ -11,21 +11,16 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.checkpoint import load_model
-from pipelines.config import Config, load_config
-from pipelines.trainer import fit
+from pipelines.config import Config
+from tests.conftest import DEMO_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 600
+STEPS = DEMO_STEPS
 
 
 @pytest.fixture(scope="module")
-def trained(ray_local, digits_root, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pretrain")
-    cfg = load_config(ROOT / "configs" / "demo.yaml", [
-        f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
-        f"train.steps={STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
-    ])
-    return cfg, fit(cfg), tmp
+def trained(trained_clip):
+    return trained_clip
 
 
 def run_of(result):
