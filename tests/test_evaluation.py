@@ -136,9 +136,9 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
     assert texts.column("text").to_pylist() == local.texts
     np.testing.assert_allclose(np.stack(texts.column("mu").to_pylist()), local.text["mu"].numpy(), atol=1e-6)
 
-    eval_run = MlflowClient(result.mlflow_uri).search_runs(
-        [MlflowClient(result.mlflow_uri).get_experiment_by_name(cfg.run.experiment).experiment_id],
-        filter_string=f"tags.`probvlp.source_run` = '{result.mlflow_run_id}'")
+    client = MlflowClient(result.mlflow_uri)
+    eval_run = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  filter_string=f"tags.`probvlp.source_run` = '{result.mlflow_run_id}'")
     assert len(eval_run) == 1 and eval_run[0].data.metrics["mine/top1"] == pytest.approx(got["mine/top1"])
 
 
