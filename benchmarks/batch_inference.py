@@ -82,8 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--images", type=int, default=2000)
     args = parser.parse_args()
-    n = 1000 if args.quick else 4000
+    n = 500 if args.quick else args.images
     cores = os.cpu_count() or 1
 
     import torch
@@ -92,7 +93,8 @@ def main() -> None:
     from models.checkpoint import save_model
     from pipelines.ray_env import init_ray
 
-    init_ray(num_cpus=cores)
+    # the decode tasks need a CPU beside actors that hold every core's worth of threads
+    init_ray(num_cpus=cores + 2)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         torch.manual_seed(0)
@@ -128,7 +130,7 @@ def main() -> None:
         return
     write_section("batch_inference", f"""## Batch inference: Ray Data actor pool vs a plain torch loop (`benchmarks/batch_inference.py`)
 
-`python -m benchmarks.batch_inference` on {machine()}, {cores} cores: {n} JPEGs of 96x96 in {len(paths)} shards,
+`python -m benchmarks.batch_inference --images {n} --rounds {args.rounds}` on {machine()}, {cores} cores: {n} JPEGs of 96x96 in {len(paths)} shards,
 `clip_tiny` at the train-step benchmark's `small` size (ViT 6x384, patch 16, 256-d embeddings), batches of 256,
 embeddings written as parquet by both sides; {args.rounds} alternating rounds.
 
