@@ -44,7 +44,7 @@ DEMO_STEPS = 600
 
 @pytest.fixture(scope="session")
 def trained_clip(ray_local, digits_root, tmp_path_factory):
-    """The demo's tiny CLIP trained once per session (2 workers, ZeRO-2): (config, FitResult, folder).
+    """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, FitResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
     from pipelines.config import load_config
     from pipelines.trainer import fit
@@ -57,7 +57,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
     return cfg, fit(cfg), tmp
 
 
-# Capability tests that have not yet passed on an unshared machine (see the session notes): they
+# Capability tests that have not yet passed on an unshared machine: they
 # are collected with the `pending` marker and deselected by default (pyproject addopts), so they
 # are listed as deselected, not hidden; run them with `pytest -m pending`. A later session that
 # sees them pass removes their entry here.
