@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
-    from jobs.pretrain import headline
+    from pipelines.showcase import headline
     from pipelines.batch_inference import InferenceOptions
     from pipelines.evaluate_model import evaluate_model
     from pipelines.ray_env import init_ray

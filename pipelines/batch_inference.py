@@ -58,7 +58,9 @@ class ImageEmbedder(_Embedder):
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
 
-        out = self.model.encode_image(torch.as_tensor(batch["image"]).to(self.device))
+        from models.preprocess import to_model_input
+
+        out = self.model.encode_image(torch.from_numpy(to_model_input(batch["image"])).to(self.device))
         return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
                          "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
                          "cls": pa.array(np.asarray(batch["cls"], np.int64)), **_fixed_lists(out)})
@@ -92,7 +94,9 @@ def embed_images(model_file: str, paths: list[str], image_size: int, out: str | 
     from pipelines.eval_data import read_eval_shards
 
     folder = Path(out) / "images"
-    ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size)
+    # streamed (one pass), images moved as uint8 and scaled in the actor
+    ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
+                          uint8=True)
     ds.map_batches(**_pool(ImageEmbedder, model_file, opts)).write_parquet(str(folder))
     return folder
 

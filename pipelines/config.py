@@ -169,6 +169,8 @@ class EvalConfig(Section):
 class TrackingConfig(Section):
     # None: $MLFLOW_TRACKING_URI, else a sqlite store in the project folder.
     uri: str | None = None
+    # Register the final MLflow model under this name in the Model Registry (a new version per run).
+    register_as: str | None = Field(None, min_length=1)
 
 
 class RayConfig(Section):

@@ -444,8 +444,11 @@ def run_parts(cfg: DownloadConfig, manifest: dict, todo: list[dict], local_only:
                                                                         soft=False)
     task = ray.remote(download_part).options(**options)
     settings = cfg.model_dump(mode="json")
+    from pipelines.progress import ProgressLine
+
     pending, inflight, results = list(todo), {}, []
-    total = len(todo)
+    progress = ProgressLine("download", len(todo), unit="part")
+    progress.line(0)  # the clock starts with the first part
     while pending or inflight:
         while pending and len(inflight) < _slots(cfg):
             part = pending.pop(0)
@@ -461,7 +464,7 @@ def run_parts(cfg: DownloadConfig, manifest: dict, todo: list[dict], local_only:
                 result = PartResult(part["shard"], part["rows"], False, error=f"{type(err).__name__}: {first}",
                                     seconds=time.monotonic() - started)
             results.append(result)
-            _log_part(log, result, len(results), total, manifest["shard_digits"])
+            _log_part(log, progress, result, len(results), manifest["shard_digits"])
         now = time.monotonic()
         for ref, (part, started) in list(inflight.items()):
             if now - started > cfg.part_timeout_s:
@@ -470,17 +473,18 @@ def run_parts(cfg: DownloadConfig, manifest: dict, todo: list[dict], local_only:
                 result = PartResult(part["shard"], part["rows"], False, seconds=now - started,
                                     error=f"timed out after {cfg.part_timeout_s:g}s")
                 results.append(result)
-                _log_part(log, result, len(results), total, manifest["shard_digits"])
+                _log_part(log, progress, result, len(results), manifest["shard_digits"])
     return results
 
 
-def _log_part(log, r: PartResult, done: int, total: int, digits: int) -> None:
+def _log_part(log, progress, r: PartResult, done: int, digits: int) -> None:
     name = shard_name(r.shard, digits)
     if r.ok:
         s = r.stats
-        log(f"[{done}/{total}] shard {name}: {s.get('successes', 0)}/{s.get('count', 0)} written in {r.seconds:.1f}s")
+        shard = f"{name}: {s.get('successes', 0)}/{s.get('count', 0)} written in {r.seconds:.1f}s"
     else:
-        log(f"[{done}/{total}] shard {name}: FAILED ({r.error}); its {r.rows} URLs count as failed, re-run to retry")
+        shard = f"{name}: FAILED ({r.error}); its {r.rows} URLs count as failed, re-run to retry"
+    log(progress.line(done, shard=shard))
 
 
 # ----------------------------------------------------------------------------------------- summary

@@ -6,7 +6,6 @@ and metric) and the uncertainty plots, and logs them to a new MLflow run tagged 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 

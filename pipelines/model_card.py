@@ -18,12 +18,31 @@ data `{cfg.data.source}` at {cfg.data.image_size}px.
 | --- | --- |
 {results}
 
-Load without unpickling code:
+Load it anywhere as an MLflow model (images and / or captions in, mu and sigma^2 out):
+
+```python
+import mlflow, pandas as pd
+model = mlflow.pyfunc.load_model("runs:/<run_id>/model")
+model.predict(pd.DataFrame({{"image": [open("cat.jpg", "rb").read()], "caption": ["a photo of a cat"]}}))
+```
+
+or as the PyTorch module, without unpickling code:
 
 ```python
 from models.checkpoint import load_model
-model = load_model("model.safetensors")  # rebuilds `{cfg.model.name}` from the registry
+model = load_model("data/model.safetensors")  # rebuilds `{cfg.model.name}` from the registry
 ```
 
 `config.yaml` in the run holds the full resolved configuration.
 """
+
+
+def summary_table(metrics: dict[str, Any]) -> str:
+    """The final `{task}/{metric}` numbers as a markdown table, one row per task and metric."""
+    rows = []
+    for key in sorted(metrics):
+        task, _, name = key.partition("/")
+        value = metrics[key]
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        rows.append(f"| {task} | {name} | {shown} |")
+    return "| task | metric | value |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n"

@@ -1,7 +1,10 @@
 """Starting or joining Ray. Local runs stay on 127.0.0.1; `ray job submit` runs join the cluster."""
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+from pathlib import Path
 
 import ray
 
@@ -14,19 +17,43 @@ _QUIET_ENV = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 _LOCAL_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}
 
 
+_RAY_DATA_LOGGING = Path(__file__).with_name("ray_data_logging.yaml")
+# Ray Train V2 logs every ray.train.report at INFO, metrics dict and all, from every rank.
+_TRAIN_REPORT_LOGGER = "ray.train.v2._internal.execution.context"
+
+
+def quiet_logs() -> None:
+    """Keep Ray's routine per-epoch and per-report INFO lines out of the console (they stay in Ray's log
+    files); warnings and errors still show. Runs in the driver and, as Ray's worker_process_setup_hook,
+    in every worker process before it imports ray.data."""
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
+    spec = importlib.util.find_spec(_TRAIN_REPORT_LOGGER)
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)  # that module's logger is named by its file
+    data_logger = logging.getLogger("ray.data")
+    for handler in data_logger.handlers:  # ray.data already imported here: its console handler as configured
+        if not isinstance(handler, logging.FileHandler) and type(handler).__name__ != "SessionFileHandler":
+            handler.setLevel(max(handler.level, logging.WARNING))
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join `address` / $RAY_ADDRESS if given (cluster, job submission), else start a local Ray on loopback."""
     if ray.is_initialized():
         return
     for key, value in _QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    quiet_logs()
     # The env var is read when ray.data is imported, which may already have happened.
     from ray.data import DataContext
 
     DataContext.get_current().enable_progress_bars = False
+    quiet_logs()
     address = address or os.environ.get("RAY_ADDRESS")
+    hook = f"{__name__}.quiet_logs"
     if address:
-        ray.init(address=address, log_to_driver=True)
+        # merged with the runtime_env of a `ray job submit` (its working_dir stays)
+        ray.init(address=address, log_to_driver=True,
+                 runtime_env={"env_vars": dict(_QUIET_ENV), "worker_process_setup_hook": hook})
         return
     for key, value in _LOCAL_ENV.items():
         os.environ.setdefault(key, value)
@@ -41,7 +68,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray.init(
         address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {**_LOCAL_ENV, **_LOOPBACK_ENV, **_QUIET_ENV}},
+        runtime_env={"env_vars": {**_LOCAL_ENV, **_LOOPBACK_ENV, **_QUIET_ENV}, "worker_process_setup_hook": hook},
     )
 
 

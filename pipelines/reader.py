@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import json
 import math
 
 import numpy as np
 
+from models.preprocess import decode_image, resize, to_model_input
 from models.tokenizer import tokenize
 
-MEAN, STD = 0.5, 0.5
 IMAGE_COLUMNS = ("jpg", "jpeg", "png", "webp")
 STATS_ACTOR, STATS_NAMESPACE = "probvlp_reader_stats", "probvlp"
 
@@ -127,35 +126,6 @@ def reset_reader_stats(name: str) -> None:
 LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float64)
 _RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 _YIQ_TO_RGB = np.linalg.inv(_RGB_TO_YIQ)
-
-
-def _cv2():
-    import cv2
-
-    cv2.setNumThreads(1)
-    return cv2
-
-
-def decode_image(data: bytes) -> np.ndarray:
-    """Encoded bytes -> HWC uint8 RGB. Raises ValueError on undecodable or truncated data."""
-    if data[:2] == b"\xff\xd8" and b"\xff\xd9" not in data[-64:]:
-        raise ValueError("truncated JPEG (no end-of-image marker)")  # libjpeg would pad it silently
-    arr = _cv2().imdecode(np.frombuffer(data, np.uint8), 1)  # 1 = IMREAD_COLOR (grayscale -> 3 channels)
-    if arr is None:
-        raise ValueError("image decoding error")
-    return _cv2().cvtColor(arr, 4)  # 4 = COLOR_BGR2RGB
-
-
-def resize(arr: np.ndarray, size: int, box: tuple[int, int, int, int] | None = None) -> np.ndarray:
-    """Optional crop box (x, y, w, h), then bicubic resize to size x size (area when shrinking a lot)."""
-    if box is not None:
-        x, y, w, h = box
-        arr = arr[y : y + h, x : x + w]
-    if arr.shape[:2] == (size, size):
-        return np.ascontiguousarray(arr)
-    cv2 = _cv2()
-    shrink = min(arr.shape[:2]) >= 2 * size
-    return cv2.resize(arr, (size, size), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
 
 
 def random_crop_box(height: int, width: int, rng: np.random.Generator, scale=(0.8, 1.0),
@@ -293,6 +263,17 @@ def _seed_of(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest(), "big")
 
 
+def decode_row(image_cols: list, metas: list, i: int) -> tuple[np.ndarray, dict]:
+    """Row i's image (HWC uint8 RGB) and json object; ValueError when either is missing or unreadable."""
+    data = next((col[i] for col in image_cols if col[i] is not None), None)
+    if data is None:
+        raise ValueError("no image")
+    meta = json.loads(metas[i]) if metas[i] is not None else {}
+    if not isinstance(meta, dict):
+        raise ValueError("json is not an object")
+    return decode_image(data), meta
+
+
 class Preprocess:
     """Row batch of raw webdataset bytes -> image (B,3,H,W) float32, text (B,L) int64, label, sample_id."""
 
@@ -326,10 +307,8 @@ class Preprocess:
         if not decoded:
             return np.zeros((0, 3, size, size), np.float32)
         if self.augment:
-            batch = augment_batch(decoded, size, self.rng)
-        else:
-            batch = np.stack([resize(im, size) for im in decoded]).astype(np.float32) / 255.0
-        return ((batch - MEAN) / STD).transpose(0, 3, 1, 2).copy()
+            return to_model_input(augment_batch(decoded, size, self.rng))
+        return to_model_input([resize(im, size) for im in decoded])
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(next(iter(batch.values())))
@@ -342,13 +321,7 @@ class Preprocess:
         decoded, texts, labels, ids, corrupt = [], [], [], [], []
         for i in range(n):
             try:
-                data = next((col[i] for col in image_cols if col[i] is not None), None)
-                if data is None:
-                    raise ValueError("no image")
-                meta = json.loads(metas_in[i]) if metas_in[i] is not None else {}
-                if not isinstance(meta, dict):
-                    raise ValueError("json is not an object")
-                img = decode_image(data)
+                img, meta = decode_row(image_cols, metas_in, i)
             except Exception:  # noqa: BLE001 - any undecodable sample is skipped and counted
                 corrupt.append(keys[i])
                 continue

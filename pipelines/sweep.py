@@ -213,10 +213,39 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
         tuner = tune.Tuner(trainable, param_space={k: d.to_tune() for k, d in sweep.space.items()},
                            tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, num_samples=s.num_samples,
                                                        search_alg=_searcher(sweep), scheduler=_scheduler(sweep)),
-                           run_config=tune.RunConfig(name=s.name, storage_path=root))
+                           run_config=tune.RunConfig(name=s.name, storage_path=root,
+                                                     callbacks=[trial_progress(s.num_samples, s.metric)]))
     grid = tuner.fit()
     summary = summarize(grid, sweep, base, uri, parent)
     return grid, parent, summary
+
+
+def trial_progress(total: int, metric: str):
+    """A Tune callback printing `[sweep] trial 3/8 (38%) | <id> completed | <metric> ... | elapsed | ETA`."""
+    from ray.tune import Callback
+
+    from pipelines.progress import ProgressLine
+
+    class TrialProgress(Callback):
+        def __init__(self):
+            self.line, self.done = ProgressLine("sweep", total, unit="trial"), 0
+
+        def setup(self, **info):
+            self.line.update(0)
+
+        def _ended(self, trial, how: str) -> None:
+            self.done += 1
+            value = (trial.last_result or {}).get(metric)
+            shown = f"{value:.4g}" if isinstance(value, (int, float)) else "not reported"
+            self.line.update(self.done, trial=f"{trial.trial_id} {how}", **{metric: shown})
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._ended(trial, "ended")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._ended(trial, "failed")
+
+    return TrialProgress()
 
 
 def _searcher(sweep: SweepConfig):

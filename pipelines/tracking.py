@@ -135,6 +135,66 @@ class StepLogger:
     def artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+
+
+def _requirement(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{package}=={version(package).split('+')[0]}"
+    except PackageNotFoundError:
+        return package
+
+
+SERVING_REQUIREMENTS = ("torch", "numpy", "pandas", "safetensors", "open_clip_torch", "opencv-python-headless")
+
+
+def save_mlflow_model(model_file: Path, dst: Path, example_image: bytes, example_caption: str,
+                      probabilistic: bool) -> Path:
+    """An MLflow pyfunc model folder for a probvlp model file (models/serving.py), with its code, signature,
+    input example and pip requirements; log it with `StepLogger.artifacts(dst, "model")`."""
+    import mlflow.pyfunc
+    import pandas as pd
+    from mlflow.models import ModelSignature
+    from mlflow.types import DataType
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    import models
+
+    outputs = ["image_mu", "text_mu"] + (["image_sigma2", "text_sigma2"] if probabilistic else [])
+    signature = ModelSignature(
+        inputs=Schema([ColSpec(DataType.binary, "image", required=False),
+                       ColSpec(DataType.string, "caption", required=False)]),
+        outputs=Schema([ColSpec(Array(DataType.float), name, required=False) for name in outputs]))
+    mlflow.pyfunc.save_model(
+        path=str(dst), loader_module="models.serving", data_path=str(model_file),
+        code_paths=[str(Path(models.__file__).parent)], signature=signature,
+        input_example=pd.DataFrame({"image": [example_image], "caption": [example_caption]}),
+        pip_requirements=[_requirement(p) for p in SERVING_REQUIREMENTS])
+    return dst
+
+
+def model_file(folder: Path) -> Path:
+    """The probvlp weights file inside a downloaded `model` artifact folder (the MLflow model's data)."""
+    return folder / "data" / "model.safetensors"
+
+
+def register_model(uri: str, run_id: str, name: str) -> str:
+    """Register the run's MLflow model as a new version of `name`; returns the version."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
+    return str(client.create_model_version(name, source=source, run_id=run_id).version)
+
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     from mlflow import MlflowClient
@@ -163,10 +223,10 @@ def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - MLflow raises several kinds for a missing run or artifact
         raise ValueError(f"--model {source!r}: cannot read the run's model from {uri} ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''})") from None
-    if not (folder / "model.safetensors").is_file():
-        raise ValueError(f"--model {source!r}: the run has no model/model.safetensors (did it finish?)")
+    if not model_file(folder).is_file():
+        raise ValueError(f"--model {source!r}: the run has no model/data/model.safetensors (did it finish?)")
     loss = folder / "loss.safetensors"
-    return {"model": folder / "model.safetensors", "loss": loss if loss.is_file() else None, "run_id": run_id,
+    return {"model": model_file(folder), "loss": loss if loss.is_file() else None, "run_id": run_id,
             "config": config}
 
 

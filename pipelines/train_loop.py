@@ -24,7 +24,8 @@ from pipelines.checkpointing import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluation import TaskResult, embed_task_locally, held_out_loss, prefixed, score_task, write_plots
 from pipelines.optim import param_groups, warmup_cosine
-from pipelines.tracking import StepLogger
+from pipelines.progress import ProgressLine
+from pipelines.tracking import StepLogger, save_mlflow_model
 
 
 def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
@@ -98,6 +99,7 @@ class Trainer:
         # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = StepLogger(mlflow_uri, run_id, flush_every) if self.rank == 0 else None
+        self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
         if self.logger:
             # Where torch.distributed traffic goes (local runs must stay on loopback).
             self.logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
@@ -185,6 +187,7 @@ class Trainer:
                 metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
                                skipped_batches=p.skipped_batches)
                 self.logger.log(metrics, p.step)
+                self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"})
             self._maybe_fail(p.step)
             if p.step >= self.last_step:
                 break
@@ -254,7 +257,7 @@ class Trainer:
 
     def finish(self) -> None:
         """Final weights, evaluation and artifacts (rank 0), final checkpoint and report (all ranks)."""
-        cfg, p = self.cfg, self.progress
+        p = self.progress
         weights = full_state_dict(self.engine, self.engine.module.model)
         loss_weights = full_state_dict(self.engine, self.engine.module.loss)
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
@@ -269,23 +272,46 @@ class Trainer:
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         import json
 
-        from pipelines.model_card import model_card
+        from pipelines.model_card import model_card, summary_table
 
         cfg = self.cfg
         model, metrics, results = self.evaluate(weights, loss_weights)
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             save_model(weights, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
+            probe = embedding_probe(model, self.tasks[0], cfg.eval.batch_size)
+            # The MLflow model (MLmodel, code/, data/model.safetensors) is the `model` folder; the loss weights,
+            # the probe and the model card sit beside it.
+            save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(probe["images"][0]),
+                              EXAMPLE_CAPTION, model.probabilistic)
+            self.logger.artifacts(tmp / "mlflow_model", "model")
             save_file({k: v.contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
-            save_file(embedding_probe(model, self.tasks[0], cfg.eval.batch_size), str(tmp / "probe.safetensors"))
+            save_file(probe, str(tmp / "probe.safetensors"))
             (tmp / "README.md").write_text(model_card(cfg, metrics, self.progress.step))
-            for name in ("model.safetensors", "loss.safetensors", "probe.safetensors", "README.md"):
+            for name in ("loss.safetensors", "probe.safetensors", "README.md"):
                 self.logger.artifact(tmp / name, "model")
             (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-            self.logger.artifact(tmp / "metrics.json", "eval")
+            (tmp / "summary.md").write_text(summary_table(metrics))
+            for name in ("metrics.json", "summary.md"):
+                self.logger.artifact(tmp / name, "eval")
             for png in write_plots(results, tmp):
                 self.logger.artifact(png, "plots")
         return metrics
+
+
+EXAMPLE_CAPTION = "a photo of a dog"
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """A model-input image (3, H, W) in [-1, 1] back to PNG bytes (the MLflow model's input example)."""
+    import cv2
+    import numpy as np
+
+    from models.preprocess import MEAN, STD
+
+    rgb = ((image.permute(1, 2, 0).numpy() * STD + MEAN) * 255).round().clip(0, 255).astype(np.uint8)
+    ok, data = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+    return data.tobytes()
 
 
 def train_loop(config: dict[str, Any]) -> None:

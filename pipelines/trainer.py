@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config import Config
-from pipelines.tracking import LOCAL_DIR, find_run, finish_run, git_commit, reopen_run, start_run, tracking_uri
+from pipelines.tracking import (LOCAL_DIR, find_run, finish_run, git_commit, register_model, reopen_run, start_run,
+                                tracking_uri)
 
 
 @dataclass
@@ -18,6 +19,7 @@ class FitResult:
     experiment: str
     run_name: str
     checkpoint_path: str | None
+    registered_version: str | None = None  # tracking.register_as: the Model Registry version of this run
 
 
 def prepare_data(cfg: Config) -> None:
@@ -145,6 +147,8 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         finish_run(uri, run_id, "FAILED")
         raise
     metrics = dict(result.metrics or {})
-    finish_run(uri, run_id, "FINISHED" if metrics.get("step", 0) >= t.steps else "KILLED")
+    finished = metrics.get("step", 0) >= t.steps
+    finish_run(uri, run_id, "FINISHED" if finished else "KILLED")
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return FitResult(metrics, uri, run_id, cfg.run.experiment, cfg.run.name, checkpoint)
+    version = register_model(uri, run_id, cfg.tracking.register_as) if finished and cfg.tracking.register_as else None
+    return FitResult(metrics, uri, run_id, cfg.run.experiment, cfg.run.name, checkpoint, version)

@@ -53,6 +53,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
     cfg = load_config(ROOT / "configs" / "demo.yaml", [
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
         f"train.steps={DEMO_STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
+        "tracking.register_as=probvlp-test-clip",
     ])
     return cfg, fit(cfg), tmp
 

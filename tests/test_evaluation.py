@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 import yaml
 from mlflow import MlflowClient
 from PIL import Image
@@ -21,12 +20,13 @@ import jobs.evaluate
 import jobs.pretrain
 import jobs.tune
 from models.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
-from pipelines.config import Config, ConfigError, EvalTask
+from pipelines.config import ConfigError, EvalTask
 from pipelines.digits import NAMES, iter_digits, specific_captions
 from pipelines.eval_data import check_task, iter_local_batches, task_paths
 from pipelines.evaluation import embed_task_locally
 from pipelines.loopback import LoopbackServer
 from pipelines.sweep import load_sweep
+from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def model_of(result, tmp: Path):
 
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp / "dl"),
                                 tracking_uri=result.mlflow_uri)
-    return load_model(Path(folder) / "model.safetensors")
+    return load_model(model_file(Path(folder)))
 
 
 def chance_recall_at_1(tar: Path) -> tuple[float, float]:

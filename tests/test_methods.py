@@ -20,6 +20,7 @@ from models.towers import random_keep
 from pipelines.config import load_config
 from pipelines.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
 from pipelines.trainer import fit
+from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.long  # ~28 min on 2 cores: `make test-long`
@@ -51,7 +52,7 @@ def trained_model(fits, method: str):
     cfg, result, tmp = fits(method)
     folder = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="model",
                                      dst_path=str(tmp / "dl_model"), tracking_uri=result.mlflow_uri))
-    return load_model(folder / "model.safetensors"), cfg
+    return load_model(model_file(Path(folder))), cfg
 
 
 @pytest.mark.parametrize("method", METHODS)

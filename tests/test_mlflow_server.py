@@ -12,6 +12,7 @@ from mlflow.artifacts import download_artifacts
 from models.checkpoint import load_model
 from pipelines.config import load_config
 from pipelines.trainer import fit
+from pipelines.tracking import model_file
 from tests.test_job_submit import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,5 +54,5 @@ def test_run_reaches_mlflow_server(ray_local, digits_root, mlflow_server, tmp_pa
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")
     folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
                                      tracking_uri=mlflow_server))
-    assert load_model(folder / "model.safetensors").context_length == 16
+    assert load_model(model_file(Path(folder))).context_length == 16
     assert (tmp_path / "server_artifacts").exists()

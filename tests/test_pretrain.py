@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from models.checkpoint import load_model
 from pipelines.config import Config
+from pipelines.tracking import model_file
 from tests.conftest import DEMO_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +62,7 @@ def test_saved_model_reloads_with_same_embeddings(trained):
     _, result, tmp = trained
     folder = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="model",
                                      dst_path=str(tmp / "dl_model"), tracking_uri=result.mlflow_uri))
-    model = load_model(folder / "model.safetensors")  # safetensors: no code is unpickled
+    model = load_model(model_file(Path(folder)))  # safetensors: no code is unpickled
     probe = load_file(str(folder / "probe.safetensors"))
     with torch.no_grad():
         image_mu = model.encode_image(probe["images"])["mu"]
@@ -69,6 +70,67 @@ def test_saved_model_reloads_with_same_embeddings(trained):
     assert torch.allclose(image_mu, probe["image_mu"], atol=1e-6)
     assert torch.allclose(text_mu, probe["text_mu"], atol=1e-6)
     assert not torch.allclose(image_mu[0], image_mu[1], atol=1e-3)  # real, distinct embeddings
+
+
+PYFUNC_SCRIPT = """
+import json, sys
+import mlflow, pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+images = [bytes.fromhex(h) for h in json.loads(sys.argv[2])]
+captions = json.loads(sys.argv[3])
+rows = len(images) + len(captions)
+frame = pd.DataFrame({"image": images + [None] * len(captions), "caption": [None] * len(images) + captions})
+out = model.predict(frame)
+import models
+print(json.dumps({"models_from": models.__file__, "columns": list(out.columns),
+                  "image_mu": out["image_mu"][: len(images)].tolist(),
+                  "text_mu": out["text_mu"][len(images):].tolist(),
+                  "empty": [out["text_mu"][0] is None, out["image_mu"][rows - 1] is None]}))
+"""
+
+
+def test_mlflow_model_loads_in_a_fresh_python(trained, tmp_path):
+    """`mlflow.pyfunc.load_model("runs:/<id>/model")` in another process, from another directory, gives the
+    embeddings the trained model gave (the probe), importing the model code logged with it."""
+    import json
+    import subprocess
+    import sys
+
+    from pipelines.train_loop import encode_png
+
+    _, result, tmp = trained
+    folder = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="model",
+                                     dst_path=str(tmp / "dl_pyfunc"), tracking_uri=result.mlflow_uri))
+    probe = load_file(str(folder / "probe.safetensors"))
+    images = [encode_png(img).hex() for img in probe["images"][:4]]
+    captions = ["a photo of the number three", "zero"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLFLOW_TRACKING_URI": result.mlflow_uri}
+    out = subprocess.run([sys.executable, "-c", PYFUNC_SCRIPT, f"runs:/{result.mlflow_run_id}/model",
+                          json.dumps(images), json.dumps(captions)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "/code/models/" in got["models_from"] and str(ROOT) not in got["models_from"]
+    assert got["columns"] == ["image_mu", "text_mu"]  # CLIP is deterministic: no sigma^2 columns
+    assert got["empty"] == [True, True]  # rows without a caption / an image get None
+    assert torch.allclose(torch.tensor(got["image_mu"]), probe["image_mu"][:4], atol=1e-5)
+    model = load_model(model_file(folder))
+    from models.tokenizer import tokenize
+
+    with torch.no_grad():
+        text_mu = model.encode_text(tokenize(captions, model.context_length))["mu"]
+    assert torch.allclose(torch.tensor(got["text_mu"]), text_mu, atol=1e-5)
+
+
+def test_mlflow_model_registered_with_summary(trained):
+    cfg, result, tmp = trained
+    client = MlflowClient(result.mlflow_uri, registry_uri=result.mlflow_uri)
+    versions = client.search_model_versions(f"name = '{cfg.tracking.register_as}'")
+    assert [(str(v.version), v.run_id) for v in versions] == [(result.registered_version, result.mlflow_run_id)]
+    summary = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="eval/summary.md",
+                                      dst_path=str(tmp / "dl_summary"), tracking_uri=result.mlflow_uri)).read_text()
+    top1 = result.metrics["digits_zeroshot/top1"]
+    assert f"| digits_zeroshot | top1 | {top1:.4f} |" in summary
 
 
 def test_local_ray_stays_on_loopback(ray_local):

@@ -1,7 +1,6 @@
 """Training at scale on a local Ray: exact resume, worker-failure recovery, ZeRO stages 1-3."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -1,0 +1,51 @@
+"""Images as every probvlp model sees them: decoded RGB, resized to the model's size, scaled to [-1, 1].
+
+Shared by the training reader, evaluation and the MLflow model, so a served model gets exactly the
+inputs it was trained and evaluated on."""
+from __future__ import annotations
+
+import numpy as np
+
+MEAN, STD = 0.5, 0.5
+
+
+def _cv2():
+    import cv2
+
+    cv2.setNumThreads(1)
+    return cv2
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """Encoded bytes -> HWC uint8 RGB. Raises ValueError on undecodable or truncated data."""
+    if data[:2] == b"\xff\xd8" and b"\xff\xd9" not in data[-64:]:
+        raise ValueError("truncated JPEG (no end-of-image marker)")  # libjpeg would pad it silently
+    arr = _cv2().imdecode(np.frombuffer(data, np.uint8), 1)  # 1 = IMREAD_COLOR (grayscale -> 3 channels)
+    if arr is None:
+        raise ValueError("image decoding error")
+    return _cv2().cvtColor(arr, 4)  # 4 = COLOR_BGR2RGB
+
+
+def resize(arr: np.ndarray, size: int, box: tuple[int, int, int, int] | None = None) -> np.ndarray:
+    """Optional crop box (x, y, w, h), then bicubic resize to size x size (area when shrinking a lot)."""
+    if box is not None:
+        x, y, w, h = box
+        arr = arr[y : y + h, x : x + w]
+    if arr.shape[:2] == (size, size):
+        return np.ascontiguousarray(arr)
+    cv2 = _cv2()
+    shrink = min(arr.shape[:2]) >= 2 * size
+    return cv2.resize(arr, (size, size), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
+
+
+def to_model_input(images) -> np.ndarray:
+    """(B, H, W, 3) uint8 images (or a list of them) or floats in [0, 1] -> (B, 3, H, W) float32 in [-1, 1]."""
+    batch = np.stack(images) if isinstance(images, (list, tuple)) else images
+    if batch.dtype == np.uint8:
+        batch = batch.astype(np.float32) / 255.0
+    return ((batch - MEAN) / STD).transpose(0, 3, 1, 2).copy()
+
+
+def encoded_to_model_input(encoded: list[bytes], size: int) -> np.ndarray:
+    """Encoded images (JPEG, PNG, WebP) -> the model's (B, 3, size, size) input."""
+    return to_model_input([resize(decode_image(data), size) for data in encoded])

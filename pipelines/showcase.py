@@ -1,0 +1,81 @@
+"""What a finished run prints about its model: a few held-out images, what the model predicts for them,
+and sigma^2 for the images and the predicted texts (probabilistic models)."""
+from __future__ import annotations
+
+import torch
+
+from pipelines.config import EvalTask
+from pipelines.eval_data import iter_local_batches, task_paths
+from pipelines.evaluation import class_embeddings, embed_texts, sigma2, split_captions, task_texts
+
+
+def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:
+    """The first zero-shot task, else the first retrieval task (a loss task has nothing to show)."""
+    return next((t for t in tasks if t.kind == "zeroshot"), next((t for t in tasks if t.kind == "retrieval"), None))
+
+
+@torch.no_grad()
+def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> list[str]:
+    batch = next(iter_local_batches(task_paths(task), model.img_size, batch_size=n))
+    image = {k: v.float() for k, v in model.encode_image(torch.as_tensor(batch["image"])).items()}
+    captions = split_captions(batch["captions"])
+    texts, counts, classnames = task_texts(task, captions)
+    counts = counts or [1] * len(texts)
+    labels = classnames or texts
+    text = embed_texts(model, texts)
+    scores = model.class_scores(image, class_embeddings(model, text, counts))
+    best = scores.argmax(dim=1).tolist()
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    lines = [f"sample predictions: {len(best)} held-out images of eval task {task.name!r} ({task.kind})"]
+    if model.probabilistic:
+        lines.append("  sigma^2: mean per-dimension variance; larger = less certain")
+    image_s2 = sigma2(image) if model.probabilistic else None
+    text_s2 = sigma2(text) if model.probabilistic else None
+    for i, j in enumerate(best):
+        truth = (classnames[int(batch["cls"][i])] if classnames and 0 <= int(batch["cls"][i]) < len(classnames)
+                 else (captions[i][0] if captions[i] else "?"))
+        line = f"  image {batch['key'][i]} (true: {truth!r}) -> {labels[j]!r}"
+        if image_s2 is not None:
+            prompts_s2 = text_s2[starts[j] : starts[j] + counts[j]].mean()
+            line += f" | sigma^2 image {image_s2[i]:.4g}, text {prompts_s2:.4g}"
+        lines.append(line)
+    if not model.probabilistic:
+        lines.append(f"  (no sigma^2: {type(model).__name__} is a deterministic model)")
+    return lines
+
+
+def run_summary(cfg, result) -> list[str]:
+    """The end of `jobs.pretrain`: metrics per eval task, where the model is, how to look, sample predictions."""
+    import tempfile
+
+    from models.checkpoint import load_model
+    from pipelines.tracking import resolve_model
+
+    lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
+             f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
+             "final metrics:", *headline(result.metrics)]
+    if result.metrics.get("step", 0) < cfg.train.steps:
+        return lines + [f"stopped at step {result.metrics.get('step', 0)} of {cfg.train.steps}: no final model"]
+    model_uri = f"runs:/{result.mlflow_run_id}/model"
+    lines.append(f"model: {model_uri} (mlflow.pyfunc.load_model; weights in model/data/model.safetensors)")
+    if result.registered_version:
+        lines.append(f"  registered as models:/{cfg.tracking.register_as}/{result.registered_version}")
+    task = showcase_task(cfg.eval.resolved_tasks(cfg.data.root))
+    if task is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = load_model(resolve_model(model_uri, result.mlflow_uri, tmp)["model"])
+        lines += sample_predictions(model, task)
+    return lines
+
+
+HEADLINE = ("top1", "top5", "i2t_R1", "t2i_R1", "rsum", "loss", "i2t_calib_score", "t2i_calib_score", "top1_calib_score")
+
+
+def headline(metrics: dict) -> list[str]:
+    """One line per eval task with its main numbers."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in metrics.items():
+        task, _, name = key.partition("/")
+        if name in HEADLINE and isinstance(value, (int, float)):
+            tasks.setdefault(task, []).append(f"{name} {value:.4g}")
+    return [f"  {task}: {', '.join(parts)}" for task, parts in tasks.items()]
