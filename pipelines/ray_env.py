@@ -13,19 +13,46 @@ import ray
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Per-operator progress bars flood job logs; Ray Train and our own metrics report progress.
 _QUIET_ENV = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
-# A busy laptop or CI box can take over a minute to start the worker actors (Ray's default is 60 s).
-_LOCAL_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}
+_LOCAL_ENV = {
+    # A busy laptop or CI box can take over a minute to start the worker actors (Ray's default is 60 s).
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
+    # Ray Train's controller collects each ray.train.report at its poll (default every 2 s) while the
+    # reporting workers wait: a local run with frequent evaluations spends seconds per report on it.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+}
 
 
 _RAY_DATA_LOGGING = Path(__file__).with_name("ray_data_logging.yaml")
 # Ray Train V2 logs every ray.train.report at INFO, metrics dict and all, from every rank.
 _TRAIN_REPORT_LOGGER = "ray.train.v2._internal.execution.context"
+# Warnings that every CPU run prints and that say nothing about this run, by logger and message start.
+_HARMLESS = {
+    "DeepSpeed": ("Setting accelerator to CPU",),  # no GPU: DeepSpeed's CPU accelerator, as intended
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    "ray.data": ("Progress bars disabled",),  # disabled on purpose (progress lines replace them)
+    "mlflow.pyfunc": ("Validating input example",),
+}
+# DeepSpeed's ZeRO calls a torch collective that torch has renamed; nothing a user can act on.
+_HARMLESS_WARNINGS = (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",)
+
+
+class DropHarmless(logging.Filter):
+    """Drops the records of _HARMLESS (all of them by default: ray_data_logging.yaml builds it without arguments)."""
+
+    def __init__(self, starts: tuple[str, ...] | None = None):
+        super().__init__()
+        self.starts = starts or tuple(s for group in _HARMLESS.values() for s in group)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
 
 
 def quiet_logs() -> None:
-    """Keep Ray's routine per-epoch and per-report INFO lines out of the console (they stay in Ray's log
-    files); warnings and errors still show. Runs in the driver and, as Ray's worker_process_setup_hook,
-    in every worker process before it imports ray.data."""
+    """Keep Ray's routine per-epoch and per-report INFO lines and known harmless warnings out of the console
+    (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, as Ray's
+    worker_process_setup_hook, in every worker process before it imports ray.data."""
+    import warnings
+
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
     spec = importlib.util.find_spec(_TRAIN_REPORT_LOGGER)
     if spec is not None and spec.origin:
@@ -34,6 +61,12 @@ def quiet_logs() -> None:
     for handler in data_logger.handlers:  # ray.data already imported here: its console handler as configured
         if not isinstance(handler, logging.FileHandler) and type(handler).__name__ != "SessionFileHandler":
             handler.setLevel(max(handler.level, logging.WARNING))
+    for name, starts in _HARMLESS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropHarmless) for f in logger.filters):
+            logger.addFilter(DropHarmless(starts))
+    for pattern in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -57,6 +90,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     for key, value in _LOCAL_ENV.items():
         os.environ.setdefault(key, value)
+    local_env = {key: os.environ[key] for key in _LOCAL_ENV}  # a value the user set wins
     os.environ.update(_LOOPBACK_ENV)  # for the processes Ray starts (they import ray afresh)
     # This process imported ray before the variable was set; its constant is read at import time.
     from ray._private import ray_constants
@@ -68,7 +102,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray.init(
         address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {**_LOCAL_ENV, **_LOOPBACK_ENV, **_QUIET_ENV}, "worker_process_setup_hook": hook},
+        runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV}, "worker_process_setup_hook": hook},
     )
 
 

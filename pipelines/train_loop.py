@@ -160,6 +160,8 @@ class Trainer:
         t0, samples0 = time.perf_counter(), p.samples
         if p.step >= self.last_step:
             return
+        if self.console:
+            self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         bad_in_a_row = 0
         for batch in self.batches():
             images = batch["image"].to(self.dtype)

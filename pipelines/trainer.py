@@ -109,12 +109,12 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
 
     from models import create_model
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.train_loop import train_loop
 
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
+    from pipelines.train_loop import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
     context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
@@ -133,6 +133,8 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             callbacks=callbacks,
+            # Ray Train's routine INFO lines (worker group started, checkpoint saved) stay in its log files.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
         datasets=build_datasets(cfg, context_length),
         dataset_config=ray.train.DataConfig(
