@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long install clean bench
+.PHONY: demo test test-fast test-long install clean bench
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# No Ray, no training, no servers: formulas, models, metrics, configs, readers (under 2 minutes).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not pending and not long" tests
 
 # Every method trained to its accuracy target (~28 min on 2 cores; outside `make test` to keep CI short).
 test-long: $(STAMP)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -58,6 +59,37 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
     return cfg, fit(cfg), tmp
 
 
+@pytest.fixture(scope="session")
+def user_shards(ray_local, tmp_path_factory):
+    """Digit images with free-text captions and no labels: URL tables (url, caption) served on 127.0.0.1,
+    downloaded by jobs.download into {root}/train and {root}/test."""
+    import jobs.download
+    from pipelines.digits import iter_digits
+    from pipelines.loopback import LoopbackServer
+
+    tmp = tmp_path_factory.mktemp("user")
+    images = tmp / "site" / "images"
+    images.mkdir(parents=True)
+    rows = {"train": [], "test": []}
+    for s in iter_digits(32):
+        if s.split == "val":
+            continue
+        s.image.save(images / f"{s.key}.png")
+        rows[s.split].append((f"{s.key}.png", s.meta["captions"]["instance"][0]))
+    root = tmp / "shards"
+    with LoopbackServer(tmp / "site") as server:
+        for split, items in rows.items():
+            table = tmp / f"{split}.csv"
+            table.write_text("url,caption\n" + "".join(f"{server.url('images/' + n)},{c.replace(',', '')}\n"
+                                                       for n, c in items))
+            config = tmp / f"download_{split}.yaml"
+            config.write_text(yaml.dump({"run": {"name": f"user-{split}"}, "download": {
+                "input": str(table), "output": str(root / split), "image_size": 32, "rows_per_shard": 500,
+                "threads_per_task": 16, "disallowed_header_directives": []}}))
+            assert jobs.download.main(["--config", str(config)]) == 0
+    return root, tmp
+
+
 # Capability tests that have not yet passed on an unshared machine: they
 # are collected with the `pending` marker and deselected by default (pyproject addopts), so they
 # are listed as deselected, not hidden; run them with `pytest -m pending`. A later session that
@@ -65,7 +97,24 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
 PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 
+# Fixtures that start Ray, a Ray head or a server, or train: a test using one is `slow` (not in `make test-fast`).
+SLOW_FIXTURES = {"ray_local", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded", "site"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(PENDING):
             item.add_marker(pytest.mark.pending)
+        if SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _starts_ray_only_if_slow(request):
+    """A test not marked slow that starts Ray fails, naming itself: `make test-fast` must stay Ray-free."""
+    ray = sys.modules.get("ray")
+    before = ray is not None and ray.is_initialized()
+    yield
+    ray = sys.modules.get("ray")
+    if not before and ray is not None and ray.is_initialized() and request.node.get_closest_marker("slow") is None:
+        pytest.fail(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.slow")

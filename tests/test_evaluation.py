@@ -1,6 +1,6 @@
 """Evaluation on any data: the digits as ordinary tasks, a CLIP_benchmark-layout set written here with
 tarfile, jobs.evaluate (Ray Data actor pool) against the training run's own numbers, user-style shards
-without labels (jobs.download from a loopback server) trained and swept on retrieval, and bad task data."""
+without labels (jobs.download from a loopback server) trained on retrieval (its sweep: tests/test_tune.py), and bad task data."""
 from __future__ import annotations
 
 import io
@@ -15,16 +15,13 @@ import yaml
 from mlflow import MlflowClient
 from PIL import Image
 
-import jobs.download
 import jobs.evaluate
 import jobs.pretrain
-import jobs.tune
 from models.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
 from pipelines.config import ConfigError, EvalTask
-from pipelines.digits import NAMES, iter_digits, specific_captions
+from pipelines.digits import NAMES, specific_captions
 from pipelines.eval_data import check_task, iter_local_batches, task_paths
 from pipelines.evaluation import embed_task_locally
-from pipelines.loopback import LoopbackServer
 from pipelines.sweep import load_sweep
 from pipelines.tracking import model_file
 
@@ -145,33 +142,6 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
 # ------------------------------------------------------------------------------------ user-style shards
 
 
-@pytest.fixture(scope="module")
-def user_shards(ray_local, tmp_path_factory):
-    """Digit images with free-text captions and no labels: URL tables (url, caption) served on 127.0.0.1,
-    downloaded by jobs.download into {root}/train and {root}/test."""
-    tmp = tmp_path_factory.mktemp("user")
-    images = tmp / "site" / "images"
-    images.mkdir(parents=True)
-    rows = {"train": [], "test": []}
-    for s in iter_digits(32):
-        if s.split == "val":
-            continue
-        s.image.save(images / f"{s.key}.png")
-        rows[s.split].append((f"{s.key}.png", s.meta["captions"]["instance"][0]))
-    root = tmp / "shards"
-    with LoopbackServer(tmp / "site") as server:
-        for split, items in rows.items():
-            table = tmp / f"{split}.csv"
-            table.write_text("url,caption\n" + "".join(f"{server.url('images/' + n)},{c.replace(',', '')}\n"
-                                                       for n, c in items))
-            config = tmp / f"download_{split}.yaml"
-            config.write_text(yaml.safe_dump({"run": {"name": f"user-{split}"}, "download": {
-                "input": str(table), "output": str(root / split), "image_size": 32, "rows_per_shard": 500,
-                "threads_per_task": 16, "disallowed_header_directives": []}}))
-            assert jobs.download.main(["--config", str(config)]) == 0
-    return root, tmp
-
-
 def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards, capsys):
     root, tmp = user_shards
     with tarfile.open(sorted((root / "test").glob("*.tar"))[0]) as t:
@@ -191,24 +161,6 @@ def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards,
     assert {"heldout/i2t_R1", "heldout/t2i_R10", "heldout/rsum", "heldout/i2t_mAP_R", "heldout_loss/loss"} <= set(metrics)
     assert not any("top1" in k or "zero" in k for k in metrics)
     assert metrics["heldout/rsum"] > 0
-
-
-def test_sweep_on_user_shards_optimises_retrieval(user_shards, tmp_path):
-    root, _ = user_shards
-    sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "base": str(ROOT / "configs" / "user_data.yaml"),
-        "overrides": [f"data.root={root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "train.steps=20",
-                      "train.eval_every=10", "train.num_workers=1", "run.experiment=user-sweep"],
-        "space": {"train.lr": {"loguniform": [1.0e-5, 3.0e-3]}},
-        "tune": {"name": "user", "metric": "heldout/rsum", "mode": "max", "num_samples": 4, "scheduler": "fifo",
-                 "search_alg": "random", "storage_path": str(tmp_path / "tune"), "experiment": "user-sweeps"},
-    }))
-    assert jobs.tune.main(["--config", str(sweep), "--best-config-out", str(tmp_path / "best.yaml")]) == 0
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("user-sweep").experiment_id])
-    values = [r.data.metrics["heldout/rsum"] for r in runs]
-    assert len(values) == 4 and len(set(values)) > 1  # the sweep optimises something that varies
 
 
 # ------------------------------------------------------------------------------------ bad task data

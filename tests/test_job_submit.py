@@ -1,4 +1,5 @@
-"""`ray job submit` against a real local head, with token auth, everything on 127.0.0.1."""
+"""`ray job submit` against a real local head with token auth, the job logging to a real `mlflow server`
+(sqlite backend, proxied artifacts); everything on 127.0.0.1."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,10 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
+
+from models.checkpoint import load_model
+from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -62,7 +67,7 @@ def ray_head(tmp_path_factory):
         wait_http(f"http://127.0.0.1:{dash}/api/version", head)
         yield f"http://127.0.0.1:{dash}", env
     finally:
-        head.terminate()
+        head.terminate()  # `ray start --block` stops its processes on SIGTERM
         try:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -70,11 +75,31 @@ def ray_head(tmp_path_factory):
         log.close()
 
 
-def test_job_submit_runs_pretrain_and_logs_to_mlflow(ray_head, tmp_path):
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    log = (tmp_path / "mlflow.log").open("w")
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server_artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=120)
+        yield f"http://127.0.0.1:{port}", tmp_path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_job_submit_runs_pretrain_and_logs_to_mlflow_server(ray_head, mlflow_server, tmp_path):
     """The demo's job as a user submits it: the console shows progress lines and the run summary, not Ray
-    Data's per-epoch execution lines nor Ray Train's per-report lines."""
+    Data's per-epoch execution lines nor Ray Train's per-report lines; every result reaches the MLflow server."""
     address, env = ray_head
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri, server_dir = mlflow_server
     # Without --no-wait the CLI streams the job's logs and exits 1 if the job fails: one process, no polling.
     args = [str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".", "--",
             "python", "-m", "jobs.pretrain", "--config", "configs/demo.yaml",
@@ -103,7 +128,17 @@ def test_job_submit_runs_pretrain_and_logs_to_mlflow(ray_head, tmp_path):
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("jobs").experiment_id])
     assert len(runs) == 1 and runs[0].info.run_name == "submitted" and runs[0].info.status == "FINISHED"
-    assert runs[0].data.tags["probvlp.master_addr"] == "127.0.0.1"
+    run = runs[0]
+    assert run.data.tags["probvlp.master_addr"] == "127.0.0.1"
+    assert run.data.params["train.steps"] == "20" and run.data.params["tracking.uri"] == uri
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20]
+    assert "digits_zeroshot/top1" in run.data.metrics
+    # The artifacts went through the server (proxied artifact store), not a shared local path.
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+    folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
+                                     tracking_uri=uri))
+    assert load_model(model_file(folder)).context_length == 16
+    assert (server_dir / "server_artifacts").exists()
 
 
 def test_jobs_api_refuses_requests_without_the_token(ray_head):

@@ -12,9 +12,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-import jobs.pretrain
 import jobs.tune
-from pipelines.config import ConfigError
+from pipelines.config import ConfigError, load_config
 from pipelines.sweep import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +37,8 @@ def sweep_file(tmp: Path, digits_root: str, name: str, num_samples: int, space=N
         "base": str(ROOT / "configs" / "prolip_llip_tiny.yaml"),
         "overrides": [
             f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", "run.experiment=sweep-trials",
-            "train.steps=40", "train.eval_every=10", "train.num_workers=1", "train.batch_size=64",
-            "train.warmup_steps=10", "eval.split=val",
+            "train.steps=20", "train.eval_every=10", "train.num_workers=1", "train.batch_size=64",
+            "train.warmup_steps=2", "eval.split=val",
             "data.mid_caption_prob=0", "data.general_caption_prob=0", "data.augment=false",
         ],
         "space": space or KNOBS,
@@ -64,15 +63,15 @@ def children(uri: str, sweep: str) -> list:
 
 @pytest.mark.timeout(2400)
 def test_sweep_logs_trials_and_stops_bad_ones_early(ray_local, digits_root, tmp_path):
-    path = sweep_file(tmp_path, digits_root, "four", num_samples=4)
+    path = sweep_file(tmp_path, digits_root, "three", num_samples=3)
     best_out = tmp_path / "best.yaml"
     assert jobs.tune.main(["--config", str(path), "--best-config-out", str(best_out)]) == 0
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
     parent = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id])[0]
-    runs = children(uri, "four")
-    assert len(runs) == 4
+    runs = children(uri, "three")
+    assert len(runs) == 3
     assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parent.info.run_id}
     for r in runs:
         assert set(KNOBS) <= set(r.data.params)  # eps, c, alpha, beta, tau, K (and lr) as sampled
@@ -88,14 +87,25 @@ def test_sweep_logs_trials_and_stops_bad_ones_early(ray_local, digits_root, tmp_
 
     best = yaml.safe_load(best_out.read_text())
     assert best["train"]["lr"] == pytest.approx(2.0e-3) and best["model"]["name"] == "prolip_llip_tiny"
-    # The best config is a ready-to-run pretraining config.
-    assert jobs.pretrain.main(["--config", str(best_out), "--set", "train.steps=10", "--set", "train.eval_every=0",
-                               "--set", f"run.storage_path={tmp_path / 'best_run'}"]) == 0
+    # The best config is a complete pretraining config: it loads and validates as one.
+    assert load_config(best_out).model.overrides["mixture_tokens"] == GOOD["model.overrides.mixture_tokens"]
 
 
 @pytest.mark.timeout(2400)
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(digits_root, tmp_path):
-    path = sweep_file(tmp_path, digits_root, "resumable", num_samples=3, scheduler="fifo")
+def test_interrupted_sweep_on_user_shards_resumes_and_optimises_retrieval(user_shards, tmp_path):
+    """A 4-trial sweep on user-style shards (no labels) optimising held-out retrieval, run as a user would:
+    interrupted with Ctrl-C after a trial finished, then the same command again: finished trials are kept,
+    not rerun, and the trials' metric varies."""
+    root, _ = user_shards
+    path = tmp_path / "user.yaml"
+    path.write_text(yaml.safe_dump({
+        "base": str(ROOT / "configs" / "user_data.yaml"),
+        "overrides": [f"data.root={root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "train.steps=20",
+                      "train.eval_every=10", "train.num_workers=1", "run.experiment=sweep-trials"],
+        "space": {"train.lr": {"loguniform": [1.0e-5, 3.0e-3]}},
+        "tune": {"name": "resumable", "metric": "heldout/rsum", "mode": "max", "num_samples": 4, "scheduler": "fifo",
+                 "search_alg": "random", "storage_path": str(tmp_path / "tune"), "experiment": "sweeps"},
+    }))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cmd = [sys.executable, "-m", "jobs.tune", "--config", str(path), "--best-config-out", str(tmp_path / "b.yaml")]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -110,7 +120,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(digits_root
     first.wait(timeout=180)
     done_before = {r.data.tags["probvlp.trial_id"]: r.info.run_id for r in children(uri, "resumable")
                    if r.info.status == "FINISHED"}
-    assert done_before
+    assert done_before and len(done_before) < 4
 
     second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -118,13 +128,18 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(digits_root
     by_trial: dict[str, list] = {}
     for r in runs:
         by_trial.setdefault(r.data.tags["probvlp.trial_id"], []).append(r)
-    assert len(by_trial) == 3
+    assert len(by_trial) == 4
     client = MlflowClient(uri)
     for trial_id, run_id in done_before.items():
         assert [r.info.run_id for r in by_trial[trial_id]] == [run_id]  # not rerun
         assert "probvlp.resumes" not in client.get_run(run_id).data.tags
         steps = [m.step for m in client.get_metric_history(run_id, "loss")]
         assert steps == sorted(set(steps))
+    finished = [next(r for r in rs if r.info.status == "FINISHED") for rs in by_trial.values()]
+    values = [r.data.metrics["heldout/rsum"] for r in finished]
+    assert len(set(values)) > 1  # the sweep optimises something that varies
+    assert not any("top1" in k for r in finished for k in r.data.metrics)  # no labels, no zero-shot
+    assert "[sweep] trial " in second.stdout and "heldout/rsum" in second.stdout  # progress lines
 
 
 @pytest.mark.parametrize(
