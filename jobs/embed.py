@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.checkpoint import load_model
     from pipelines.batch_inference import InferenceOptions, embed_images, embed_texts, read_embeddings
     from pipelines.evaluation import distinct_captions, split_captions
-    from pipelines.ray_env import init_ray
+    from pipelines.ray_env import init_ray, local_cpus
     from pipelines.reader import shard_paths
     from pipelines.tracking import resolve_model, tracking_uri
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    init_ray()
+    init_ray(num_cpus=local_cpus(args.actors, 1))  # a local Ray keeps CPUs beside the actors for decoding
     model = load_model(source["model"])
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
     folder = embed_images(str(source["model"]), paths, model.img_size, out, opts, stats_name="embed")

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.showcase import headline
     from pipelines.batch_inference import InferenceOptions
     from pipelines.evaluate_model import evaluate_model
-    from pipelines.ray_env import init_ray
+    from pipelines.ray_env import init_ray, local_cpus
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
     from pipelines.trainer import check_eval_tasks, prepare_data
 
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(args.actors, 1))
     try:
         prepare_data(cfg)
         check_eval_tasks(cfg)
