@@ -49,3 +49,13 @@ def to_model_input(images) -> np.ndarray:
 def encoded_to_model_input(encoded: list[bytes], size: int) -> np.ndarray:
     """Encoded images (JPEG, PNG, WebP) -> the model's (B, 3, size, size) input."""
     return to_model_input([resize(decode_image(data), size) for data in encoded])
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """The inverse of `to_model_input` for one image: (3, H, W) in [-1, 1] -> PNG bytes (exact for images
+    that came from uint8 pixels)."""
+    rgb = ((image.transpose(1, 2, 0) * STD + MEAN) * 255).round().clip(0, 255).astype(np.uint8)
+    ok, data = _cv2().imencode(".png", _cv2().cvtColor(rgb, 4))  # 4 = COLOR_RGB2BGR (its own inverse)
+    if not ok:
+        raise ValueError(f"could not encode an image of shape {image.shape} as PNG")
+    return data.tobytes()

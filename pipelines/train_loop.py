@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from models import create_model, default_loss
 from models.openclip_weights import load_openclip_weights, read_openclip_state
+from models.preprocess import encode_png
 from models.checkpoint import save_model
 from models.gather import World
 from models.losses import create_loss
@@ -284,7 +285,7 @@ class Trainer:
             probe = embedding_probe(model, self.tasks[0], cfg.eval.batch_size)
             # The MLflow model (MLmodel, code/, data/model.safetensors) is the `model` folder; the loss weights,
             # the probe and the model card sit beside it.
-            save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(probe["images"][0]),
+            save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(probe["images"][0].numpy()),
                               EXAMPLE_CAPTION, model.probabilistic)
             self.logger.artifacts(tmp / "mlflow_model", "model")
             save_file({k: v.contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
@@ -302,18 +303,6 @@ class Trainer:
 
 
 EXAMPLE_CAPTION = "a photo of a dog"
-
-
-def encode_png(image: torch.Tensor) -> bytes:
-    """A model-input image (3, H, W) in [-1, 1] back to PNG bytes (the MLflow model's input example)."""
-    import cv2
-    import numpy as np
-
-    from models.preprocess import MEAN, STD
-
-    rgb = ((image.permute(1, 2, 0).numpy() * STD + MEAN) * 255).round().clip(0, 255).astype(np.uint8)
-    ok, data = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
-    return data.tobytes()
 
 
 def train_loop(config: dict[str, Any]) -> None:

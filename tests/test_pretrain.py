@@ -96,13 +96,13 @@ def test_mlflow_model_loads_in_a_fresh_python(trained, tmp_path):
     import subprocess
     import sys
 
-    from pipelines.train_loop import encode_png
+    from models.preprocess import encode_png
 
     _, result, tmp = trained
     folder = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="model",
                                      dst_path=str(tmp / "dl_pyfunc"), tracking_uri=result.mlflow_uri))
     probe = load_file(str(folder / "probe.safetensors"))
-    images = [encode_png(img).hex() for img in probe["images"][:4]]
+    images = [encode_png(img.numpy()).hex() for img in probe["images"][:4]]
     captions = ["a photo of the number three", "zero"]
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLFLOW_TRACKING_URI": result.mlflow_uri}
     out = subprocess.run([sys.executable, "-c", PYFUNC_SCRIPT, f"runs:/{result.mlflow_run_id}/model",
