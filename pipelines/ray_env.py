@@ -75,12 +75,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     for key, value in _QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    quiet_logs()
+    quiet_logs()  # before ray.data is imported here, so its logging config is ours
     # The env var is read when ray.data is imported, which may already have happened.
     from ray.data import DataContext
 
     DataContext.get_current().enable_progress_bars = False
-    quiet_logs()
+    quiet_logs()  # and again, for a ray.data that was imported earlier with Ray's own console handler
     address = address or os.environ.get("RAY_ADDRESS")
     hook = f"{__name__}.quiet_logs"
     if address:
