@@ -65,7 +65,7 @@ def ray_head(tmp_path_factory):
     )
     try:
         wait_http(f"http://127.0.0.1:{dash}/api/version", head)
-        yield f"http://127.0.0.1:{dash}", env
+        yield f"http://127.0.0.1:{dash}", env, temp
     finally:
         head.terminate()  # `ray start --block` stops its processes on SIGTERM
         try:
@@ -98,7 +98,7 @@ def mlflow_server(tmp_path_factory):
 def test_job_submit_runs_pretrain_and_logs_to_mlflow_server(ray_head, mlflow_server, tmp_path):
     """The demo's job as a user submits it: the console shows progress lines and the run summary, not Ray
     Data's per-epoch execution lines nor Ray Train's per-report lines; every result reaches the MLflow server."""
-    address, env = ray_head
+    address, env, ray_temp = ray_head
     uri, server_dir = mlflow_server
     # Without --no-wait the CLI streams the job's logs and exits 1 if the job fails: one process, no polling.
     args = [str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".", "--",
@@ -119,7 +119,9 @@ def test_job_submit_runs_pretrain_and_logs_to_mlflow_server(ray_head, mlflow_ser
     progress = [line for line in logs.splitlines() if "[train] step " in line]
     assert [line.split("[train] step ")[1].split(" ")[0] for line in progress] == ["5/20", "10/20", "15/20", "20/20"]
     assert all(" | loss " in line and "samples/s" in line and " | ETA " in line for line in progress)
-    assert "Starting execution of Dataset" not in logs  # still in the session's logs/ray-data/ray-data.log
+    assert "Starting execution of Dataset" not in logs
+    ray_data_logs = "".join(p.read_text() for p in ray_temp.glob("session_*/logs/ray-data/*.log"))
+    assert "Starting execution of Dataset" in ray_data_logs  # kept in Ray's log files
     assert "Reporting training result" not in logs
     assert "digits_zeroshot: top1" in logs  # the per-task headline jobs.pretrain prints
     assert "sample predictions: 4 held-out images of eval task 'digits_zeroshot'" in logs
@@ -142,7 +144,7 @@ def test_job_submit_runs_pretrain_and_logs_to_mlflow_server(ray_head, mlflow_ser
 
 
 def test_jobs_api_refuses_requests_without_the_token(ray_head):
-    address, env = ray_head
+    address, env, _ = ray_head
     env = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN",)}
     env["HOME"] = "/nonexistent"  # no ~/.ray/auth_token either
     out = subprocess.run([str(BIN / "ray"), "job", "list", f"--address={address}"], env=env,
