@@ -272,6 +272,26 @@ class Config(Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def with_absolute_paths(self) -> "Config":
+        """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
+        in other working directories than the command that was started."""
+        def local(value: str | None) -> str | None:
+            if value is None or "://" in value or value.startswith(("{data.root}", "open_clip:")):
+                return value
+            return str(Path(value).expanduser().resolve())
+
+        uri, prefix = self.tracking.uri, "sqlite:///"
+        if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
+            uri = prefix + local(uri[len(prefix):])  # sqlite:////abs/path
+        tasks = None if self.eval.tasks is None else [
+            t.model_copy(update={"data": local(t.data), "templates": local(t.templates)}) for t in self.eval.tasks]
+        return self.model_copy(update={
+            "data": self.data.model_copy(update={"root": local(self.data.root)}),
+            "model": self.model.model_copy(update={"init_from_openclip": local(self.model.init_from_openclip)}),
+            "eval": self.eval.model_copy(update={"tasks": tasks}),
+            "tracking": self.tracking.model_copy(update={"uri": uri}),
+        })
+
     def flat(self) -> dict[str, Any]:
         """Dotted keys -> scalar values, for MLflow params."""
         out: dict[str, Any] = {}

@@ -31,6 +31,7 @@ _HARMLESS = {
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
     "ray.data": ("Progress bars disabled",),  # disabled on purpose (progress lines replace them)
     "mlflow.pyfunc": ("Validating input example",),
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
 # DeepSpeed's ZeRO calls a torch collective that torch has renamed; nothing a user can act on.
 _HARMLESS_WARNINGS = (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",)
@@ -61,6 +62,8 @@ def quiet_logs() -> None:
     for handler in data_logger.handlers:  # ray.data already imported here: its console handler as configured
         if not isinstance(handler, logging.FileHandler) and type(handler).__name__ != "SessionFileHandler":
             handler.setLevel(max(handler.level, logging.WARNING))
+            if not any(isinstance(f, DropHarmless) for f in handler.filters):
+                handler.addFilter(DropHarmless())  # ray.data's child loggers log through this handler
     for name, starts in _HARMLESS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropHarmless) for f in logger.filters):

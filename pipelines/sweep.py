@@ -187,6 +187,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
+    base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.num_workers * s.max_concurrent, t.cpus_per_worker))
     prepare_data(base)  # once, before concurrent trials could race on it

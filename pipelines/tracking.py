@@ -211,8 +211,12 @@ def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
 
     path = Path(source)
     if path.is_file():
-        loss = path.with_name("loss.safetensors")
-        return {"model": path, "loss": loss if loss.is_file() else None, "run_id": None, "config": None}
+        # beside the weights, or, for the weights of a downloaded MLflow model (<model>/data/), in <model>/
+        beside = [path.with_name("loss.safetensors")]
+        if (path.parent.parent / "MLmodel").is_file():
+            beside.append(path.parent.parent / "loss.safetensors")
+        loss = next((p for p in beside if p.is_file()), None)
+        return {"model": path, "loss": loss, "run_id": None, "config": None}
     run_id = source[len("runs:/"):].split("/")[0] if source.startswith("runs:/") else source
     if not re.fullmatch(r"[0-9a-f]{32}", run_id):
         raise ValueError(f"--model {source!r}: not a file, runs:/<run_id>/model, or an MLflow run id")

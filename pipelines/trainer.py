@@ -112,6 +112,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
 
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
     from pipelines.train_loop import train_loop  # after init_ray quietened the logs: it imports DeepSpeed

@@ -88,3 +88,22 @@ def test_cli_exit_code_through_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jobs.pretrain", "--config", str(tmp_path / "absent.yaml")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("config error: config file not found")
+
+
+def test_local_paths_become_absolute_for_the_workers(tmp_path, monkeypatch):
+    """Ray workers and Tune trials run in other directories: fit() hands them absolute local paths."""
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.model_validate({
+        "data": {"root": "data/digits"}, "tracking": {"uri": "sqlite:///runs/mlflow.db"},
+        "eval": {"tasks": [{"name": "mine", "kind": "retrieval", "data": "my_eval"},
+                           {"name": "zs", "kind": "zeroshot", "data": "{data.root}/eval", "templates": "t.json"},
+                           {"name": "remote", "kind": "retrieval", "data": "s3://bucket/set"}]}})
+    out = cfg.with_absolute_paths()
+    assert out.data.root == str(tmp_path / "data" / "digits")
+    assert out.tracking.uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    assert [t.data for t in out.eval.tasks] == [str(tmp_path / "my_eval"), "{data.root}/eval", "s3://bucket/set"]
+    assert out.eval.tasks[1].templates == str(tmp_path / "t.json")
+    assert out.eval.resolved_tasks(out.data.root)[1].data == str(tmp_path / "data" / "digits" / "eval")
+    assert out.with_absolute_paths() == out and cfg.data.root == "data/digits"  # idempotent; the original kept
+    served = Config.model_validate({"tracking": {"uri": "http://127.0.0.1:5000"}}).with_absolute_paths()
+    assert served.tracking.uri == "http://127.0.0.1:5000"
