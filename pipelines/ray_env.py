@@ -55,6 +55,7 @@ def quiet_logs() -> None:
     import warnings
 
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact download
     spec = importlib.util.find_spec(_TRAIN_REPORT_LOGGER)
     if spec is not None and spec.origin:
         logging.getLogger(spec.origin).setLevel(logging.WARNING)  # that module's logger is named by its file
