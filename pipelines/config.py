@@ -7,6 +7,7 @@ message naming the key (`ConfigError`). Plain dicts appear only at the Ray bound
 from __future__ import annotations
 
 import inspect
+import os
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -278,7 +279,7 @@ class Config(Section):
         def local(value: str | None) -> str | None:
             if value is None or "://" in value or value.startswith(("{data.root}", "open_clip:")):
                 return value
-            return str(Path(value).expanduser().resolve())
+            return os.path.abspath(os.path.expanduser(value))
 
         uri, prefix = self.tracking.uri, "sqlite:///"
         if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
