@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.preprocess import to_model_input
+
 OUTPUT_KEYS = ("mu", "logvar", "mix")
 
 
@@ -57,8 +59,6 @@ class ImageEmbedder(_Embedder):
     @torch.no_grad()
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
-
-        from models.preprocess import to_model_input
 
         out = self.model.encode_image(torch.from_numpy(to_model_input(batch["image"])).to(self.device))
         return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),

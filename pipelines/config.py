@@ -277,9 +277,9 @@ class Config(Section):
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
         in other working directories than the command that was started."""
         def local(value: str | None) -> str | None:
-            if value is None or "://" in value or value.startswith(("{data.root}", "open_clip:")):
+            if value is None or value.startswith(("{data.root}", "open_clip:")):
                 return value
-            return os.path.abspath(os.path.expanduser(value))
+            return absolute_local(value)
 
         uri, prefix = self.tracking.uri, "sqlite:///"
         if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
@@ -306,6 +306,11 @@ class Config(Section):
 
         walk("", self.to_dict())
         return out
+
+
+def absolute_local(path: str) -> str:
+    """URIs as they are; local paths absolute (Ray workers run in other directories)."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
 def _format_error(err: ValidationError) -> str:

@@ -66,10 +66,9 @@ class EvalDecode:
 
             ray.get(self.stats.add.remote(self.stats_name, len(images), corrupt))
         size = self.image_size
-        if self.uint8:
-            image = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
-        else:
-            image = to_model_input(images) if images else np.zeros((0, 3, size, size), np.float32)
+        image = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
+        if not self.uint8:
+            image = to_model_input(image)
         return {
             "key": np.asarray(out_keys, dtype=object),
             "image": image,

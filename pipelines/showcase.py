@@ -46,13 +46,11 @@ def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> li
 
 def run_summary(cfg, result) -> list[str]:
     """The end of `jobs.pretrain`: metrics per eval task, where the model is, how to look, sample predictions."""
-    import os
     import tempfile
 
     from models.checkpoint import load_model
     from pipelines.tracking import resolve_model
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per file otherwise
     lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
              f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
              "final metrics:", *headline(result.metrics)]

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import Config, ConfigError, Section, _format_error, apply_overrides, load_config
+from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides,
+                              load_config)
 
 
 class Domain(Section):
@@ -183,7 +184,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     from ray import tune
 
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.trainer import check_eval_tasks, prepare_data, resolve_storage
+    from pipelines.trainer import check_eval_tasks, prepare_data
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
@@ -193,7 +194,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     prepare_data(base)  # once, before concurrent trials could race on it
     check_eval_tasks(base)
     uri = tracking_uri(base.tracking.uri)
-    root = resolve_storage(s.storage_path).rstrip("/")
+    root = absolute_local(s.storage_path).rstrip("/")
     exp_path = f"{root}/{s.name}"
 
     parent = find_run(uri, s.experiment, f"sweep:{s.name}")

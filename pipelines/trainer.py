@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pipelines.config import Config
+from pipelines.config import Config, absolute_local
 from pipelines.tracking import (LOCAL_DIR, find_run, finish_run, git_commit, register_model, reopen_run, start_run,
                                 tracking_uri)
 
@@ -61,13 +60,8 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
     return datasets
 
 
-def resolve_storage(path: str) -> str:
-    """URIs as they are; local paths absolute (Ray workers run in other directories)."""
-    return path if "://" in path else str(Path(path).expanduser().resolve())
-
-
 def storage_path(cfg: Config) -> str:
-    return resolve_storage(cfg.run.storage_path)
+    return absolute_local(cfg.run.storage_path)
 
 
 def run_exists(cfg: Config) -> bool:
