@@ -136,6 +136,7 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
     from models import create_model, default_loss
     from models.losses import create_loss
     from models.objective import Objective
+    from pipelines.caption_sampling import CaptionSampler
     from pipelines.digits import write_digit_shards
     from pipelines.ray_env import init_ray
     from pipelines.reader import read_shards, read_split, shard_paths
@@ -178,9 +179,10 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
         for c in range(copies):
             for path in shard_paths(tmp, "train"):
                 shutil.copy(path, long_dir / f"{c:02d}-{Path(path).name}")
-        digits = read_split(tmp, "train", 32, model.context_length, 0.15, 0.15)
-        long = read_shards(sorted(str(p) for p in long_dir.glob("*.tar")), 32, model.context_length, 0.15, 0.15,
-                           augment=True, shuffle=True, stats_name="bench-long")
+        captions = CaptionSampler(mid=0.15, general=0.15)
+        digits = read_split(tmp, "train", 32, model.context_length, captions=captions)
+        long = read_shards(sorted(str(p) for p in long_dir.glob("*.tar")), 32, model.context_length,
+                           captions=captions, augment=True, shuffle=True, stats_name="bench-long")
         read_rate(digits, 1), read_rate(long, 1), train_rate()  # warm-up: worker start, imports, caches
         rows = []
         for _ in range(rounds):

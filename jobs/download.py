@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
-    from pipelines.download import DownloadError, format_summary, run_download
+    from pipelines.download import run_download
+    from pipelines.download_summary import format_summary
     from pipelines.ray_env import init_ray
+    from pipelines.url_table import DownloadError
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:

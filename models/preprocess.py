@@ -20,10 +20,11 @@ def decode_image(data: bytes) -> np.ndarray:
     """Encoded bytes -> HWC uint8 RGB. Raises ValueError on undecodable or truncated data."""
     if data[:2] == b"\xff\xd8" and b"\xff\xd9" not in data[-64:]:
         raise ValueError("truncated JPEG (no end-of-image marker)")  # libjpeg would pad it silently
-    arr = _cv2().imdecode(np.frombuffer(data, np.uint8), 1)  # 1 = IMREAD_COLOR (grayscale -> 3 channels)
+    cv2 = _cv2()
+    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)  # grayscale -> 3 channels
     if arr is None:
         raise ValueError("image decoding error")
-    return _cv2().cvtColor(arr, 4)  # 4 = COLOR_BGR2RGB
+    return cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
 
 
 def resize(arr: np.ndarray, size: int, box: tuple[int, int, int, int] | None = None) -> np.ndarray:
@@ -55,7 +56,8 @@ def encode_png(image: np.ndarray) -> bytes:
     """The inverse of `to_model_input` for one image: (3, H, W) in [-1, 1] -> PNG bytes (exact for images
     that came from uint8 pixels)."""
     rgb = ((image.transpose(1, 2, 0) * STD + MEAN) * 255).round().clip(0, 255).astype(np.uint8)
-    ok, data = _cv2().imencode(".png", _cv2().cvtColor(rgb, 4))  # 4 = COLOR_RGB2BGR (its own inverse)
+    cv2 = _cv2()
+    ok, data = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
     if not ok:
         raise ValueError(f"could not encode an image of shape {image.shape} as PNG")
     return data.tobytes()

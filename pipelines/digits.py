@@ -104,12 +104,6 @@ def digit_image(pixels: np.ndarray, size: int) -> Image.Image:
     return gray.resize((size, size), Image.BILINEAR).convert("RGB")
 
 
-def encode_jpeg(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=95)
-    return buf.getvalue()
-
-
 @dataclass
 class DigitSample:
     key: str
@@ -171,7 +165,8 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
     import ray
 
     from pipelines.config import DownloadConfig
-    from pipelines.download import format_summary, run_download
+    from pipelines.download import run_download
+    from pipelines.download_summary import format_summary
     from pipelines.loopback import LoopbackServer
     from pipelines.ray_env import init_ray
 

@@ -22,7 +22,9 @@ import numpy as np
 
 from models.preprocess import resize, to_model_input
 from pipelines.config import ConfigError, EvalTask
-from pipelines.reader import IMAGE_COLUMNS, _total_bytes, decode_row, shard_paths, stats_actor
+from pipelines.fsspec_io import total_bytes
+from pipelines.reader import IMAGE_COLUMNS, decode_row, shard_paths
+from pipelines.reader_stats import stats_actor
 
 CLASSNAMES, TEMPLATES = "classnames.txt", "zeroshot_classification_templates.txt"
 
@@ -85,7 +87,7 @@ def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None =
     import ray.data
 
     ds = ray.data.read_webdataset(paths, decoder=None)
-    if _total_bytes(paths) <= cache_max_mb * 2**20:
+    if total_bytes(paths) <= cache_max_mb * 2**20:
         ds.context.execution_options.preserve_order = True
         ds = ds.materialize()
     stats = stats_actor() if stats_name else None

@@ -5,7 +5,6 @@ download benchmark. Never binds anything but loopback.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
@@ -71,9 +70,3 @@ class LoopbackServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def serve_folder(folder: str | Path, delay_s: float = 0.0):
-    with LoopbackServer(folder, delay_s) as server:
-        yield server

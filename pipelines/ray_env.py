@@ -8,7 +8,7 @@ from pathlib import Path
 
 import ray
 
-# Measured here (see FACTS.md): without this, a single-node Ray advertises the machine's
+# Without this, a single-node Ray (as measured on Linux hosts) advertises the machine's
 # external address and torch.distributed's MASTER_ADDR follows it. Local runs only.
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Per-operator progress bars flood job logs; Ray Train and our own metrics report progress.

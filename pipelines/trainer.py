@@ -39,14 +39,16 @@ def check_eval_tasks(cfg: Config) -> None:
 
 
 def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
+    from pipelines.caption_sampling import CaptionSampler
     from pipelines.eval_data import read_eval_shards, task_paths
     from pipelines.reader import read_shards, read_split
     from pipelines.train_loop import eval_dataset_name
 
     size = cfg.data.image_size
     datasets = {
-        "train": read_split(cfg.data.root, "train", size, context_length, mid_prob=cfg.data.mid_caption_prob,
-                            general_prob=cfg.data.general_caption_prob, instance_prob=cfg.data.instance_caption_prob,
+        "train": read_split(cfg.data.root, "train", size, context_length,
+                            captions=CaptionSampler(mid=cfg.data.mid_caption_prob, general=cfg.data.general_caption_prob,
+                                                    instance=cfg.data.instance_caption_prob),
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
                             ordered=cfg.data.deterministic),
     }

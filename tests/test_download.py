@@ -23,8 +23,10 @@ import yaml
 from PIL import Image
 
 from pipelines.config import DownloadConfig, load_config
-from pipelines.download import DownloadError, plan, run_download, shard_tars
+from pipelines.download import run_download, shard_tars
+from pipelines.download_plan import plan
 from pipelines.loopback import LoopbackServer
+from pipelines.url_table import DownloadError
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_SIZE = 32

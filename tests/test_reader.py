@@ -10,7 +10,11 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from pipelines.reader import Preprocess, color_maps, decode_image, read_shards, read_split, reader_stats, resize
+from models.preprocess import decode_image, resize
+from pipelines.augmentation import augment_batch, color_maps, random_crop_boxes
+from pipelines.caption_sampling import CaptionSampler
+from pipelines.reader import read_shards, read_split
+from pipelines.reader_stats import reader_stats
 
 SIZE, CONTEXT = 16, 12
 
@@ -84,11 +88,9 @@ def test_augmentation_on_for_train_off_for_eval_and_seeded(ray_local, tmp_path):
 
 
 def test_augment_crop_jitter_grayscale_rates():
-    from pipelines.reader import augment, random_resized_crop
-
     img = decode_image(image_bytes(1, (40, 40)))
     rng = np.random.default_rng(0)
-    outs = [augment(img, SIZE, rng).astype(np.int16) for _ in range(300)]
+    outs = [np.rint(augment_batch([img], SIZE, rng)[0] * 255).astype(np.int16) for _ in range(300)]
     assert all(o.shape == (SIZE, SIZE, 3) for o in outs)
     gray = np.mean([np.abs(o[..., 0] - o[..., 1]).max() <= 1 and np.abs(o[..., 1] - o[..., 2]).max() <= 1
                     for o in outs])
@@ -96,7 +98,8 @@ def test_augment_crop_jitter_grayscale_rates():
     # RandomResizedCrop keeps 80-100% of the area: a marked corner pixel survives a crop often, not always
     marked = np.zeros((100, 100, 3), np.uint8)
     marked[:4, :4] = 255
-    kept = [random_resized_crop(marked, 100, rng)[:2, :2].mean() > 100 for _ in range(300)]
+    one = np.array([100])
+    kept = [resize(marked, 100, random_crop_boxes(one, one, rng)[0])[:2, :2].mean() > 100 for _ in range(300)]
     assert 0.05 < np.mean(kept) < 0.6
 
 
@@ -195,15 +198,14 @@ def test_ordered_reads_repeat_exactly(ray_local, tmp_path):
 
 def test_caption_levels_are_drawn_at_their_shares():
     caps = {"general": ["g"], "mid": ["m"], "instance": ["i"], "specific": ["s1", "s2"]}
-    pre = Preprocess(SIZE, CONTEXT, mid_prob=0.1, general_prob=0.2, instance_prob=0.4, seed=None)
-    pre.rng = np.random.default_rng(0)
-    drawn = [pre.caption({"captions": caps}, "fallback") for _ in range(4000)]
+    sampler, rng = CaptionSampler(mid=0.1, general=0.2, instance=0.4), np.random.default_rng(0)
+    drawn = [sampler.draw({"captions": caps}, "fallback", rng) for _ in range(4000)]
     share = {c: drawn.count(c) / len(drawn) for c in ("g", "m", "i")}
     assert abs(share["g"] - 0.2) < 0.03 and abs(share["m"] - 0.1) < 0.03 and abs(share["i"] - 0.4) < 0.03
     assert abs((drawn.count("s1") + drawn.count("s2")) / len(drawn) - 0.3) < 0.03
     # a level the sample lacks falls back to the specific captions; no captions at all: the txt
     no_instance = {k: v for k, v in caps.items() if k != "instance"}
-    assert {pre.caption({"captions": no_instance}, "fallback") for _ in range(200)} <= {"g", "m", "s1", "s2"}
-    assert pre.caption({}, "fallback") == "fallback"
+    assert {sampler.draw({"captions": no_instance}, "fallback", rng) for _ in range(200)} <= {"g", "m", "s1", "s2"}
+    assert sampler.draw({}, "fallback", rng) == "fallback"
     for odd in (["a list"], {"general": []}, {"specific": "not a list"}):
-        assert pre.caption({"captions": odd}, "fallback") == "fallback"
+        assert sampler.draw({"captions": odd}, "fallback", rng) == "fallback"

@@ -1,0 +1,76 @@
+"""A download's summary: every unique URL counted once, as written or under its failure reason.
+
+Counts come from the per-shard ``_stats.json`` of every finished shard (img2dataset's ``status_dict``)
+plus this run's failed parts, so a summary after a re-run covers the whole output folder.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from pipelines.config import DownloadConfig
+from pipelines.download_shard import PartResult, shard_done, shard_name
+from pipelines.fsspec_io import fs_path, read_json
+
+
+def summarize(cfg: DownloadConfig, manifest: dict, results: list[PartResult], skipped: int,
+              seconds: float) -> dict[str, Any]:
+    fs, out = fs_path(cfg.output)
+    reasons: Counter = Counter()
+    written = complete = 0
+    failed_parts = {r.shard: r for r in results if not r.ok}
+    for part in manifest["parts"]:
+        name = shard_name(part["shard"], manifest["shard_digits"])
+        stats = read_json(fs, f"{out}/{name}_stats.json") if shard_done(fs, out, name) else None
+        if stats is None:
+            r = failed_parts.get(part["shard"])
+            reasons[f"part failed: {r.error}" if r else "not downloaded yet"] += part["rows"]
+            continue
+        complete += 1
+        written += int(stats.get("successes", 0))
+        for reason, n in (stats.get("status_dict") or {}).items():
+            if reason != "success":
+                reasons[reason] += int(n)
+    this_run = sum(int(r.stats.get("count", 0)) for r in results if r.ok)
+    written_this_run = sum(int(r.stats.get("successes", 0)) for r in results if r.ok)
+    unique = sum(p["rows"] for p in manifest["parts"])
+    return {
+        "input": cfg.input,
+        "output": cfg.output,
+        "input_rows": manifest["input_rows"],
+        "duplicates_removed": manifest["duplicates_removed"],
+        "missing_url": manifest["missing_url"],
+        "unique_urls": unique,
+        "written": written,
+        "failed": unique - written,
+        "failed_by_reason": dict(reasons.most_common()),
+        "captions_repaired": manifest["captions_repaired"],
+        "empty_captions": manifest["empty_captions"],
+        "shards": len(manifest["parts"]),
+        "shards_complete": complete,
+        "shards_skipped": skipped,
+        "shards_downloaded": sum(r.ok for r in results),
+        "shards_failed": len(failed_parts),
+        "urls_fetched_this_run": this_run,
+        "written_this_run": written_this_run,
+        "seconds": round(seconds, 3),
+        "images_per_s": round(written_this_run / seconds, 2) if seconds > 0 else 0.0,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"download summary for {s['output']}",
+        f"  input rows {s['input_rows']}, duplicates removed {s['duplicates_removed']}, "
+        f"rows without URL {s['missing_url']}, unique URLs {s['unique_urls']}",
+        f"  written {s['written']}, failed {s['failed']}",
+    ]
+    lines += [f"    {n:>8}  {reason}" for reason, n in s["failed_by_reason"].items()]
+    lines.append(f"  shards {s['shards_complete']}/{s['shards']} complete (this run: {s['shards_downloaded']} "
+                 f"downloaded, {s['shards_skipped']} already finished, {s['shards_failed']} failed)")
+    lines.append(f"  captions repaired (not UTF-8) {s['captions_repaired']}, empty captions {s['empty_captions']}")
+    lines.append(f"  {s['written_this_run']} images written this run in {s['seconds']:.1f}s "
+                 f"({s['images_per_s']:.1f} images/s)")
+    if s["shards_complete"] < s["shards"]:
+        lines.append("  some shards are incomplete: run the same command again to finish them")
+    return "\n".join(lines)

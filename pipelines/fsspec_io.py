@@ -1,0 +1,49 @@
+"""Local folders and fsspec object stores (s3://, gs://, ...) behind one set of small helpers."""
+from __future__ import annotations
+
+import json
+import uuid
+
+
+def fs_path(uri: str):
+    """(filesystem, path without trailing slash) for a local path or an fsspec URI."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs, path.rstrip("/")
+
+
+def _protocol(fs) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
+def is_local(fs) -> bool:
+    return _protocol(fs) in ("file", "local")
+
+
+def uri(fs, path: str) -> str:
+    """A path of `fs` as other processes open it: as it is on local disk, else with its protocol prefix."""
+    return path if is_local(fs) else f"{_protocol(fs)}://{path}"
+
+
+def total_bytes(uris: list[str]) -> int:
+    total = 0
+    for u in uris:
+        fs, path = fs_path(u)
+        total += fs.size(path) or 0
+    return total
+
+
+def write_bytes_atomic(fs, path: str, data: bytes) -> None:
+    """Readers see the old file or the whole new one, never a partial write."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def read_json(fs, path: str) -> dict | None:
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read())

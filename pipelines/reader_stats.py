@@ -1,0 +1,59 @@
+"""Decoded and corrupt sample counts of the reader, kept in one small named Ray actor per cluster.
+
+Counts are keyed by the dataset's ``stats_name``. A corrupt sample is counted each time it is met
+(once per epoch); ``corrupt_unique`` counts distinct keys.
+"""
+from __future__ import annotations
+
+import functools
+
+STATS_ACTOR, STATS_NAMESPACE = "probvlp_reader_stats", "probvlp"
+
+
+@functools.lru_cache(maxsize=None)
+def _stats_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class ReaderStats:
+        """Decoded / corrupt sample counts per dataset name, and a capped set of corrupt keys."""
+
+        MAX_KEYS = 100_000
+
+        def __init__(self):
+            self.counts: dict[str, dict[str, int]] = {}
+            self.keys: dict[str, set] = {}
+
+        def add(self, name: str, decoded: int, corrupt_keys: list[str]) -> None:
+            c = self.counts.setdefault(name, {"decoded": 0, "corrupt": 0})
+            c["decoded"] += decoded
+            c["corrupt"] += len(corrupt_keys)
+            keys = self.keys.setdefault(name, set())
+            for key in corrupt_keys:
+                if len(keys) < self.MAX_KEYS:
+                    keys.add(key)
+
+        def get(self, name: str) -> dict:
+            c = dict(self.counts.get(name, {"decoded": 0, "corrupt": 0}))
+            c["corrupt_unique"] = len(self.keys.get(name, ()))
+            c["corrupt_examples"] = sorted(self.keys.get(name, ()))[:20]
+            return c
+
+    return ReaderStats
+
+
+def stats_actor():
+    """The cluster's `ReaderStats` actor (created on first use).
+
+    Detached: a non-detached actor dies once the last handle to it is dropped (when a dataset is
+    freed), and a later run in the same driver would get the dying actor by name.
+    """
+    return _stats_actor_class().options(name=STATS_ACTOR, namespace=STATS_NAMESPACE, get_if_exists=True,
+                                        lifetime="detached").remote()
+
+
+def reader_stats(name: str) -> dict:
+    """{decoded, corrupt, corrupt_unique, corrupt_examples} for a dataset read with this stats_name."""
+    import ray
+
+    return ray.get(stats_actor().get.remote(name))
