@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.losses
 	$(PY) -m benchmarks.data
 	$(PY) -m benchmarks.train_step
+	$(PY) -m benchmarks.adapter
 
 clean:
 	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

@@ -204,6 +204,14 @@ def ggd_variance(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return torch.exp(2.0 * torch.log(alpha) + torch.lgamma(3.0 / beta) - torch.lgamma(1.0 / beta))
 
 
+def negative_mls(mu1: torch.Tensor, logvar1: torch.Tensor, mu2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
+    """Elementwise negative mutual likelihood score of row-paired diagonal Gaussians, (N, D):
+    -log N(mu1 - mu2; 0, sigma1^2 + sigma2^2) per dimension (the PFE-style baseline's loss)."""
+    log_v = torch.logaddexp(logvar1, logvar2)
+    # PFE (Shi & Jain 2019) Eq. 3: -s = 1/2 sum ((mu1 - mu2)^2 / (s1^2 + s2^2) + log(s1^2 + s2^2) + log 2 pi)
+    return 0.5 * ((mu1 - mu2).pow(2) * torch.exp(-log_v) + log_v + math.log(2 * math.pi))
+
+
 __all__ = [
     "contextual_ppcl_logits",
     "csd",
@@ -212,6 +220,7 @@ __all__ = [
     "ggd_variance",
     "inclusion_test",
     "log_inclusion",
+    "negative_mls",
     "pml_logits",
     "ppcl_logits",
     "sigma_sq_sum",

@@ -21,6 +21,7 @@ Keys read from ``out`` (B = local batch, N = global batch, D = embedding width):
   mix_lambda (B,) float, mix_partner (B,) long      PCME++ MSDA soft labels   (PML, optional)
   pair_cos                          (B, N) Llip contextualised cosines (models.llip.LlipMixer)
   image_hat/_alpha/_beta/_target, text_hat/_alpha/_beta/_target   (B, D)   (ProbVLM)
+  image_mu/_logvar, text_mu/_logvar of row-matched pairs           (B, D)   (PFE-style baseline)
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from models.distributions import (
     contextual_ppcl_logits,
     ggd_nll,
     inclusion_test,
+    negative_mls,
     pml_logits,
     ppcl_logits,
     vib_kl,
@@ -487,3 +489,17 @@ class ProbVLMLoss(nn.Module):
             "cross": cross.detach(),
             "l1": l1.detach(),
         }
+
+
+@register_loss("pfe_mls")
+class PFELoss(nn.Module):
+    """PFE-style baseline of ProbVLM's Table 1 ("PFE*"): the means stay the frozen embeddings and only the
+    variances learn, from the mutual likelihood score of each matching image-caption pair (PFE Eq. 3),
+    averaged over rows and dimensions. Reads image_mu, image_logvar, text_mu, text_logvar (B, D), row-matched.
+    """
+
+    def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        i_mu, i_lv, t_mu, t_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
+        with _no_autocast(i_mu):
+            loss = negative_mls(_fp(i_mu), _fp(i_lv), _fp(t_mu), _fp(t_lv)).mean()
+        return {"loss": loss}

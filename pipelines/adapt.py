@@ -1,0 +1,244 @@
+"""Driver of `jobs.adapt`: source model -> embeddings (Ray Data) -> adapter (Ray Train) -> adapted model, scored.
+
+Order: every check that needs no Ray first (config, source model, existing embeddings, eval data), then
+Ray: batch inference of the training pairs when their embeddings are missing, the Ray Train fit on the
+embeddings, the adapted model file(s), evaluation from the source's task embeddings, MLflow.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipelines.adapt_config import AdaptConfig
+from pipelines.adapt_data import Pairs, compute_embeddings, has_embeddings, load_pairs, write_digit_pairs
+from pipelines.adapt_source import AdaptError, Source, file_sha256, resolve_source
+
+REGISTRY_NAMES = {"probvlm": "probvlm_adapter", "pfe": "pfe_adapter"}
+EXAMPLE_CAPTION = "a photo of a dog"
+
+
+@dataclass
+class AdaptResult:
+    out: Path
+    model_file: Path  # the adapted model (source + adapter)
+    baseline_file: Path | None
+    metrics: dict[str, float]  # eval: {task}/{metric}, baseline/{task}/{metric}
+    train: dict[str, Any]  # the workers' final report (steps, samples/s, ...)
+    mlflow_uri: str
+    mlflow_run_id: str
+    source: Source
+    pairs: int
+    plots: list[Path] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+
+
+def pair_shards(cfg: AdaptConfig) -> list[str]:
+    """The training pairs' shards (the digits' are written first when missing)."""
+    from pipelines.reader import shard_paths
+
+    if cfg.data.source == "digits":
+        folder = write_digit_pairs(cfg.data.root, cfg.data.split)
+        return shard_paths(str(folder), None)
+    try:
+        return shard_paths(cfg.data.root, cfg.data.split)
+    except FileNotFoundError as err:
+        raise AdaptError(f"data.root: {err}") from None
+
+
+def prepare_digits(cfg: AdaptConfig) -> None:
+    from pipelines.digits import write_digit_eval_sets, write_digit_shards
+
+    write_digit_shards(cfg.data.root, image_size=32, shard_size=500, seed=0)  # the demo's: a no-op when present
+    write_digit_eval_sets(cfg.data.root)
+
+
+def adapter_overrides(cfg: AdaptConfig, source: Source, head: str) -> dict[str, Any]:
+    a = cfg.adapter
+    extra = {"dropout": a.dropout, "mc_samples": a.mc_samples, "mc_seed": a.mc_seed} if head == "probvlm" else {}
+    return {"source": source.name, "source_overrides": source.overrides, "hidden": a.hidden, **extra}
+
+
+def build_adapted(cfg: AdaptConfig, source: Source, head: str, adapter_state: dict):
+    """The adapted model: the source's exact weights + the trained adapter."""
+    from models.registry import create_model
+
+    model = create_model(REGISTRY_NAMES[head], **adapter_overrides(cfg, source, head))
+    model.source.load_state_dict(source.model.state_dict())
+    model.adapter.load_state_dict(adapter_state)
+    return model.eval()
+
+
+def source_unchanged(source: Source, models: list) -> bool:
+    """Every source tensor of every adapted model equals the source file's, and the file is unchanged."""
+    import torch
+    from safetensors.torch import load_file
+
+    original = load_file(str(source.path))
+    for model in models:
+        state = model.source.state_dict()
+        if state.keys() != original.keys() or not all(torch.equal(state[k], original[k]) for k in original):
+            return False
+    return file_sha256(source.path) == source.sha256
+
+
+def check_before_ray(cfg: AdaptConfig, out: Path, uri: str) -> tuple[Source, Path, Pairs | None]:
+    """Source, embeddings folder and (if they exist) the checked pairs; AdaptError on bad input."""
+    from models.probvlm import embedding_width
+
+    source = resolve_source(cfg.source, uri, out / "source")
+    folder = Path(cfg.data.embeddings) if cfg.data.embeddings else out / "embeddings"
+    pairs = load_pairs(folder, embedding_width(source.model)) if has_embeddings(folder) else None
+    return source, folder, pairs
+
+
+def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from models.probvlm import embedding_width
+    from pipelines.batch_inference import InferenceOptions
+    from pipelines.ray_env import init_ray, local_cpus
+    from pipelines.tracking import finish_run, git_commit, start_run, tracking_uri
+
+    cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
+    if cfg.run.name is None:
+        cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    uri = tracking_uri(cfg.tracking.uri)
+    source, folder, pairs = check_before_ray(cfg, out, uri)
+    width = embedding_width(source.model)
+
+    t = cfg.train
+    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(max(t.num_workers, cfg.embed.actors), t.cpus_per_worker))
+    from pipelines.adapt_loop import ADAPTER_FILE, adapt_loop  # after init_ray quietened the logs
+
+    if cfg.data.source == "digits":
+        prepare_digits(cfg)
+    tasks = cfg.resolved_tasks()
+    from pipelines.eval_data import check_task
+    from pipelines.config import ConfigError
+
+    for task in tasks:
+        try:
+            check_task(task)
+        except ConfigError as err:
+            raise AdaptError(f"eval: {err}") from None
+    opts = InferenceOptions(concurrency=cfg.embed.actors, batch_size=cfg.embed.batch_size,
+                            num_gpus=cfg.embed.gpus_per_actor)
+    paths = pair_shards(cfg)
+    seconds, clock = {}, time.perf_counter()
+    if pairs is None:
+        compute_embeddings(source.path, paths, source.model.img_size, folder, opts)
+        pairs = load_pairs(folder, width)
+    seconds["embed_pairs"], clock = time.perf_counter() - clock, time.perf_counter()
+
+    tags = {"probvlp.kind": "adapt", "probvlp.run_name": cfg.run.name, "probvlp.model": REGISTRY_NAMES[cfg.adapter.head],
+            "probvlp.method": "probvlm" if cfg.adapter.head == "probvlm" else "pfe_mls",
+            "probvlp.source_model": source.name, "probvlp.source_run": source.run_id or "",
+            "mlflow.source.git.commit": git_commit() or ""}
+    params = {**cfg.flat(), "source.file": str(source.path), "source.sha256": source.sha256, "data.pairs": len(pairs.image),
+              "data.images": pairs.n_images, "data.texts": pairs.n_texts, "embed_dim": width}
+    run_id = start_run(uri, cfg.run.experiment, cfg.run.name, params, cfg.to_yaml(), tags)
+    try:
+        import ray.data
+
+        dataset = ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))
+        trainer = TorchTrainer(
+            adapt_loop,
+            train_loop_config={"config": cfg.to_dict(), "dim": width, "mlflow_uri": uri, "mlflow_run_id": run_id},
+            scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
+                                                   resources_per_worker=None if t.use_gpu else {"CPU": t.cpus_per_worker}),
+            run_config=ray.train.RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
+                                           failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+                                           logging_config=ray.train.LoggingConfig(log_level="WARNING")),
+            datasets={"train": dataset},
+        )
+        result = trainer.fit()
+        seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(result.checkpoint.path) / ADAPTER_FILE))
+        heads = {"adapter": cfg.adapter.head, **({"baseline": cfg.adapter.baseline} if cfg.adapter.baseline != "none" else {})}
+        models = {name: build_adapted(cfg, source, head, {k.removeprefix(f"{name}."): v for k, v in state.items()
+                                                          if k.startswith(f"{name}.")})
+                  for name, head in heads.items()}
+        if not source_unchanged(source, list(models.values())):
+            raise RuntimeError("the source model's weights changed during adaptation")
+        files = save_models(cfg, source, heads, models, out)
+        metrics, plots = evaluate_adapted(cfg, source, models, tasks, out, opts)
+        seconds["evaluate"] = time.perf_counter() - clock
+        log_results(cfg, uri, run_id, files, metrics, plots, paths, {**dict(result.metrics or {}),
+                                                                     **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
+    except BaseException:
+        finish_run(uri, run_id, "FAILED")
+        raise
+    finish_run(uri, run_id)
+    return AdaptResult(out, files["adapter"], files.get("baseline"), metrics, dict(result.metrics or {}), uri, run_id,
+                       source, len(pairs.image), plots, seconds)
+
+
+def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:
+    from models.checkpoint import save_model
+
+    files = {}
+    for name, model in models.items():
+        files[name] = out / ("model.safetensors" if name == "adapter" else f"{name}.safetensors")
+        save_model(model.state_dict(), files[name], REGISTRY_NAMES[heads[name]], adapter_overrides(cfg, source, heads[name]))
+    return files
+
+
+def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out: Path, opts):
+    """Each task: the source's embeddings by batch inference, scored for every adapted model; plots."""
+    from pipelines.adapt_eval import comparison_plot, score_adapted
+    from pipelines.batch_inference import embed_task
+    from pipelines.evaluation import prefixed, write_plots
+
+    metrics: dict[str, float] = {}
+    plots: list[Path] = []
+    adapter_results = {}
+    for task in tasks:
+        emb = embed_task(str(source.path), source.model, task, out / "eval" / task.name, opts)
+        results = score_adapted(models, task, emb, cfg.eval.calibration_bins)
+        for name, res in results.items():
+            metrics.update({(k if name == "adapter" else f"{name}/{k}"): v for k, v in prefixed(task, res).items()})
+        adapter_results[task.name] = results["adapter"]
+        if len(results) > 1:
+            plot = comparison_plot(task.name, results, out / "plots")
+            plots += [plot] if plot else []
+    plots += write_plots(adapter_results, _mkdir(out / "plots"))
+    return metrics, plots
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def log_results(cfg: AdaptConfig, uri: str, run_id: str, files: dict[str, Path], metrics: dict[str, float],
+                plots: list[Path], paths: list[str], train: dict[str, Any], out: Path) -> None:
+    """Eval metrics, the MLflow model of the adapted model, the baseline's file, results and plots."""
+    from pipelines.eval_data import iter_tar_samples
+    from pipelines.tracking import StepLogger, save_mlflow_model
+
+    logger = StepLogger(uri, run_id, flush_every=None)
+    logger.log({**metrics, **{k: v for k, v in train.items() if k.startswith("seconds_")}}, int(train.get("step", 0)))
+    logger.tag("probvlp.source_unchanged", "true")
+    logger.flush()
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    logger.artifact(out / "metrics.json", "eval")
+    example = next(iter_tar_samples(paths, limit=1))
+    image = next(example[k] for k in ("jpg", "jpeg", "png", "webp") if k in example)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_mlflow_model(files["adapter"], Path(tmp) / "model", image, EXAMPLE_CAPTION, True)
+        logger.artifacts(folder, "model")
+    for name, path in files.items():
+        if name != "adapter":
+            logger.artifact(path, name)
+    for png in plots:
+        logger.artifact(png, "plots")

@@ -1,0 +1,178 @@
+"""Typed configuration of `jobs.adapt` (the ProbVLM adapter), loaded from YAML like `pipelines.config`.
+
+Unknown keys, wrong types and out-of-range values fail with one line naming the key (`ConfigError`);
+`--set a.b=value` overrides. The run, eval, tracking and ray sections are the pretraining config's own.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from pipelines.config import (ConfigError, EvalConfig, RayConfig, RunConfig, Section, TrackingConfig, _format_error,
+                              absolute_local, apply_overrides)
+
+
+class SourceConfig(Section):
+    # The frozen deterministic model: a probvlp model file (.safetensors), runs:/<run_id>/model, an MLflow
+    # run id, or open_clip:<arch> (open_clip CLIP weights, loaded into our CLIP towers).
+    model: str
+    # open_clip sources: a local weights file (.safetensors, or a torch state dict read with weights_only);
+    # None: open_clip downloads `open_clip:<arch>/<pretrained tag>` itself.
+    weights: str | None = None
+    # open_clip sources: the registry model the weights load into and its overrides (None: from the
+    # known-architecture table in models.adapter_source).
+    build: str | None = None
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class AdaptDataConfig(Section):
+    # digits: the bundled digits (written under `root` if missing), trained on image-caption pairs of their
+    # train split (a class template and the instance caption per image, as the digits retrieval task);
+    # shards: {root}/{split}/*.tar image-caption pairs (txt, one caption per line; jobs.download output).
+    source: Literal["digits", "shards"] = "digits"
+    root: str = ".probvlp/data/digits"
+    split: str = "train"
+    # Embeddings of the training pairs (jobs.embed's layout: images/ and texts/ parquet). Used when the folder
+    # holds them; otherwise the source model writes them there first (Ray Data batch inference).
+    # None: {run folder}/embeddings.
+    embeddings: str | None = None
+
+
+class AdapterConfig(Section):
+    # probvlm: the GGD adapter; pfe: the PFE-style baseline (frozen mean, learned Gaussian variance).
+    head: Literal["probvlm", "pfe"] = "probvlm"
+    hidden: int = Field(256, ge=1)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    # MC-dropout passes for the epistemic variance (0: aleatoric only).
+    mc_samples: int = Field(16, ge=0)
+    mc_seed: int = 0
+    # Also train the PFE-style baseline on the same batches and report its calibration beside the adapter's.
+    baseline: Literal["pfe", "none"] = "none"
+
+    @model_validator(mode="after")
+    def _mc_needs_dropout(self) -> "AdapterConfig":
+        if self.head == "probvlm" and self.mc_samples > 0 and self.dropout == 0:
+            raise ValueError("adapter.mc_samples: MC-dropout passes need adapter.dropout > 0")
+        return self
+
+
+class AdaptLossConfig(Section):
+    # ProbVLM Eq. 8: L_rec^V + L_rec^T + lambda_cross L_cross (1e-4 as the paper); optional L1 reconstruction term.
+    lambda_cross: float = Field(1e-4, ge=0)
+    l1: float = Field(0.0, ge=0)
+    # ProbVLM Eq. 16's first-order form of the power term.
+    approx: bool = False
+
+
+class AdaptTrainConfig(Section):
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    batch_size: int = Field(128, ge=2, description="per worker")
+    steps: int = Field(500, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    log_every: int = Field(50, ge=1)
+
+
+class EmbedConfig(Section):
+    """Ray Data batch inference of the source model (training pairs and eval tasks)."""
+
+    actors: int = Field(1, ge=1)
+    batch_size: int = Field(256, ge=1)
+    gpus_per_actor: float = Field(0.0, ge=0)
+
+
+class AdaptConfig(Section):
+    run: RunConfig = Field(default_factory=lambda: RunConfig(experiment="probvlp-adapt"))
+    source: SourceConfig
+    data: AdaptDataConfig = Field(default_factory=AdaptDataConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    loss: AdaptLossConfig = Field(default_factory=AdaptLossConfig)
+    train: AdaptTrainConfig = Field(default_factory=AdaptTrainConfig)
+    embed: EmbedConfig = Field(default_factory=EmbedConfig)
+    # Tasks scored at the end (retrieval / zeroshot; calibration of the adapter and the baseline).
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _checks(self) -> "AdaptConfig":
+        spec = self.source
+        if not spec.model.startswith("open_clip:") and (spec.weights is not None or spec.build is not None or spec.overrides):
+            raise ValueError("source.weights / build / overrides: only for open_clip:<arch> sources")
+        for task in self.eval.tasks or []:
+            if task.kind == "loss":
+                raise ValueError(f"eval.tasks: {task.name!r}: loss tasks need the source's training loss; "
+                                 "the adapter is scored on retrieval and zeroshot tasks")
+        return self
+
+    def resolved_tasks(self):
+        """Eval tasks; without eval.tasks: retrieval on {data.root}/{eval.split} ("heldout")."""
+        from pipelines.config import EvalTask
+
+        tasks = self.eval.tasks or [EvalTask(name="heldout", kind="retrieval")]
+        return self.eval.model_copy(update={"tasks": tasks}).resolved_tasks(self.data.root)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+    def with_absolute_paths(self) -> "AdaptConfig":
+        """Local paths absolute (Ray workers run in other directories); URIs and open_clip: as they are."""
+        def local(value: str | None) -> str | None:
+            return value if value is None or value.startswith(("open_clip:", "runs:/", "{data.root}")) else absolute_local(value)
+
+        model = self.source.model
+        if Path(model).exists():
+            model = absolute_local(model)
+        uri, prefix = self.tracking.uri, "sqlite:///"
+        if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
+            uri = prefix + absolute_local(uri[len(prefix):])
+        tasks = None if self.eval.tasks is None else [
+            t.model_copy(update={"data": local(t.data), "templates": local(t.templates)}) for t in self.eval.tasks]
+        return self.model_copy(update={
+            "source": self.source.model_copy(update={"model": model, "weights": local(self.source.weights)}),
+            "data": self.data.model_copy(update={"root": local(self.data.root), "embeddings": local(self.data.embeddings)}),
+            "run": self.run.model_copy(update={"storage_path": local(self.run.storage_path)}),
+            "eval": self.eval.model_copy(update={"tasks": tasks}),
+            "tracking": self.tracking.model_copy(update={"uri": uri}),
+        })
+
+
+def load_adapt_config(path: str | Path, overrides: list[str] | None = None) -> AdaptConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return adapt_config_from_dict(apply_overrides(data, overrides or []))
+
+
+def adapt_config_from_dict(data: dict[str, Any]) -> AdaptConfig:
+    try:
+        return AdaptConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None

@@ -1,0 +1,375 @@
+"""ProbVLM adapter (papers/004): formulas, the adapted model, bad input, and one real `jobs.adapt` run on the
+session's trained CLIP (Ray Data embeddings, Ray Train fit, MLflow) checked for a frozen source, reloading,
+calibration against the PFE-style baseline, corruption and out-of-distribution behaviour."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from scipy import stats
+
+import jobs.adapt
+from models import create_model
+from models.checkpoint import load_model, save_model
+from models.distributions import ggd_variance, negative_mls
+from models.losses import create_loss
+from models.probvlm import AdaptedModel, ProbVLMAdapter
+from pipelines.adapt_config import load_adapt_config
+from pipelines.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "probvlm_demo.yaml"
+
+
+# ------------------------------------------------------------------------------------ formulas and model
+
+
+def test_negative_mls_is_the_gaussian_density_of_the_difference():
+    g = torch.Generator().manual_seed(0)
+    mu1, mu2 = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+    l1, l2 = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+    ref = -stats.norm.logpdf((mu1 - mu2).numpy(), 0.0, np.sqrt(np.exp(l1.numpy()) + np.exp(l2.numpy())))
+    np.testing.assert_allclose(negative_mls(mu1, l1, mu2, l2).numpy(), ref, rtol=1e-12)
+    out = {"image_mu": mu1, "image_logvar": l1, "text_mu": mu2, "text_logvar": l2}
+    assert create_loss("pfe_mls")(out)["loss"].item() == pytest.approx(ref.mean(), rel=1e-12)
+
+
+def test_adapter_uncertainty_is_ggd_variance_plus_mc_dropout_variance():
+    torch.manual_seed(0)
+    adapter = ProbVLMAdapter(8, hidden=16, dropout=0.2, mc_samples=5, mc_seed=3)
+    z = torch.nn.functional.normalize(torch.randn(6, 8), dim=-1)
+    with torch.no_grad():
+        u = adapter.uncertainty("image", z)
+        mu_hat, alpha, beta = adapter.image.eval()(z)
+        assert (alpha > 0).all() and (beta > 0).all()
+        torch.testing.assert_close(u["aleatoric"], ggd_variance(alpha, beta))
+        torch.testing.assert_close(u["mu_hat"], mu_hat)
+        # epistemic: the (1/M) variance of mu_hat over M passes, each one sampled sub-network for all rows
+        masks = adapter.image.mc_masks(5, 3 + 0, z.device)
+        passes = [adapter.image(z, {k: [m[i : i + 1] for m in v] for k, v in masks.items()})[0][0] for i in range(5)]
+        torch.testing.assert_close(u["epistemic"], torch.stack(passes).var(dim=0, unbiased=False))
+        assert (u["epistemic"] > 0).all()
+        # the same uncertainty for a row whatever batch it comes in, and the sum is the model's variance
+        torch.testing.assert_close(adapter.uncertainty("image", z[2:4])["epistemic"], u["epistemic"][2:4])
+        torch.testing.assert_close(adapter.variance("image", z), u["aleatoric"] + u["epistemic"])
+        assert torch.equal(adapter.uncertainty("image", z, mc_samples=0)["epistemic"], torch.zeros_like(z))
+    adapter.train()
+    a, b = adapter.image(z)[0], adapter.image(z)[0]
+    assert not torch.equal(a, b)  # dropout is on in training
+
+
+def test_adapted_model_saves_and_reloads_without_pickle(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("probvlm_adapter", source="clip_tiny", hidden=32, mc_samples=4).eval()
+    path = tmp_path / "adapted.safetensors"
+    save_model(model.state_dict(), path, "probvlm_adapter", {"source": "clip_tiny", "hidden": 32, "mc_samples": 4})
+    assert path.read_bytes()[:8] != b"\x80\x04\x95"[:8]  # a safetensors header, no pickle
+    again = load_model(path)
+    images, tokens = torch.randn(3, 3, 32, 32), torch.randint(1, 400, (3, 16))
+    with torch.no_grad():
+        for a, b in ((model.encode_image(images), again.encode_image(images)), (model.encode_text(tokens), again.encode_text(tokens))):
+            assert torch.equal(a["mu"], b["mu"]) and torch.equal(a["logvar"], b["logvar"])
+    assert again.probabilistic and not any(p.requires_grad for p in again.source.parameters())
+    again.train()
+    assert not again.source.training  # the source stays frozen in eval mode
+    with pytest.raises(ValueError, match="probabilistic"):
+        create_model("probvlm_adapter", source="prolip_tiny")
+
+
+# ------------------------------------------------------------------------------------ configs and bad input
+
+
+def test_configs_load_and_name_bad_keys(tmp_path):
+    cfg = load_adapt_config(CONFIG, ["train.steps=7", "loss.lambda_cross=0.5"])
+    assert cfg.train.steps == 7 and cfg.loss.lambda_cross == 0.5 and cfg.adapter.baseline == "pfe"
+    assert load_adapt_config(ROOT / "configs" / "probvlm_openclip_b16.yaml").source.model == "open_clip:ViT-B-16"
+    with pytest.raises(ConfigError, match="^adapter.hiddn: unknown key"):
+        load_adapt_config(CONFIG, ["adapter.hiddn=3"])
+    with pytest.raises(ConfigError, match="loss tasks need"):
+        load_adapt_config(CONFIG, ["eval.tasks=[{name: l, kind: loss}]"])
+    with pytest.raises(ConfigError, match="only for open_clip"):
+        load_adapt_config(CONFIG, ["source.weights=x.safetensors"])
+
+
+def write_embeddings(folder: Path, image: np.ndarray, text: np.ndarray, logvar: bool = False) -> None:
+    """jobs.embed's layout: images/ (key, captions, cls, mu[, logvar]) and texts/ (index, text, mu)."""
+    def fixed(arr):
+        return pa.FixedSizeListArray.from_arrays(pa.array(arr.astype(np.float32).ravel()), arr.shape[1])
+
+    n = len(image)
+    (folder / "images").mkdir(parents=True)
+    (folder / "texts").mkdir(parents=True)
+    cols = {"key": [f"{i:06d}" for i in range(n)], "captions": [f"caption {i % len(text)}" for i in range(n)],
+            "cls": np.zeros(n, np.int64), "mu": fixed(image)}
+    if logvar:
+        cols["logvar"] = fixed(np.zeros_like(image))
+    pq.write_table(pa.table(cols), folder / "images" / "0.parquet")
+    pq.write_table(pa.table({"index": np.arange(len(text)), "text": [f"caption {i}" for i in range(len(text))],
+                             "mu": fixed(text)}), folder / "texts" / "0.parquet")
+
+
+def tiny_openclip_file(path: Path) -> Path:
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    model = CLIP(embed_dim=64, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=32, patch_size=8, image_size=32),
+                 text_cfg=CLIPTextCfg(context_length=16, vocab_size=49408, width=64, heads=2, layers=2))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+@pytest.fixture
+def bad_input(tmp_path):
+    """A deterministic source file and a runner of jobs.adapt that returns (exit code, stderr lines)."""
+    torch.manual_seed(0)
+    clip = tmp_path / "clip.safetensors"
+    save_model(create_model("clip_tiny").state_dict(), clip, "clip_tiny", {})
+    rng = np.random.default_rng(0)
+
+    def run(capsys, *sets):
+        rc = jobs.adapt.main(["--config", str(CONFIG), "--out", str(tmp_path / "out"),
+                              "--set", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *sum([["--set", s] for s in sets], [])])
+        return rc, capsys.readouterr().err.strip().splitlines()
+
+    return tmp_path, clip, rng, run
+
+
+def test_bad_sources_fail_in_one_line_before_any_work(bad_input, capsys):
+    tmp, clip, _, run = bad_input
+    junk = tmp / "junk.safetensors"
+    junk.write_bytes(b"not a model at all")
+    prolip = tmp / "prolip.safetensors"
+    save_model(create_model("prolip_tiny").state_dict(), prolip, "prolip_tiny", {})
+    pickled = tmp / "weights.pt"
+    torch.save({"visual.conv1.weight": torch.zeros(1), "evil": object()}, pickled)  # needs unpickling code
+    cases = [
+        ([f"source.model={junk}"], "error: source.model: ", "neither a probvlp model file"),
+        ([f"source.model={tmp / 'missing.safetensors'}"], "error: source.model: ", "not a file"),
+        ([f"source.model={prolip}"], "error: source.model: prolip_tiny is probabilistic", "deterministic"),
+        (["source.model=open_clip:ViT-B-16", f"source.weights={pickled}"], "error: source.weights: cannot read",
+         "weights.pt"),
+        (["source.model=open_clip:ViT-B-16", f"source.weights={junk}"], "error: source.weights: cannot read", "junk"),
+        (["source.model=open_clip:RN50"], "error: source.model: no registry model known", "source.build"),
+    ]
+    for sets, start, contains in cases:
+        rc, lines = run(capsys, *sets)
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(start) and contains in lines[0], (sets, lines)
+    assert not (tmp / "out" / "embeddings").exists()
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("width", "image embeddings in .* are 32-d but the source model's \\(and so the adapter's\\) are 64-d"),
+    ("nan", "3 of 20 image embeddings .* are not finite"),
+    ("logvar", "carries logvar"),
+])
+def test_bad_embeddings_fail_in_one_line_before_training(bad_input, capsys, case, expected):
+    import re
+
+    tmp, clip, rng, run = bad_input
+    image = rng.normal(size=(20, 32 if case == "width" else 64))
+    text = rng.normal(size=(5, 64))
+    if case == "nan":
+        image[[1, 4, 9], 3] = np.nan
+    write_embeddings(tmp / "emb", image, text, logvar=case == "logvar")
+    rc, lines = run(capsys, f"source.model={clip}", f"data.embeddings={tmp / 'emb'}")
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: data.embeddings: "), lines
+    assert re.search(expected, lines[0]), lines[0]
+
+
+def test_open_clip_weights_file_becomes_a_source(tmp_path):
+    from pipelines.adapt_config import SourceConfig
+    from pipelines.adapt_source import resolve_source
+
+    weights = tiny_openclip_file(tmp_path / "oc.safetensors")
+    spec = SourceConfig(model="open_clip:tiny", weights=str(weights), build="clip_tiny",
+                        overrides={"vision_pre_norm": True})
+    source = resolve_source(spec, f"sqlite:///{tmp_path}/m.db", tmp_path / "src")
+    assert source.name == "clip_tiny" and source.path.is_file() and len(source.sha256) == 64
+    adapted = create_model("probvlm_adapter", source=source.name, source_overrides=source.overrides, hidden=16)
+    adapted.source.load_state_dict(load_model(source.path).state_dict())
+    out = adapted.encode_image(torch.randn(2, 3, 32, 32))
+    assert out["mu"].shape == (2, 64) and torch.isfinite(out["logvar"]).all()
+
+
+# ------------------------------------------------------------------------------------ the job on the trained CLIP
+
+STEPS = 1500
+
+
+@pytest.fixture(scope="module")
+def adapted(trained_clip, digits_root, tmp_path_factory):
+    """jobs.adapt on the session's trained CLIP (its MLflow run as the source): pairs embedded by Ray Data,
+    the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
+    from pipelines.adapt import adapt
+
+    cfg, result, _ = trained_clip
+    tmp = tmp_path_factory.mktemp("adapt")
+    adapt_cfg = load_adapt_config(CONFIG, [
+        f"source.model=runs:/{result.mlflow_run_id}/model", f"data.root={digits_root}",
+        f"tracking.uri={result.mlflow_uri}", f"run.storage_path={tmp}/ray", "run.name=test_adapt",
+        f"train.steps={STEPS}", "train.log_every=500",
+        'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]'])
+    import time
+
+    start = time.perf_counter()
+    res = adapt(adapt_cfg, tmp / "out")
+    print(f"jobs.adapt on the trained CLIP: {time.perf_counter() - start:.1f} s {res.seconds}")
+    return res, result, digits_root, tmp
+
+
+@pytest.fixture(scope="module")
+def held_out(adapted):
+    """The adapted model, its source and the held-out digit images (test split), without Ray."""
+    from pipelines.eval_data import iter_local_batches
+    from pipelines.reader import shard_paths
+
+    res, _, root, _ = adapted
+    model = load_model(res.model_file)
+    images = np.concatenate([b["image"] for b in iter_local_batches(shard_paths(f"{root}/eval/retrieval", "test"), 32, 512)])
+    return model, torch.from_numpy(images)
+
+
+def test_adapter_trains_without_changing_the_frozen_model(adapted):
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+    from safetensors.torch import load_file
+
+    from pipelines.adapt_source import file_sha256
+    from pipelines.tracking import model_file
+
+    res, result, _, tmp = adapted
+    # the source as the pretraining run stored it, fetched here independently of the job
+    folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp / "dl"),
+                                tracking_uri=result.mlflow_uri)
+    original = load_file(str(model_file(Path(folder))))
+    saved = load_file(str(res.model_file))
+    source_part = {k.removeprefix("source."): v for k, v in saved.items() if k.startswith("source.")}
+    assert source_part.keys() == original.keys()
+    assert all(torch.equal(source_part[k], original[k]) for k in original)  # not a single weight changed
+    assert file_sha256(res.source.path) == res.source.sha256
+    assert any(k.startswith("adapter.") for k in saved)
+
+    client = MlflowClient(res.mlflow_uri)
+    run = client.get_run(res.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["probvlp.source_unchanged"] == "true"
+    assert run.data.tags["probvlp.source_run"] == result.mlflow_run_id and run.data.tags["probvlp.kind"] == "adapt"
+    assert int(run.data.params["data.pairs"]) == 2 * 1258  # two captions per training image
+    # it learned: the adapter's objective fell far below its first step's, the baseline's below its own
+    history = {key: [m.value for m in sorted(client.get_metric_history(res.mlflow_run_id, key), key=lambda m: m.step)]
+               for key in ("adapter/loss", "baseline/loss")}
+    assert all(len(h) == STEPS // 500 + 1 for h in history.values()), history
+    assert history["adapter/loss"][-1] < history["adapter/loss"][0] - 5.0, history
+    assert history["baseline/loss"][-1] < history["baseline/loss"][0], history
+    assert res.train["step"] == STEPS and res.train["samples_per_s"] > 0
+    artifacts = {a.path for a in client.list_artifacts(res.mlflow_run_id, "model")}
+    assert {"model/MLmodel", "model/data"} <= artifacts
+    assert {a.path for a in client.list_artifacts(res.mlflow_run_id, "plots")} >= {
+        "plots/digits_retrieval_calibration_vs_baseline.png", "plots/digits_retrieval_uncertainty.png"}
+
+
+def test_jobs_evaluate_scores_the_adapted_model_like_any_other(adapted, tmp_path):
+    import jobs.evaluate
+
+    res, result, root, _ = adapted
+    out = tmp_path / "eval"
+    rc = jobs.evaluate.main(["--model", str(res.model_file), "--config", str(ROOT / "configs" / "demo.yaml"),
+                             "--set", f"data.root={root}", "--set", f"tracking.uri={result.mlflow_uri}",
+                             "--set", 'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]',
+                             "--out", str(out), "--actors", "1"])
+    assert rc == 0
+    got = {f"{r['task']}/{r['metric']}": r["value"] for r in json.loads((out / "results.json").read_text())}
+    ours = {k: v for k, v in res.metrics.items() if not k.startswith("baseline/")}
+    assert set(got) == set(ours)
+    for key, value in ours.items():
+        assert got[key] == pytest.approx(value, abs=1e-6, nan_ok=True), key
+    # ProbVLM keeps the frozen model's ranking (Sec. 4.1): the means alone rank the same
+    assert got["digits_retrieval/i2t_R1"] == got["digits_retrieval/cos_i2t_R1"]
+    assert res.metrics["baseline/digits_retrieval/i2t_R1"] == got["digits_retrieval/i2t_R1"]
+
+
+def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted):
+    res, *_ = adapted
+    m = res.metrics
+    rows = {}
+    for name, prefix in (("ProbVLM adapter", ""), ("PFE-style baseline", "baseline/")):
+        rows[name] = {d: (m[f"{prefix}digits_retrieval/{d}_calib_rho"], m[f"{prefix}digits_retrieval/{d}_calib_r2"],
+                          m[f"{prefix}digits_retrieval/{d}_calib_score"]) for d in ("i2t", "t2i")}
+        print(name, {d: tuple(round(x, 3) for x in v) for d, v in rows[name].items()},
+              f"image sigma^2 {m[prefix + 'digits_retrieval/image_sigma2_mean']:.2e}")
+    for name, dirs in rows.items():
+        for d, (rho, r2, score) in dirs.items():
+            assert -1 <= rho <= 1 and 0 <= r2 <= 1 and score == pytest.approx(-rho * r2), (name, d)
+    assert (res.out / "plots" / "digits_retrieval_calibration_vs_baseline.png").stat().st_size > 10_000
+
+
+def mask_patches(images: torch.Tensor, fraction: float, seed: int = 0, patch: int = 4) -> torch.Tensor:
+    """`fraction` of each image's patch x patch squares set to black (-1 after the model's scaling)."""
+    g = torch.Generator().manual_seed(seed)
+    out = images.clone()
+    side = images.shape[-1] // patch
+    count = round(fraction * side * side)
+    for i in range(len(out)):
+        for j in torch.randperm(side * side, generator=g)[:count].tolist():
+            r, c = divmod(j, side)
+            out[i, :, r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = -1.0
+    return out
+
+
+def image_uncertainty(model, images: torch.Tensor) -> dict[str, float]:
+    with torch.no_grad():
+        u = model.adapter.uncertainty("image", model.source.encode_image(images)["mu"])
+    return {"aleatoric": u["aleatoric"].mean().item(), "epistemic": u["epistemic"].mean().item(),
+            "total": (u["aleatoric"] + u["epistemic"]).mean().item()}
+
+
+def test_uncertainty_rises_with_the_masked_fraction_of_the_image(held_out):
+    model, images = held_out
+    levels = [image_uncertainty(model, mask_patches(images, f)) for f in (0.0, 0.25, 0.5, 0.75)]
+    print("masked 0/25/50/75%:", [{k: f"{v:.3e}" for k, v in u.items()} for u in levels])
+    # MC-dropout variance rises at every step (ProbVLM Fig. 6); the total rises overall, but its aleatoric
+    # part can fall at high masking (README "ProbVLM adapter": not step-wise monotone in every fit)
+    epistemic = [u["epistemic"] for u in levels]
+    assert all(b > a for a, b in zip(epistemic, epistemic[1:])), epistemic
+    assert levels[-1]["total"] > levels[0]["total"], levels
+    # the encoder path of the saved model gives the same total
+    with torch.no_grad():
+        served = model.encode_image(images)["logvar"].exp().mean().item()
+    assert served == pytest.approx(levels[0]["total"], rel=1e-5)
+
+
+def ood_images(n: int = 200, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs unlike the digits: uniform noise, and filled ellipses, rectangles and triangles."""
+    from PIL import Image, ImageDraw
+
+    from models.preprocess import to_model_input
+
+    rng = np.random.default_rng(seed)
+    shapes = []
+    for i in range(n):
+        img = Image.new("L", (32, 32), 0)
+        draw = ImageDraw.Draw(img)
+        x0, y0 = (int(v) for v in rng.integers(2, 12, 2))
+        x1, y1 = min(30, x0 + int(rng.integers(10, 18))), min(30, y0 + int(rng.integers(10, 18)))
+        if i % 3 == 2:
+            draw.polygon([(x0, y1), (x1, y1), ((x0 + x1) // 2, y0)], fill=255)
+        else:
+            (draw.ellipse if i % 3 == 0 else draw.rectangle)((x0, y0, x1, y1), fill=255)
+        shapes.append(np.asarray(img.convert("RGB")))
+    noise = rng.uniform(-1, 1, (n, 3, 32, 32)).astype(np.float32)
+    return {"noise": torch.from_numpy(noise), "shapes": torch.from_numpy(to_model_input(np.stack(shapes)))}
+
+
+def test_epistemic_uncertainty_is_higher_off_the_training_data(held_out):
+    model, images = held_out
+    digits = image_uncertainty(model, images)["epistemic"]
+    others = {k: image_uncertainty(model, x)["epistemic"] for k, x in ood_images().items()}
+    print(f"epistemic: held-out digits {digits:.3e}, " + ", ".join(f"{k} {v:.3e} ({v / digits:.2f}x)" for k, v in others.items()))
+    assert all(v > digits for v in others.values()), (digits, others)
