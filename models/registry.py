@@ -1,6 +1,7 @@
 """Create models by name, like timm's `create_model`."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +17,18 @@ class ModelEntry:
 
 
 _MODELS: dict[str, ModelEntry] = {}
+# Imported on the first lookup: each registers its models (importing them costs seconds: timm, the towers).
+_BUILTIN_MODULES = ("models.clip", "models.llip_model", "models.pcmepp", "models.prob_llip", "models.probvlm",
+                    "models.prolip")
+_builtin_loaded = False
+
+
+def _load_builtin() -> None:
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
 
 
 def register_model(name: str, *, default_loss: str, arch: type[nn.Module] | None = None):
@@ -29,6 +42,7 @@ def register_model(name: str, *, default_loss: str, arch: type[nn.Module] | None
 
 
 def _entry(name: str) -> ModelEntry:
+    _load_builtin()
     if name not in _MODELS:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(_MODELS))}")
     return _MODELS[name]
@@ -48,4 +62,5 @@ def model_arch(name: str) -> type[nn.Module] | None:
 
 
 def list_models() -> list[str]:
+    _load_builtin()
     return sorted(_MODELS)

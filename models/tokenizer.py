@@ -1,18 +1,42 @@
 """CLIP BPE tokenizer (open_clip's, which ships its vocabulary)."""
 from __future__ import annotations
 
+import importlib.util
+import sys
 from functools import lru_cache
 
 import torch
-from open_clip.tokenizer import SimpleTokenizer
 
 VOCAB_SIZE = 49408
 EOT_TOKEN = 49407
 
 
+def _tokenizer_module():
+    """open_clip's tokenizer module. Its package __init__ imports every open_clip model (timm included,
+    ~3 s), which a Ray Data worker that only tokenizes should not pay: the module has no relative
+    imports, so it is loaded from its file alone; if that ever fails, through the package."""
+    if "open_clip.tokenizer" in sys.modules:
+        return sys.modules["open_clip.tokenizer"]
+    name = "_probvlp_open_clip_tokenizer"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = importlib.util.find_spec("open_clip")
+    try:
+        spec = importlib.util.spec_from_file_location(name, f"{package.submodule_search_locations[0]}/tokenizer.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # noqa: BLE001 - a future open_clip layout: take the slow, sure path
+        sys.modules.pop(name, None)
+        import open_clip.tokenizer
+
+        return open_clip.tokenizer
+
+
 @lru_cache(maxsize=4)
-def _tokenizer(context_length: int) -> SimpleTokenizer:
-    return SimpleTokenizer(context_length=context_length)
+def _tokenizer(context_length: int):
+    return _tokenizer_module().SimpleTokenizer(context_length=context_length)
 
 
 def tokenize(texts: list[str], context_length: int) -> torch.Tensor:

@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
 from PIL import Image
 
 import jobs.evaluate
 import jobs.pretrain
+from models.checkpoint import load_model
 from models.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
 from pipelines.config import ConfigError, EvalTask
 from pipelines.digits import NAMES, specific_captions
@@ -29,10 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def model_of(result, tmp: Path):
-    from mlflow.artifacts import download_artifacts
-
-    from models.checkpoint import load_model
-
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp / "dl"),
                                 tracking_uri=result.mlflow_uri)
     return load_model(model_file(Path(folder)))
@@ -143,13 +141,15 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
 
 
 def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards, capsys):
+    """jobs.pretrain on shards written by jobs.download (no labels), at ZeRO-3 (parameters partitioned: the
+    evaluation and the saved model gather them)."""
     root, tmp = user_shards
     with tarfile.open(sorted((root / "test").glob("*.tar"))[0]) as t:
         assert not any(json.loads(t.extractfile(m).read()).get("label") is not None
                        for m in t.getmembers() if m.name.endswith(".json"))
     uri = f"sqlite:///{tmp}/mlflow.db"
     rc = jobs.pretrain.main(["--config", str(ROOT / "configs" / "user_data.yaml"),
-                             "--set", f"data.root={root}", "--set", "train.steps=60",
+                             "--set", f"data.root={root}", "--set", "train.steps=60", "--set", "train.zero_stage=3",
                              "--set", f"tracking.uri={uri}", "--set", f"run.storage_path={tmp}/ray",
                              "--set", "run.experiment=user-data"])
     assert rc == 0
@@ -161,6 +161,10 @@ def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards,
     assert {"heldout/i2t_R1", "heldout/t2i_R10", "heldout/rsum", "heldout/i2t_mAP_R", "heldout_loss/loss"} <= set(metrics)
     assert not any("top1" in k or "zero" in k for k in metrics)
     assert metrics["heldout/rsum"] > 0
+    assert run.data.params["train.zero_stage"] == "3" and run.data.params["train.num_workers"] == "2"
+    folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp / "dl_user"),
+                                     tracking_uri=uri))
+    load_model(model_file(folder))  # strict shapes: whole tensors were gathered, not ZeRO-3 partitions
 
 
 # ------------------------------------------------------------------------------------ bad task data

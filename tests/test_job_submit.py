@@ -2,8 +2,10 @@
 (sqlite backend, proxied artifacts); everything on 127.0.0.1."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -62,16 +64,21 @@ def ray_head(tmp_path_factory):
          "--num-cpus=4", f"--temp-dir={temp}",
          "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        start_new_session=True,  # its own process group: the teardown reaches every process of this head
     )
     try:
         wait_http(f"http://127.0.0.1:{dash}/api/version", head)
         yield f"http://127.0.0.1:{dash}", env, temp
     finally:
-        head.terminate()  # `ray start --block` stops its processes on SIGTERM
+        head.terminate()  # `ray start --block` stops its processes on SIGTERM...
         try:
-            head.wait(timeout=60)
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            head.kill()
+            pass
+        # ...but after a job it waits ~30 s for the job's workers to exit: a test has no use for that.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
         log.close()
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import webdataset as wds
 from PIL import Image
 
@@ -140,60 +141,74 @@ def test_color_maps_against_their_definitions():
     assert np.allclose(y, x)
 
 
-def per_worker_streams(tmp_path, paths, name: str, epochs: int, ordered: bool = False) -> dict:
-    """{(epoch, rank): [(sample_id, caption tokens, image checksum), ...]} as 2 Ray Train workers see them."""
+STREAMS = {"split": False, "ordered_a": True, "ordered_b": True}  # dataset -> data.deterministic
+
+
+@pytest.fixture(scope="module")
+def streams(ray_local, tmp_path_factory) -> dict:
+    """{(dataset, epoch, rank): [(sample_id, caption tokens, image checksum), ...]} as 2 Ray Train workers see
+    them, for STREAMS read in one Train run: "split" from shards with corrupt samples, "ordered_a" and
+    "ordered_b" built alike from clean shards with ordered reads (two executions of the same pipeline)."""
     import ray.train
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
-    out = tmp_path / name
+    tmp = tmp_path_factory.mktemp("streams")
+    paths = {"split": write_shards(tmp / "corrupt", n_good=90, per_shard=10),
+             "ordered": write_shards(tmp / "clean", n_good=90, per_shard=10, corrupt=False)}
+    out = tmp / "out"
     out.mkdir()
 
     def loop(config):
         ctx = ray.train.get_context()
-        shard = ray.train.get_dataset_shard("train")
-        for epoch in range(config["epochs"]):
-            rows = []
-            for batch in shard.iter_torch_batches(batch_size=8, local_shuffle_buffer_size=16,
-                                                  local_shuffle_seed=epoch):
-                assert batch["image"].shape[1:] == (3, SIZE, SIZE)
-                rows += [[int(i), t.tolist(), round(float(im.double().sum()), 6)]
-                         for i, t, im in zip(batch["sample_id"], batch["text"], batch["image"])]
-            Path(config["out"], f"{epoch}-{ctx.get_world_rank()}.json").write_text(json.dumps(rows))
+        for name in config["datasets"]:
+            shard = ray.train.get_dataset_shard(name)
+            for epoch in range(config["epochs"]):
+                rows = []
+                for batch in shard.iter_torch_batches(batch_size=8, local_shuffle_buffer_size=16,
+                                                      local_shuffle_seed=epoch):
+                    assert batch["image"].shape[1:] == (3, SIZE, SIZE)
+                    rows += [[int(i), t.tolist(), round(float(im.double().sum()), 6)]
+                             for i, t, im in zip(batch["sample_id"], batch["text"], batch["image"])]
+                Path(config["out"], f"{name}-{epoch}-{ctx.get_world_rank()}.json").write_text(json.dumps(rows))
         ray.train.report({"done": 1})
 
+    datasets = {name: read_shards(paths["ordered" if ordered else "split"][0], SIZE, CONTEXT, seed=0, augment=True,
+                                  shuffle=True, stats_name=f"streams-{name}", batch_size=16, ordered=ordered)
+                for name, ordered in STREAMS.items()}
     trainer = TorchTrainer(
-        loop, train_loop_config={"epochs": epochs, "out": str(out)},
+        loop, train_loop_config={"epochs": 2, "out": str(out), "datasets": list(STREAMS)},
         scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
-        run_config=ray.train.RunConfig(name=f"reader-{name}", storage_path=str(tmp_path / "ray")),
-        datasets={"train": read_shards(paths, SIZE, CONTEXT, seed=0, augment=True, shuffle=True,
-                                       stats_name=f"split-{name}", batch_size=16, ordered=ordered)},
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"],
-                                            execution_options=ExecutionOptions(preserve_order=ordered)),
+        run_config=ray.train.RunConfig(name="reader-streams", storage_path=str(tmp / "ray")),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(execution_options={
+            name: ExecutionOptions(preserve_order=ordered) for name, ordered in STREAMS.items()}),
     )
     trainer.fit()
-    return {(e, r): json.loads((out / f"{e}-{r}.json").read_text()) for e in range(epochs) for r in range(2)}
+    seen = {(n, e, r): json.loads((out / f"{n}-{e}-{r}.json").read_text())
+            for n in STREAMS for e in range(2) for r in range(2)}
+    return seen, paths["split"][1]
 
 
-def test_every_sample_reaches_exactly_one_worker_per_epoch(ray_local, tmp_path):
-    paths, good, _ = write_shards(tmp_path / "shards", n_good=90, per_shard=10)
-    seen = per_worker_streams(tmp_path, paths, "split", epochs=2)
+def test_every_sample_reaches_exactly_one_worker_per_epoch(streams):
+    seen, good = streams
     for epoch in range(2):
-        ids = [[row[0] for row in seen[epoch, rank]] for rank in range(2)]
+        ids = [[row[0] for row in seen["split", epoch, rank]] for rank in range(2)]
         assert all(ids), "both workers got data"
         assert len(ids[0]) + len(ids[1]) == len(good)  # nothing twice
         assert set(ids[0]) | set(ids[1]) == good  # nothing missing, corrupt samples skipped
         assert not set(ids[0]) & set(ids[1])
-    assert reader_stats("split-split")["corrupt_unique"] == 4
+    assert reader_stats("streams-split")["corrupt_unique"] == 4
 
 
-def test_ordered_reads_repeat_exactly(ray_local, tmp_path):
-    """data.deterministic: two runs give each worker the same samples, captions and augmentations, in order."""
-    paths, _, _ = write_shards(tmp_path / "shards", n_good=90, per_shard=10, corrupt=False)
-    first = per_worker_streams(tmp_path, paths, "ordered-a", epochs=2, ordered=True)
-    second = per_worker_streams(tmp_path, paths, "ordered-b", epochs=2, ordered=True)
-    assert first == second
-    assert [r[0] for r in first[0, 0]] != [r[0] for r in first[1, 0]]  # yet reshuffled between epochs
+def test_ordered_reads_repeat_exactly(streams):
+    """data.deterministic: two executions give each worker the same samples, captions and augmentations, in order."""
+    seen, _ = streams
+    for epoch in range(2):
+        for rank in range(2):
+            assert seen["ordered_a", epoch, rank] == seen["ordered_b", epoch, rank]
+    first = seen["ordered_a", 0, 0]
+    assert first and [r[0] for r in first] != [r[0] for r in seen["ordered_a", 1, 0]]  # yet reshuffled between epochs
 
 
 def test_caption_levels_are_drawn_at_their_shares():

@@ -1,5 +1,6 @@
-"""Training at scale on a local Ray: exact resume (ZeRO-1), worker-failure recovery (ZeRO-3), failures that end
-a run. ZeRO-2, the default, trains the demo model in tests/test_pretrain.py."""
+"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), a failure that ends a run.
+ZeRO-2, the default, trains the demo model in tests/test_pretrain.py; ZeRO-3 trains on user shards in
+tests/test_evaluation.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ from mlflow import MlflowClient
 
 from pipelines.checkpointing import _safe_globals
 from pipelines.config import load_config
+from pipelines.tracking import LOCAL_DIR
 from pipelines.trainer import fit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,14 +52,16 @@ def steps_logged(result, key="loss") -> list[int]:
     return [m.step for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, key)]
 
 
-def test_resume_is_bit_exact(ray_local, digits_root, tmp_path):
+def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, digits_root, tmp_path):
+    """Stopped at step 8, resumed by running the same run name again; the resumed run then loses a worker at
+    step 10 and Ray Train restarts it from the step-8 checkpoint. The final state equals an uninterrupted run's."""
     # ZeRO-1: optimiser state partitioned across the workers. (ZeRO-3's flat fp32 partitions end in padding
     # that DeepSpeed leaves uninitialised, so its checkpoints differ in bytes that hold no weight.)
     common = ["train.steps=16", "train.checkpoint_every=4", "train.log_every=1", "data.deterministic=true",
               "train.zero_stage=1"]
     first = fit(config(tmp_path, digits_root, "resumed", *common, "train.stop_at_step=8"))
     assert first.metrics["step"] == 8
-    resumed = fit(config(tmp_path, digits_root, "resumed", *common))
+    resumed = fit(config(tmp_path, digits_root, "resumed", *common, "train.fail_once_at_step=10", "run.max_failures=1"))
     straight = fit(config(tmp_path, digits_root, "straight", *common))
     assert resumed.metrics["step"] == straight.metrics["step"] == 16
     assert resumed.mlflow_run_id == first.mlflow_run_id  # same MLflow run, continued
@@ -65,31 +69,23 @@ def test_resume_is_bit_exact(ray_local, digits_root, tmp_path):
     a, b = load_state(resumed.checkpoint_path), load_state(straight.checkpoint_path)
     assert any("optim_states" in name for name in a)
     assert assert_identical(a, b) > 20  # parameters, Adam moments and fp32 partitions, bit for bit
-    assert steps_logged(resumed) == list(range(1, 17))
+    run = MlflowClient(resumed.mlflow_uri).get_run(resumed.mlflow_run_id)
+    assert run.data.tags["probvlp.resumes"] == "1"
+    assert run.data.tags["probvlp.resumed_from_step"] == "8"  # the failure restarted from the last checkpoint
+    assert (LOCAL_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "10"
+    assert steps_logged(resumed) == list(range(1, 17))  # every step exactly once, across stop, resume and failure
+    assert run.info.status == "FINISHED"
     losses = [m.value for m in MlflowClient(resumed.mlflow_uri).get_metric_history(resumed.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 1 steps
 
 
-def test_worker_failure_recovers_from_checkpoint(ray_local, digits_root, tmp_path):
-    cfg = config(tmp_path, digits_root, "failing", "train.steps=12", "train.checkpoint_every=4",
-                 "train.log_every=1", "train.fail_once_at_step=6", "run.max_failures=1", "train.zero_stage=3")
-    result = fit(cfg)
-    assert result.metrics["step"] == 12
-    run = MlflowClient(result.mlflow_uri).get_run(result.mlflow_run_id)
-    assert run.data.tags["probvlp.resumed_from_step"] == "4"  # restarted from the last checkpoint
-    assert steps_logged(result) == list(range(1, 13))  # every step exactly once
-    assert run.info.status == "FINISHED"
-
-
-def test_failure_without_retries_fails_the_run(ray_local, digits_root, tmp_path):
-    cfg = config(tmp_path, digits_root, "fatal", "train.steps=6", "train.fail_once_at_step=2")
-    with pytest.raises(Exception, match="injected failure"):
-        fit(cfg)
-
-
-def test_non_finite_losses_are_skipped_then_stop_the_run_clearly(ray_local, digits_root, tmp_path):
-    # An absurd learning rate overflows the weights within a few steps; every later loss is NaN.
+def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digits_root, tmp_path):
+    # An absurd learning rate overflows the weights within a few steps; every later loss is NaN. With no
+    # retries (run.max_failures=0) the worker's error ends the run, and MLflow records it as failed.
     cfg = config(tmp_path, digits_root, "diverging", "train.steps=40", "train.lr=1e12", "train.warmup_steps=0",
-                 "train.max_bad_batches=3", "train.log_every=1")
+                 "train.max_bad_batches=3", "train.log_every=1", "run.max_failures=0")
     with pytest.raises(Exception, match=r"loss was not finite for 3 batches in a row"):
         fit(cfg)
+    client = MlflowClient(cfg.tracking.uri)
+    run = client.search_runs([client.get_experiment_by_name("test-scale").experiment_id])[0]
+    assert run.info.status == "FAILED"
