@@ -201,37 +201,43 @@ def test_open_clip_weights_file_becomes_a_source(tmp_path):
 
 # ------------------------------------------------------------------------------------ the job on the trained CLIP
 
-STEPS = 1500
+STEPS = 300  # the job end to end; the uncertainty behaviours need LONG_STEPS (`make test-long`)
+LONG_STEPS = 1500
+LOG_EVERY = 100
 
 
-@pytest.fixture(scope="module")
-def adapted(trained_clip, digits_root, tmp_path_factory):
+def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int):
     """jobs.adapt on the session's trained CLIP (its MLflow run as the source): pairs embedded by Ray Data,
     the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
+    import time
+
     from pipelines.adapt import adapt
 
     cfg, result, _ = trained_clip
-    tmp = tmp_path_factory.mktemp("adapt")
     adapt_cfg = load_adapt_config(CONFIG, [
         f"source.model=runs:/{result.mlflow_run_id}/model", f"data.root={digits_root}",
-        f"tracking.uri={result.mlflow_uri}", f"run.storage_path={tmp}/ray", "run.name=test_adapt",
-        f"train.steps={STEPS}", "train.log_every=500",
+        f"tracking.uri={result.mlflow_uri}", f"run.storage_path={tmp}/ray", f"run.name={name}",
+        f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
         'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]'])
-    import time
-
     start = time.perf_counter()
     res = adapt(adapt_cfg, tmp / "out")
-    print(f"jobs.adapt on the trained CLIP: {time.perf_counter() - start:.1f} s {res.seconds}")
+    print(f"jobs.adapt on the trained CLIP, {steps} steps: {time.perf_counter() - start:.1f} s {res.seconds}")
     return res, result, digits_root, tmp
 
 
 @pytest.fixture(scope="module")
-def held_out(adapted):
-    """The adapted model, its source and the held-out digit images (test split), without Ray."""
+def adapted(trained_clip, digits_root, tmp_path_factory):
+    return run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt"), "test_adapt", STEPS)
+
+
+@pytest.fixture(scope="module")
+def held_out(trained_clip, digits_root, tmp_path_factory):
+    """An adapter trained LONG_STEPS, its source and the held-out digit images (test split)."""
     from pipelines.eval_data import iter_local_batches
     from pipelines.reader import shard_paths
 
-    res, _, root, _ = adapted
+    res, _, root, _ = run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt_long"), "test_adapt_long",
+                                LONG_STEPS)
     model = load_model(res.model_file)
     images = np.concatenate([b["image"] for b in iter_local_batches(shard_paths(f"{root}/eval/retrieval", "test"), 32, 512)])
     return model, torch.from_numpy(images)
@@ -265,7 +271,7 @@ def test_adapter_trains_without_changing_the_frozen_model(adapted):
     # it learned: the adapter's objective fell far below its first step's, the baseline's below its own
     history = {key: [m.value for m in sorted(client.get_metric_history(res.mlflow_run_id, key), key=lambda m: m.step)]
                for key in ("adapter/loss", "baseline/loss")}
-    assert all(len(h) == STEPS // 500 + 1 for h in history.values()), history
+    assert all(len(h) == STEPS // LOG_EVERY + 1 for h in history.values()), history
     assert history["adapter/loss"][-1] < history["adapter/loss"][0] - 5.0, history
     assert history["baseline/loss"][-1] < history["baseline/loss"][0], history
     assert res.train["step"] == STEPS and res.train["samples_per_s"] > 0
@@ -330,6 +336,7 @@ def image_uncertainty(model, images: torch.Tensor) -> dict[str, float]:
             "total": (u["aleatoric"] + u["epistemic"]).mean().item()}
 
 
+@pytest.mark.long
 def test_uncertainty_rises_with_the_masked_fraction_of_the_image(held_out):
     model, images = held_out
     levels = [image_uncertainty(model, mask_patches(images, f)) for f in (0.0, 0.25, 0.5, 0.75)]
@@ -367,6 +374,7 @@ def ood_images(n: int = 200, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"noise": torch.from_numpy(noise), "shapes": torch.from_numpy(to_model_input(np.stack(shapes)))}
 
 
+@pytest.mark.long
 def test_epistemic_uncertainty_is_higher_off_the_training_data(held_out):
     model, images = held_out
     digits = image_uncertainty(model, images)["epistemic"]
