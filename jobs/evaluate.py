@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.evaluate_model import evaluate_model
     from pipelines.ray_env import init_ray, local_cpus
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
-    from pipelines.trainer import check_eval_tasks, prepare_data
+    from pipelines.train_driver import check_eval_tasks, prepare_data
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
-    from pipelines.trainer import fit
+    from pipelines.train_driver import fit
 
     try:
         result = fit(cfg)

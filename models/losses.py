@@ -19,7 +19,7 @@ Keys read from ``out`` (B = local batch, N = global batch, D = embedding width):
   masked_rows                       (M,) long, rows of the local batch that have masked copies
   image_masked_mu/_logvar, text_masked_mu/_logvar   (M, D)                  (ProLIP, optional)
   mix_lambda (B,) float, mix_partner (B,) long      PCME++ MSDA soft labels   (PML, optional)
-  pair_cos                          (B, N) Llip contextualised cosines (models.llip.LlipMixer)
+  pair_cos                          (B, N) Llip contextualised cosines (models.llip_mixer.LlipMixer)
   image_hat/_alpha/_beta/_target, text_hat/_alpha/_beta/_target   (B, D)   (ProbVLM)
 """
 from __future__ import annotations
@@ -408,7 +408,7 @@ class PMLLoss(nn.Module):
 class LlipLoss(_ScaleBias):
     """Llip's sigmoid loss (Eq. 3) on contextualised cosines s * cos(z_hat_ij, z_hat'_j) + b.
 
-    The cosines come from ``models.llip.LlipMixer`` in the model's forward (where the mixer's
+    The cosines come from ``models.llip_mixer.LlipMixer`` in the model's forward (where the mixer's
     temperature ``tau`` and ``heads`` are set): out["pair_cos"] is (B_local, N_global), local
     image rows against all captions gathered with gradient. Positives are (i, offset + i).
     Params: init_scale (10), init_bias (-10), max_scale (100) (SigLIP's initialisation, as in Llip).

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from models.clip import B16, TINY
 from models.distributions import sigma_sq_sum
 from models.gather import World
-from models.llip import LlipMixer
+from models.llip_mixer import LlipMixer
 from models.prolip import ProLIP
 from models.registry import register_model
 

@@ -53,7 +53,7 @@ def model_name(path: Path) -> str:
 
 def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
     """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
-    from models.checkpoint import load_model
+    from models.model_file import load_model
     from pipelines.evaluation import prefixed, score_task, write_plots
     from pipelines.tracking import log_evaluation, start_run, tracking_uri
 

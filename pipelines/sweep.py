@@ -1,6 +1,6 @@
 """Hyperparameter sweeps: a YAML search space over dotted config keys, one TorchTrainer run per trial.
 
-One trial is a Ray Tune function trainable that runs `pipelines.trainer.fit` (Ray Train V2 + Tune:
+One trial is a Ray Tune function trainable that runs `pipelines.train_driver.fit` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
 """
@@ -164,7 +164,7 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, 
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from pipelines.trainer import fit
+    from pipelines.train_driver import fit
 
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
@@ -184,7 +184,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     from ray import tune
 
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.trainer import check_eval_tasks, prepare_data
+    from pipelines.train_driver import check_eval_tasks, prepare_data
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune

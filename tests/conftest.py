@@ -48,7 +48,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, FitResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
     from pipelines.config import load_config
-    from pipelines.trainer import fit
+    from pipelines.train_driver import fit
 
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = load_config(ROOT / "configs" / "demo.yaml", [

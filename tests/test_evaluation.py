@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def model_of(result, tmp: Path):
     from mlflow.artifacts import download_artifacts
 
-    from models.checkpoint import load_model
+    from models.model_file import load_model
 
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp / "dl"),
                                 tracking_uri=result.mlflow_uri)

@@ -14,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
-from models.checkpoint import load_model
+from models.model_file import load_model
 from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent

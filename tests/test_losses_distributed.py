@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gather import World
-from models.llip import LlipMixer
+from models.llip_mixer import LlipMixer
 from models.losses import create_loss
 
 f64 = torch.float64

@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
-from models.checkpoint import load_model
+from models.model_file import load_model
 from pipelines.config import Config
 from pipelines.tracking import model_file
 from tests.conftest import DEMO_STEPS

@@ -1,4 +1,5 @@
-"""What each Ray Train worker runs: DeepSpeed over the model+loss, Ray Data batches, rank-0 MLflow logging."""
+"""What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
+rank-0 MLflow logging. The driver side is `pipelines.train_driver`."""
 from __future__ import annotations
 
 import os
@@ -15,13 +16,13 @@ from safetensors.torch import save_file
 from models import create_model, default_loss
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.preprocess import encode_png
-from models.checkpoint import save_model
+from models.model_file import save_model
 from models.gather import World
 from models.losses import create_loss
 from models.objective import Objective
 from models.tokenizer import tokenize
-from pipelines import checkpointing
-from pipelines.checkpointing import Progress
+from pipelines import train_state
+from pipelines.train_state import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluation import TaskResult, embed_task_locally, held_out_loss, prefixed, score_task, write_plots
 from pipelines.optim import param_groups, warmup_cosine
@@ -80,7 +81,7 @@ def embedding_probe(model: torch.nn.Module, task: EvalTask, batch_size: int, n: 
             **{f"text_{k}": v.contiguous() for k, v in model.encode_text(tokens).items()}}
 
 
-class Trainer:
+class TrainWorker:
     """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
 
     def __init__(self, cfg: Config, mlflow_uri: str, run_id: str, failure_marker: str | None):
@@ -96,7 +97,7 @@ class Trainer:
         self.tasks = cfg.eval.resolved_tasks(cfg.data.root)
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
-        self.progress = checkpointing.restore(self.engine) or Progress()
+        self.progress = train_state.restore(self.engine) or Progress()
         # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = StepLogger(mlflow_uri, run_id, flush_every) if self.rank == 0 else None
@@ -125,7 +126,7 @@ class Trainer:
             model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
             config=deepspeed_config(cfg, self.use_bf16), dist_init_required=False,
         )
-        checkpointing.use_weights_only_loading(engine)
+        train_state.use_weights_only_loading(engine)
         return engine, scheduler
 
     def _read_openclip_state(self, source: str) -> dict[str, torch.Tensor]:
@@ -223,7 +224,7 @@ class Trainer:
         raise RuntimeError(f"injected failure at step {step} (train.fail_once_at_step)")
 
     def checkpoint(self, metrics: dict[str, Any]) -> None:
-        checkpointing.save(self.engine, self.progress, metrics)
+        train_state.save(self.engine, self.progress, metrics)
         if self.logger:
             # Metrics are written only once their step is covered by a checkpoint: a restart
             # replays steps after the last checkpoint, and MLflow must not see them twice.
@@ -307,6 +308,6 @@ EXAMPLE_CAPTION = "a photo of a dog"
 
 def train_loop(config: dict[str, Any]) -> None:
     cfg = Config.from_dict(config["config"])
-    trainer = Trainer(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
-    trainer.fit()
-    trainer.finish()
+    worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
+    worker.fit()
+    worker.finish()

@@ -1,4 +1,4 @@
-"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer."""
+"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train_worker`)."""
 from __future__ import annotations
 
 import time
@@ -42,7 +42,7 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
     from pipelines.caption_sampling import CaptionSampler
     from pipelines.eval_data import read_eval_shards, task_paths
     from pipelines.reader import read_shards, read_split
-    from pipelines.train_loop import eval_dataset_name
+    from pipelines.train_worker import eval_dataset_name
 
     size = cfg.data.image_size
     datasets = {
@@ -111,7 +111,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
-    from pipelines.train_loop import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
+    from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
     context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
