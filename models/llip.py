@@ -13,33 +13,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.clip import B16, TINY
 from models.gather import World
 from models.llip_mixer import LlipMixer
-from models.registry import register_model
-from models.towers import ImageTower, TextTower
+from models.towers import TowerConfig
 
 
 class Llip(nn.Module):
     # encode_* return mu (and the mixture tokens); scored by the contextualised cosine
     probabilistic = False
 
-    def __init__(
-        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, mixture_tokens: int = 64, mixer_heads: int = 8,
-        tau: float = 5.0,
-    ):
+    def __init__(self, towers: TowerConfig = TowerConfig(), *, mixture_tokens: int = 64, mixer_heads: int = 8,
+                 tau: float = 5.0):
         super().__init__()
         if mixture_tokens < 1:
             raise ValueError("mixture_tokens must be >= 1")
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
-                                 pre_norm=vision_pre_norm, extra_tokens=mixture_tokens, class_token=False)
-        self.text = TextTower(context_length, text_width, text_depth, text_heads)
-        self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
-        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
-        self.mixer = LlipMixer(embed_dim, heads=mixer_heads, tau=tau)
-        self.context_length, self.img_size, self.mixture_tokens = context_length, img_size, mixture_tokens
+        self.visual = towers.image_tower(extra_tokens=mixture_tokens, class_token=False)
+        self.text = towers.text_tower()
+        self.image_proj, self.text_proj = towers.projections()
+        self.mixer = LlipMixer(towers.embed_dim, heads=mixer_heads, tau=tau)
+        self.context_length, self.img_size, self.mixture_tokens = towers.context_length, towers.img_size, mixture_tokens
 
     def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """"mix": (B, K, D) projected mixture tokens; "mu": their normalised mean (uncontextualised summary)."""
@@ -71,16 +63,3 @@ class Llip(nn.Module):
         cls = class_out["mu"].to(image_out["mix"].dtype)
         return self.mixer(image_out["mix"], cls, cls)
 
-
-def _llip(size: dict, mixture_tokens: int, overrides: dict) -> Llip:
-    return Llip(**{**size, "mixture_tokens": mixture_tokens, **overrides})
-
-
-@register_model("llip_tiny", default_loss="llip", arch=Llip)
-def llip_tiny(**overrides) -> Llip:
-    return _llip(TINY, 8, overrides)
-
-
-@register_model("llip64_vit_b16", default_loss="llip", arch=Llip)
-def llip64_vit_b16(**overrides) -> Llip:
-    return _llip(B16, 64, overrides)

@@ -97,14 +97,17 @@ def find_run(uri: str, experiment: str, run_name: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def reopen_run(uri: str, run_id: str, config_yaml: str, attempt: int) -> None:
-    """Continue an existing run: mark it running and keep the resumed config next to the original."""
+def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
+    """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the
+    resumed config next to the original. Returns the resume's number (1 for the first)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
+    attempt = int(client.get_run(run_id).data.tags.get("probvlp.resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
     client.set_tag(run_id, "probvlp.resumes", str(attempt))
     client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")
+    return attempt
 
 
 class StepLogger:

@@ -77,23 +77,16 @@ def run_exists(cfg: Config) -> bool:
 
 def mlflow_run(cfg: Config, uri: str, extra_tags: dict[str, str] | None = None) -> str:
     """A new MLflow run, or the one of the run being resumed."""
+    from models.objective import loss_name
+
     existing = find_run(uri, cfg.run.experiment, cfg.run.name) if run_exists(cfg) else None
     if existing:
-        from mlflow import MlflowClient
-
-        attempt = int(MlflowClient(uri).get_run(existing).data.tags.get("probvlp.resumes", "0")) + 1
-        reopen_run(uri, existing, cfg.to_yaml(), attempt)
+        reopen_run(uri, existing, cfg.to_yaml())
         return existing
     tags = {"probvlp.run_name": cfg.run.name, "probvlp.model": cfg.model.name,
-            "probvlp.method": cfg.loss.name or _default_loss(cfg), "mlflow.source.git.commit": git_commit() or "",
+            "probvlp.method": loss_name(cfg), "mlflow.source.git.commit": git_commit() or "",
             **(extra_tags or {})}
     return start_run(uri, cfg.run.experiment, cfg.run.name, cfg.flat(), cfg.to_yaml(), tags)
-
-
-def _default_loss(cfg: Config) -> str:
-    from models import default_loss
-
-    return default_loss(cfg.model.name)
 
 
 def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] | None = None) -> FitResult:
@@ -103,7 +96,9 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
-    from models import create_model
+    import torch
+
+    from models.objective import build_objective
     from pipelines.ray_env import init_ray, local_cpus
 
     if cfg.run.name is None:
@@ -114,7 +109,8 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
-    context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
+    with torch.device("meta"):  # the sizes only: the workers build the weights
+        context_length = build_objective(cfg).model.context_length
     uri = tracking_uri(cfg.tracking.uri)
     run_id = mlflow_run(cfg, uri, extra_tags)
     resources = {"CPU": t.cpus_per_worker} if not t.use_gpu else None

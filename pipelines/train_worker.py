@@ -13,13 +13,11 @@ import ray.train
 import torch
 from safetensors.torch import save_file
 
-from models import create_model, default_loss
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.preprocess import encode_png
 from models.model_file import save_model
 from models.gather import World
-from models.losses import create_loss
-from models.objective import Objective
+from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines import train_state
 from pipelines.train_state import Progress
@@ -112,14 +110,12 @@ class TrainWorker:
     def _build_engine(self):
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        model = create_model(cfg.model.name, **cfg.model.overrides)
+        objective = build_objective(cfg)
         if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
-            fresh = load_openclip_weights(model, self._read_openclip_state(cfg.model.init_from_openclip))
+            fresh = load_openclip_weights(objective.model, self._read_openclip_state(cfg.model.init_from_openclip))
             if self.rank == 0:
                 print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
                       "own initialisation", flush=True)
-        loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
-        objective = Objective(model, loss)
         optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr,
                                       betas=(t.beta1, t.beta2), eps=t.eps)
         engine, _, _, scheduler = deepspeed.initialize(
@@ -241,11 +237,10 @@ class TrainWorker:
     def evaluate(self, weights, loss_weights) -> tuple[torch.nn.Module, dict[str, float], dict[str, TaskResult]]:
         """Rank 0: a fresh model with these weights, its `{task}/{metric}` numbers (logged) and per-task results."""
         cfg = self.cfg
-        model = create_model(cfg.model.name, **cfg.model.overrides)
-        model.load_state_dict(weights)
-        loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
-        loss.load_state_dict(loss_weights)
-        objective = Objective(model, loss).eval()
+        objective = build_objective(cfg)
+        objective.model.load_state_dict(weights)
+        objective.loss.load_state_dict(loss_weights)
+        model = objective.eval().model
         metrics: dict[str, float] = {}
         results: dict[str, TaskResult] = {}
         for task in self.tasks:
