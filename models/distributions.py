@@ -123,7 +123,7 @@ def log_inclusion(
     ``eps`` multiplies the inverse variances inside A, B, C by e^eps (DESIGN.md).
     """
     # ProLIP Eq. 3: inc = -2 log s1^2 - log s2^2 - 1/2 log A + B^2/4A - C, A = p1 + p2/2 (p = e^eps / sigma^2)
-    _check_form(form)
+    check_inclusion_form(form)
     # log A = eps + log(1/v1 + 1/(2 v2)); B^2/4A - C = -(mu1 - mu2)^2 e^eps / (2 (v2 + v1/2))
     log_a = eps + torch.logaddexp(-logvar1, -logvar2 - _LN2)
     mean_term = -0.5 * (mu1 - mu2).pow(2) * torch.exp(eps - torch.logaddexp(logvar2, logvar1 - _LN2))
@@ -148,7 +148,7 @@ def inclusion_test(
     w = 1 for the printed Eq. 3 ("paper"), 1/2 for the exact log-integral ("exact").
     """
     # ProLIP Eq. 4: H(Z1 in Z2) = log int p1^2 p2 - log int p1 p2^2 (with Eq. 3 for each term)
-    _check_form(form)
+    check_inclusion_form(form)
     weight = 1.0 if form == "paper" else 0.5
     log_ratio = torch.logaddexp(-logvar2, -logvar1 - _LN2) - torch.logaddexp(-logvar1, -logvar2 - _LN2)
     m = torch.maximum(logvar1, logvar2).detach()  # H does not depend on m: detaching it is exact
@@ -163,7 +163,7 @@ def inclusion_test(
     return weight * (logvar2 - logvar1) + 0.5 * log_ratio - 0.5 * mean_term
 
 
-def _check_form(form: str) -> None:
+def check_inclusion_form(form: str) -> None:
     if form not in ("paper", "exact"):
         raise ValueError(f"inclusion form must be 'paper' or 'exact', got {form!r}")
 
