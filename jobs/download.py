@@ -30,22 +30,16 @@ def log_to_mlflow(cfg, summary: dict) -> str | None:
 
     if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
         return None
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    from pipelines.tracking import finish_run, git_commit, start_run, tracking_uri
+    from pipelines.tracking import git_commit, log_results, start_run, tracking_uri
 
     uri = tracking_uri(cfg.tracking.uri)
     params = {f"download.{k}": v for k, v in cfg.download.model_dump(mode="json").items()}
     tags = {"probvlp.job": "download", "mlflow.source.git.commit": git_commit() or ""}
     run_id = start_run(uri, cfg.run.experiment, f"{cfg.run.name}-download", params, cfg.to_yaml(), tags)
-    client = MlflowClient(uri)
     numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for reason, n in summary["failed_by_reason"].items():
         numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
-    client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in numeric.items()])
-    client.log_text(run_id, json.dumps(summary, indent=1), "download_summary.json")
-    finish_run(uri, run_id)
+    log_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
     return run_id
 
 

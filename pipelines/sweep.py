@@ -280,14 +280,14 @@ def _scheduler(sweep: SweepConfig):
 def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
     import pandas as pd
-    from mlflow import MlflowClient
+
+    from pipelines.tracking import end_trial_runs
 
     s = sweep.tune
-    client = MlflowClient(uri)
-    experiment_id = client.get_experiment_by_name(base.run.experiment).experiment_id
     rows = [trial_row(result, sweep, base) for result in grid]
     for row in rows:
-        close_child_runs(client, experiment_id, row["trial_id"], row["status"])
+        final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(row["status"], "FAILED")
+        end_trial_runs(uri, base.run.experiment, row["trial_id"], row["status"], final)
     table = pd.DataFrame(rows)
     scored = table[table[s.metric].map(finite)]
     if scored.empty:
@@ -296,9 +296,7 @@ def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> 
     best_params = {k: _plain(best[k]) for k in sweep.space}
     best_cfg = trial_config(base.to_dict(), best_params)
     best_cfg.run.name = None
-    log_sweep_artifacts(client, parent, table, sweep, best_cfg)
-    client.log_metric(parent, f"best_{s.metric}", float(best[s.metric]))
-    client.set_terminated(parent, "FINISHED")
+    log_sweep_results(uri, parent, table, sweep, best_cfg, {f"best_{s.metric}": float(best[s.metric])})
     return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
 
 
@@ -312,17 +310,12 @@ def trial_row(result, sweep: SweepConfig, base: Config) -> dict[str, Any]:
             sweep.tune.metric: metrics.get(sweep.tune.metric), "step": step, "status": status}
 
 
-def close_child_runs(client, experiment_id: str, trial_id: str, status: str) -> None:
-    """Tag the trial's MLflow run with how it ended, and end it if Tune stopped it before fit() returned."""
-    for child in client.search_runs([experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
-        client.set_tag(child.info.run_id, "probvlp.trial_status", status)
-        if child.info.status == "RUNNING":
-            final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(status, "FAILED")
-            client.set_terminated(child.info.run_id, final)
-
-
-def log_sweep_artifacts(client, parent: str, table, sweep: SweepConfig, best_cfg: Config) -> None:
+def log_sweep_results(uri: str, parent: str, table, sweep: SweepConfig, best_cfg: Config,
+                      metrics: dict[str, float]) -> None:
+    """The parent run's results table, knob plot, best config and `metrics`; then the parent run ends."""
     import tempfile
+
+    from pipelines.tracking import log_results
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -330,8 +323,8 @@ def log_sweep_artifacts(client, parent: str, table, sweep: SweepConfig, best_cfg
         (tmp / "results.md").write_text(markdown_table(table))
         (tmp / "best_config.yaml").write_text(best_cfg.to_yaml())
         plot_knobs(table, list(sweep.space), sweep.tune.metric, tmp / "metric_vs_knobs.png")
-        for name in ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"):
-            client.log_artifact(parent, str(tmp / name))
+        names = ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png")
+        log_results(uri, parent, metrics, [(tmp / name, None) for name in names])
 
 
 def _plain(value: Any) -> Any:
