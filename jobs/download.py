@@ -8,20 +8,12 @@ Exit status: 0 when every shard is finished, 3 when some shards failed (re-run t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 
+from jobs.cli import config_parser, exits_2_on_config_error
 from pipelines.config import ConfigError, load_config
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.download", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML with a `download:` section (see configs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set download.image_size=128 (repeatable)")
-    return parser.parse_args(argv)
 
 
 def log_to_mlflow(cfg, summary: dict) -> str | None:
@@ -43,15 +35,13 @@ def log_to_mlflow(cfg, summary: dict) -> str | None:
     return run_id
 
 
+@exits_2_on_config_error
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
-        if cfg.download is None:
-            raise ConfigError(f"{args.config}: no `download:` section")
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    args = config_parser("jobs.download", __doc__, "YAML with a `download:` section (see configs/)",
+                         "download.image_size=128").parse_args(argv)
+    cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
+    if cfg.download is None:
+        raise ConfigError(f"{args.config}: no `download:` section")
 
     from pipelines.download import run_download
     from pipelines.download_summary import format_summary

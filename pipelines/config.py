@@ -388,23 +388,29 @@ def _check_kwargs(prefix: str, what: str, types: dict[str, Any], kwargs: dict[st
                 raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key.path=value")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, where: str | None = None) -> dict[str, Any]:
+    """data[a][b][c] = value for key "a.b.c", creating sections; `where` names the source in errors (default: key)."""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where or key}: {part} is not a section")
+    node[parts[-1]] = value
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"--set {text!r}: {part} is not a section")
-            node = nxt
-        node[path[-1]] = value
+        key, value = parse_override(text)
+        set_dotted(data, key, value, where=f"--set {text!r}")
     return data
 
 

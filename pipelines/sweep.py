@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides,
-                              load_config)
+                              load_config, set_dotted)
 
 
 class Domain(Section):
@@ -87,17 +87,6 @@ class SweepConfig(Section):
     tune: TuneSettings = Field(default_factory=TuneSettings)
     # Set by load_sweep from the base config: results one full trial reports to Tune.
     reports_per_trial: int = 0
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {part} is not a section")
-    node[parts[-1]] = value
-    return data
 
 
 def trial_config(base: dict[str, Any], params: dict[str, Any]) -> Config:

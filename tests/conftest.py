@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import DEMO_STEPS
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -38,9 +40,6 @@ def digits_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("digits")
     write_digit_shards(root, image_size=32, shard_size=500)
     return str(root)
-
-
-DEMO_STEPS = 600
 
 
 @pytest.fixture(scope="session")
