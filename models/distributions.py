@@ -1,7 +1,8 @@
 """Closed-form quantities between diagonal Gaussian (and generalized-Gaussian) embeddings.
 
-Conventions (docs: /work/shared/DESIGN.md, "Math reference"): ``mu`` is (N, D), ``logvar`` is
-``l = log sigma^2`` of the same shape, sums run over the D embedding dimensions.
+Conventions: ``mu`` is (N, D), ``logvar`` is ``l = log sigma^2`` of the same shape, sums run over
+the D embedding dimensions. Papers: PCME++ (arXiv:2305.18171), ProLIP (arXiv:2410.18857), Llip
+(arXiv:2405.00740), ProbVLM (Upadhyay et al., ICCV 2023).
 
 Every pairwise quantity is an (N1, N2) matrix computed with ONE matrix product of augmented
 (N, D + 2) operands, never through an (N1, N2, D) intermediate: the squared-distance and
@@ -120,7 +121,8 @@ def log_inclusion(
 
     ``form="exact"``: log of the integral of p1(x)^2 p2(x) dx, constants included (at eps=0).
     ``form="paper"``: ProLIP Eq. 3 as printed: -2 l1 - l2 - 1/2 log A + B^2/4A - C (no constants).
-    ``eps`` multiplies the inverse variances inside A, B, C by e^eps (DESIGN.md).
+    ``eps`` multiplies the inverse variances inside A, B, C by e^eps: a log-scale offset (ProLIP's
+    -20, -10, -5), as in the paper's scaled inverse variances (Eq. 3-5).
     """
     # ProLIP Eq. 3: inc = -2 log s1^2 - log s2^2 - 1/2 log A + B^2/4A - C, A = p1 + p2/2 (p = e^eps / sigma^2)
     check_inclusion_form(form)

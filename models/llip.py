@@ -1,4 +1,4 @@
-"""Llip (papers/002): K visual mixture tokens mixed per caption by a text-conditioned cross-attention.
+"""Llip (Lavoie et al. 2024, arXiv:2405.00740): K visual mixture tokens mixed per caption by a text-conditioned cross-attention.
 
 The image tower carries K learnable mixture tokens instead of [CLS]; their outputs, projected to
 the embedding width, are the keys and values of ``models.llip_mixer.LlipMixer`` (8 heads, temperature

@@ -1,4 +1,4 @@
-"""Llip's text-conditioned mixing of visual mixture tokens (Llip, papers/002, Eq. 1-2).
+"""Llip's text-conditioned mixing of visual mixture tokens (Llip, arXiv:2405.00740, Eq. 1-2).
 
 For every (image i, caption j) pair the image is re-expressed as
     z_ij = Concat_h( sum_k softmax_k(q_j^h . k_ik^h / tau) v_ik^h ) W_o =: c_ij W_o^T,

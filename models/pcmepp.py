@@ -1,4 +1,4 @@
-"""PCME++ (papers/001): mu and log sigma^2 heads on CLIP towers, GPO pooling, mixed-sample augmentation.
+"""PCME++ (Chun 2024, arXiv:2305.18171): mu and log sigma^2 heads on CLIP towers, GPO pooling, mixed-sample augmentation.
 
 Architecture (Sec. 2.5): the towers share all but their last transformer block; the mu head is the
 last block (loaded with the backbone's weights when fine-tuning from CLIP), the log sigma^2 head a

@@ -1,4 +1,4 @@
-"""ProLIP (papers/000): [CLS] gives mu, [UNC] gives log sigma^2, in both towers; masked copies for inclusion.
+"""ProLIP (Chun et al. 2024, arXiv:2410.18857): [CLS] gives mu, [UNC] gives log sigma^2, in both towers; masked copies for inclusion.
 
 Image tower: [CLS] and [UNC] at the start of the sequence. Text tower: [UNC] and [CLS] appended at
 the end (CLIP's text encoder pools at the end, not at a leading [CLS]). Both outputs are linearly

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the session, on loopback (see pipelines.ray_env)."""
+    """One local Ray for the whole pytest run, on loopback (see pipelines.ray_env)."""
     import ray
 
     from pipelines.ray_env import init_ray
@@ -89,10 +89,9 @@ def user_shards(ray_local, tmp_path_factory):
     return root, tmp
 
 
-# Capability tests that have not yet passed on an unshared machine: they
-# are collected with the `pending` marker and deselected by default (pyproject addopts), so they
-# are listed as deselected, not hidden; run them with `pytest -m pending`. A later session that
-# sees them pass removes their entry here.
+# Capability tests not yet seen passing on an unshared machine: they are collected with the
+# `pending` marker and deselected by default (pyproject addopts), so they are listed as deselected,
+# not hidden; run them with `pytest -m pending`. A test that passes there leaves this list.
 PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 
