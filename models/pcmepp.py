@@ -112,11 +112,7 @@ class PCMEPP(nn.Module):
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"], **out}
 
-    @staticmethod
-    def class_embeddings(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return prompt_ensemble(template_out)
-
-    @staticmethod
-    def class_scores(image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
-        return negative_csd(image_out, class_out)
+    # zero-shot: prompt ensemble per class, scored by the negative CSD
+    class_embeddings = staticmethod(prompt_ensemble)
+    class_scores = staticmethod(negative_csd)
 
