@@ -54,7 +54,7 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
     import pyarrow.parquet as pq
     import torch
 
-    from models.checkpoint import load_model
+    from models.model_file import load_model
     from pipelines.batch_inference import _fixed_lists
     from pipelines.eval_data import iter_local_batches
 
@@ -90,7 +90,7 @@ def main() -> None:
     import torch
 
     from models import create_model
-    from models.checkpoint import save_model
+    from models.model_file import save_model
     from pipelines.ray_env import init_ray
 
     # the decode tasks need a CPU beside actors that hold every core's worth of threads

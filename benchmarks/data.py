@@ -133,17 +133,16 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
     import ray
     import torch
 
-    from models import create_model, default_loss
-    from models.losses import create_loss
-    from models.objective import Objective
+    from models.objective import build_objective
+    from pipelines.config import Config, ModelConfig
     from pipelines.caption_sampling import CaptionSampler
     from pipelines.digits import write_digit_shards
     from pipelines.ray_env import init_ray
     from pipelines.reader import read_shards, read_split, shard_paths
 
     torch.manual_seed(0)
-    model = create_model("clip_tiny")
-    objective = Objective(model, create_loss(default_loss("clip_tiny")))
+    objective = build_objective(Config(model=ModelConfig(name="clip_tiny")))
+    model = objective.model
     opt = torch.optim.AdamW(objective.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.2)
     images = torch.randn(batch, 3, 32, 32)
     tokens = torch.randint(1, 100, (batch, model.context_length))

@@ -9,7 +9,7 @@ What is compared (all float32, same inputs, same process type, one run):
 - PPCL and PML logits (models.distributions.ppcl_logits / pml_logits, one augmented matrix product)
   against (a) the broadcast (B, B, D) form of the papers' pseudo-code and (b) one plain
   (B, D) @ (D, B) matrix product, the floor for any B x B similarity.
-- Llip cosines (models.llip.LlipMixer, chunked + checkpointed) against LlipMixer.naive_pair_cos,
+- Llip cosines (models.llip_mixer.LlipMixer, chunked + checkpointed) against LlipMixer.naive_pair_cos,
   which materialises the (B, N, D) contextualised features at once.
 
 How it is measured (subprocesses run with MALLOC_MMAP_THRESHOLD_=131072, so freed tensors go
@@ -106,7 +106,7 @@ def _pair_fn(form: str, b: int, d: int, grad: bool):
 
 
 def _llip_fn(form: str, b: int, d: int, grad: bool, k: int = 64, heads: int = 8):
-    from models.llip import LlipMixer
+    from models.llip_mixer import LlipMixer
 
     torch.manual_seed(0)
     mixer = LlipMixer(d, heads=heads, tau=5.0)
@@ -356,7 +356,7 @@ B = {sizes['pair_small']} and extrapolated by (B / {sizes['pair_small']})^2 (it 
 
 {chr(10).join(pair_verdicts)}
 
-### Llip contextualised cosines (`models.llip.LlipMixer`), K = 64 mixture tokens, 8 heads, D = {sizes['llip_d']}
+### Llip contextualised cosines (`models.llip_mixer.LlipMixer`), K = 64 mixture tokens, 8 heads, D = {sizes['llip_d']}
 
 Chunked (ours): image rows in chunks (~64 MiB per intermediate) inside a custom autograd
 function; the forward forms z one chunk at a time and keeps only the (B, N) cosines and norms;

@@ -7,7 +7,7 @@ Run (one command per backbone; each writes its own section of docs/BENCHMARKS.md
     .venv/bin/python -m benchmarks.train_step --size b16 --device cuda --batch 256 --bf16   # paper size, on a GPU
     .venv/bin/python -m benchmarks.train_step --quick         # tiny sizes, prints the table, writes nothing
 
-What is timed: one full training step of ``Objective(model, default loss)`` in training mode --
+What is timed: one full training step of ``build_objective`` (model + default loss) in training mode --
 forward (including ProLIP's masked copies and PCME++'s Mixup/CutMix), backward, AdamW step --
 on random images and real tokenised captions, single process (the gather is the identity).
 Pairs compared: ProLIP vs CLIP, PCME++ vs CLIP, Llip vs SigLIP, probabilistic Llip vs SigLIP,
@@ -21,29 +21,30 @@ back-to-back steps' ratio (robust to load that drifts during the run; the verdic
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import statistics
 import sys
 import time
 
 import torch
 
-from models import create_model, default_loss
-from models.clip import B16, TINY
-from models.losses import create_loss
-from models.objective import Objective
-from models.registry import model_arch
+from models.objective import build_objective
+from models.registry import TINY, VIT_B16
 from models.tokenizer import tokenize
+from models.towers import TowerConfig
+from pipelines.config import Config, ModelConfig
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).
-SMALL = dict(img_size=96, patch_size=16, vision_width=384, vision_depth=6, vision_heads=6,
-             context_length=32, text_width=256, text_depth=6, text_heads=4, embed_dim=256)
-SIZES = {"tiny": TINY, "small": SMALL, "b16": B16}
+SMALL = TowerConfig(img_size=96, patch_size=16, vision_width=384, vision_depth=6, vision_heads=6, vision_pre_norm=False,
+                    context_length=32, text_width=256, text_depth=6, text_heads=4, embed_dim=256)
+SIZES = {"tiny": TINY, "small": SMALL, "b16": VIT_B16}
 # (model, baseline): registry names at tiny size; the size's dimensions are passed as overrides.
 PAIRS = [("prolip_tiny", "clip_tiny"), ("pcmepp_tiny", "clip_tiny"), ("llip_tiny", "siglip_tiny"),
          ("prolip_llip_tiny", "siglip_tiny")]
 LABEL = {"clip_tiny": "CLIP", "siglip_tiny": "SigLIP", "prolip_tiny": "ProLIP", "pcmepp_tiny": "PCME++",
          "llip_tiny": "Llip", "prolip_llip_tiny": "ProLIP-Llip"}
+# Models with Llip's mixture tokens: --mixture-tokens sets their K.
+MIXTURE_MODELS = {"llip_tiny", "prolip_llip_tiny"}
 CAPTIONS = ["the digit seven", "a handwritten digit", "a photo of the number three written by hand",
             "an odd digit", "a drawing of the digit 4"]
 
@@ -54,12 +55,12 @@ def captions(kind: str, batch: int) -> list[str]:
     return texts if kind == "short" else [" ".join([t] * 40) for t in texts]
 
 
-def build(name: str, size: dict, mixture_tokens: int, device: str):
-    overrides = dict(size)
-    if "mixture_tokens" in inspect.signature(model_arch(name)).parameters:
+def build(name: str, size: TowerConfig, mixture_tokens: int, device: str):
+    overrides = dataclasses.asdict(size)
+    if name in MIXTURE_MODELS:
         overrides["mixture_tokens"] = mixture_tokens
     torch.manual_seed(0)
-    objective = Objective(create_model(name, **overrides), create_loss(default_loss(name))).to(device).train()
+    objective = build_objective(Config(model=ModelConfig(name=name, overrides=overrides))).to(device).train()
     opt = torch.optim.AdamW(objective.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.2)
     return objective, opt
 
@@ -79,8 +80,8 @@ def measure(size_name: str, batch: int, repeats: int, warmup: int, mixture_token
     names = sorted({n for pair in pairs for n in pair})
     runs = {n: build(n, size, mixture_tokens, device) for n in names}
     g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 3, size["img_size"], size["img_size"], generator=g).to(device)
-    tokens = {k: tokenize(captions(k, batch), size["context_length"]).to(device) for k in caption_kinds}
+    images = torch.randn(batch, 3, size.img_size, size.img_size, generator=g).to(device)
+    tokens = {k: tokenize(captions(k, batch), size.context_length).to(device) for k in caption_kinds}
     times: dict = {(n, k): [] for n in names for k in caption_kinds}
     for r in range(warmup + repeats):
         for k in caption_kinds:
@@ -154,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.report import machine, write_section
 
     size = SIZES[args.size]
-    setup = (f"Backbone `{args.size}`: image {size['img_size']}px, patch {size['patch_size']}, ViT width "
-             f"{size['vision_width']} x {size['vision_depth']} blocks; text width {size['text_width']} x "
-             f"{size['text_depth']} blocks, context {size['context_length']}; embedding {size['embed_dim']}; "
+    setup = (f"Backbone `{args.size}`: image {size.img_size}px, patch {size.patch_size}, ViT width "
+             f"{size.vision_width} x {size.vision_depth} blocks; text width {size.text_width} x "
+             f"{size.text_depth} blocks, context {size.context_length}; embedding {size.embed_dim}; "
              f"Llip mixture tokens {args.mixture_tokens}; batch {args.batch}; {args.device}, "
              f"{'bf16 autocast' if args.bf16 else 'fp32'}; {args.repeats} round-robin repeats after {args.warmup} "
              f"warm-up steps. Machine: {machine()}. Command: `python -m benchmarks.train_step "

@@ -8,20 +8,12 @@ Exit status: 0 when every shard is finished, 3 when some shards failed (re-run t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 
+from jobs.cli import config_parser, exits_2_on_config_error
 from pipelines.config import ConfigError, load_config
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.download", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML with a `download:` section (see configs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set download.image_size=128 (repeatable)")
-    return parser.parse_args(argv)
 
 
 def log_to_mlflow(cfg, summary: dict) -> str | None:
@@ -30,34 +22,26 @@ def log_to_mlflow(cfg, summary: dict) -> str | None:
 
     if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
         return None
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    from pipelines.tracking import finish_run, git_commit, start_run, tracking_uri
+    from pipelines.tracking import git_commit, log_results, start_run, tracking_uri
 
     uri = tracking_uri(cfg.tracking.uri)
     params = {f"download.{k}": v for k, v in cfg.download.model_dump(mode="json").items()}
     tags = {"probvlp.job": "download", "mlflow.source.git.commit": git_commit() or ""}
     run_id = start_run(uri, cfg.run.experiment, f"{cfg.run.name}-download", params, cfg.to_yaml(), tags)
-    client = MlflowClient(uri)
     numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for reason, n in summary["failed_by_reason"].items():
         numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
-    client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in numeric.items()])
-    client.log_text(run_id, json.dumps(summary, indent=1), "download_summary.json")
-    finish_run(uri, run_id)
+    log_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
     return run_id
 
 
+@exits_2_on_config_error
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
-        if cfg.download is None:
-            raise ConfigError(f"{args.config}: no `download:` section")
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    args = config_parser("jobs.download", __doc__, "YAML with a `download:` section (see configs/)",
+                         "download.image_size=128").parse_args(argv)
+    cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
+    if cfg.download is None:
+        raise ConfigError(f"{args.config}: no `download:` section")
 
     from pipelines.download import run_download
     from pipelines.download_summary import format_summary

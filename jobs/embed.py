@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", default=None, help="MLflow store of a run id (default as jobs.pretrain)")
     args = parser.parse_args(argv)
 
-    from models.checkpoint import load_model
+    from models.model_file import load_model
     from pipelines.batch_inference import InferenceOptions, embed_images, embed_texts, read_embeddings
     from pipelines.evaluation import distinct_captions, split_captions
     from pipelines.ray_env import init_ray, local_cpus

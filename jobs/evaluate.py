@@ -13,14 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.config import ConfigError, load_config
+from jobs.cli import config_parser, exits_2_on_config_error
+from pipelines.config import load_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
+    parser = config_parser("jobs.evaluate", __doc__, "YAML whose eval section lists the tasks (e.g. configs/demo.yaml)",
+                           "eval.split=val")
     parser.add_argument("--model", required=True, help="model.safetensors, runs:/<run_id>/model, or an MLflow run id")
-    parser.add_argument("--config", required=True, help="YAML whose eval section lists the tasks (e.g. configs/demo.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None, help="embeddings and results (default .probvlp/eval/<time>)")
     parser.add_argument("--actors", type=int, default=2, help="embedding actors (model copies)")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -28,20 +28,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@exits_2_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
 
     from pipelines.showcase import headline
     from pipelines.batch_inference import InferenceOptions
     from pipelines.evaluate_model import evaluate_model
     from pipelines.ray_env import init_ray, local_cpus
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
-    from pipelines.trainer import check_eval_tasks, prepare_data
+    from pipelines.train_driver import check_eval_tasks, prepare_data
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -52,14 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(args.actors, 1))
-    try:
-        prepare_data(cfg)
-        check_eval_tasks(cfg)
-        opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-        result = evaluate_model(cfg, source, out, opts)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    prepare_data(cfg)
+    check_eval_tasks(cfg)
+    opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
+    result = evaluate_model(cfg, source, out, opts)
     print(f"results: {out / 'results.json'}; MLflow run {result['mlflow_run_id']} at {tracking_uri(cfg.tracking.uri)}")
     for line in headline(result["metrics"]):
         print(line)

@@ -6,38 +6,28 @@ Re-running the same command resumes an interrupted sweep: finished trials are ke
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from pipelines.config import ConfigError
+from jobs.cli import config_parser, exits_2_on_config_error
 
 
+@exits_2_on_config_error
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="sweep YAML (see configs/tune_*.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a value of the sweep file, e.g. --set tune.num_samples=8")
+    parser = config_parser("jobs.tune", __doc__, "sweep YAML (see configs/tune_*.yaml)", "tune.num_samples=8")
     parser.add_argument("--best-config-out", default=None, help="where to write the best config YAML "
                         "(default: .probvlp/tune/<name>_best.yaml)")
     args = parser.parse_args(argv)
 
     from pipelines.sweep import load_sweep
 
-    try:
-        sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before any trial
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before any trial
 
     from pipelines.sweep import run_sweep
     from pipelines.tracking import LOCAL_DIR
 
-    try:
-        _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
-    except ConfigError as err:  # eval data that lacks what a task needs, found once the data is prepared
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
+    _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
     out = Path(args.best_config_out or LOCAL_DIR / "tune" / f"{sweep.tune.name}_best.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(summary["best_config"].to_yaml())

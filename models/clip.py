@@ -1,4 +1,4 @@
-"""Deterministic CLIP / SigLIP dual encoder, and the model sizes every method shares."""
+"""Deterministic CLIP / SigLIP dual encoder."""
 from __future__ import annotations
 
 import torch
@@ -6,8 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gather import World
-from models.registry import register_model
-from models.towers import ImageTower, TextTower
+from models.towers import TowerConfig
 
 
 class CLIP(nn.Module):
@@ -15,19 +14,12 @@ class CLIP(nn.Module):
     # encode_* return mu only
     probabilistic = False
 
-    def __init__(
-        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768,
-    ):
+    def __init__(self, towers: TowerConfig = TowerConfig()):
         super().__init__()
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
-                                 pre_norm=vision_pre_norm)
-        self.text = TextTower(context_length, text_width, text_depth, text_heads)
-        self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
-        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
-        self.context_length = context_length
-        self.img_size = img_size
+        self.visual = towers.image_tower()
+        self.text = towers.text_tower()
+        self.image_proj, self.text_proj = towers.projections()
+        self.context_length, self.img_size = towers.context_length, towers.img_size
 
     def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         tokens = self.visual(images)
@@ -52,30 +44,3 @@ class CLIP(nn.Module):
         """(N, C) scores, larger is more likely."""
         return image_out["mu"] @ class_out["mu"].T
 
-
-# Tiny: CPU tests and the demo (no ln_pre, see ImageTower; vision_pre_norm=True to load CLIP weights).
-# B16: the papers' ViT-B/16 with a 12-layer 512-wide text transformer, 768-d embeddings and a 64-token text context (ProLIP B.1).
-TINY = dict(img_size=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=2, vision_pre_norm=False,
-            context_length=16, text_width=64, text_depth=2, text_heads=2, embed_dim=64)
-B16 = dict(img_size=224, patch_size=16, vision_width=768, vision_depth=12, vision_heads=12,
-           context_length=64, text_width=512, text_depth=12, text_heads=8, embed_dim=768)
-
-
-@register_model("clip_tiny", default_loss="infonce", arch=CLIP)
-def clip_tiny(**overrides) -> CLIP:
-    return CLIP(**{**TINY, **overrides})
-
-
-@register_model("clip_vit_b16", default_loss="infonce", arch=CLIP)
-def clip_vit_b16(**overrides) -> CLIP:
-    return CLIP(**{**B16, **overrides})
-
-
-@register_model("siglip_tiny", default_loss="siglip", arch=CLIP)
-def siglip_tiny(**overrides) -> CLIP:
-    return CLIP(**{**TINY, **overrides})
-
-
-@register_model("siglip_vit_b16", default_loss="siglip", arch=CLIP)
-def siglip_vit_b16(**overrides) -> CLIP:
-    return CLIP(**{**B16, **overrides})

@@ -1,7 +1,8 @@
 """Closed-form quantities between diagonal Gaussian (and generalized-Gaussian) embeddings.
 
-Conventions (docs: /work/shared/DESIGN.md, "Math reference"): ``mu`` is (N, D), ``logvar`` is
-``l = log sigma^2`` of the same shape, sums run over the D embedding dimensions.
+Conventions: ``mu`` is (N, D), ``logvar`` is ``l = log sigma^2`` of the same shape, sums run over
+the D embedding dimensions. Papers: PCME++ (arXiv:2305.18171), ProLIP (arXiv:2410.18857), Llip
+(arXiv:2405.00740), ProbVLM (Upadhyay et al., ICCV 2023).
 
 Every pairwise quantity is an (N1, N2) matrix computed with ONE matrix product of augmented
 (N, D + 2) operands, never through an (N1, N2, D) intermediate: the squared-distance and
@@ -120,10 +121,11 @@ def log_inclusion(
 
     ``form="exact"``: log of the integral of p1(x)^2 p2(x) dx, constants included (at eps=0).
     ``form="paper"``: ProLIP Eq. 3 as printed: -2 l1 - l2 - 1/2 log A + B^2/4A - C (no constants).
-    ``eps`` multiplies the inverse variances inside A, B, C by e^eps (DESIGN.md).
+    ``eps`` multiplies the inverse variances inside A, B, C by e^eps: a log-scale offset (ProLIP's
+    -20, -10, -5), as in the paper's scaled inverse variances (Eq. 3-5).
     """
     # ProLIP Eq. 3: inc = -2 log s1^2 - log s2^2 - 1/2 log A + B^2/4A - C, A = p1 + p2/2 (p = e^eps / sigma^2)
-    _check_form(form)
+    check_inclusion_form(form)
     # log A = eps + log(1/v1 + 1/(2 v2)); B^2/4A - C = -(mu1 - mu2)^2 e^eps / (2 (v2 + v1/2))
     log_a = eps + torch.logaddexp(-logvar1, -logvar2 - _LN2)
     mean_term = -0.5 * (mu1 - mu2).pow(2) * torch.exp(eps - torch.logaddexp(logvar2, logvar1 - _LN2))
@@ -148,7 +150,7 @@ def inclusion_test(
     w = 1 for the printed Eq. 3 ("paper"), 1/2 for the exact log-integral ("exact").
     """
     # ProLIP Eq. 4: H(Z1 in Z2) = log int p1^2 p2 - log int p1 p2^2 (with Eq. 3 for each term)
-    _check_form(form)
+    check_inclusion_form(form)
     weight = 1.0 if form == "paper" else 0.5
     log_ratio = torch.logaddexp(-logvar2, -logvar1 - _LN2) - torch.logaddexp(-logvar1, -logvar2 - _LN2)
     m = torch.maximum(logvar1, logvar2).detach()  # H does not depend on m: detaching it is exact
@@ -163,7 +165,7 @@ def inclusion_test(
     return weight * (logvar2 - logvar1) + 0.5 * log_ratio - 0.5 * mean_term
 
 
-def _check_form(form: str) -> None:
+def check_inclusion_form(form: str) -> None:
     if form not in ("paper", "exact"):
         raise ValueError(f"inclusion form must be 'paper' or 'exact', got {form!r}")
 

@@ -1,223 +1,65 @@
-"""Llip's text-conditioned mixing of visual mixture tokens (Llip, papers/002, Eq. 1-2).
+"""Llip (Lavoie et al. 2024, arXiv:2405.00740): K visual mixture tokens mixed per caption by a text-conditioned cross-attention.
 
-For every (image i, caption j) pair the image is re-expressed as
-    z_ij = Concat_h( sum_k softmax_k(q_j^h . k_ik^h / tau) v_ik^h ) W_o =: c_ij W_o^T,
-and the loss needs cos(z_ij, z'_j) for all B_local x N_global pairs. Materialising z for all pairs
-is a (B, N, D) tensor (plus (heads, B, N, K) attention weights): 2 GB each at B = N = 1024,
-D = 512. ``LlipMixer`` never holds more than one chunk of image rows of these:
-
-- forward: z and the cosines are computed one chunk of image rows at a time (the naive formulas);
-  only the (B, N) cosines and norms are kept;
-- backward (custom autograd function): recomputes each chunk's c (the cheap attention part) and
-  uses z . t_j = c . r_j with r = T W_o and ||z||^2 = c G c^T with G = W_o^T W_o, so it needs two
-  (rows N, D) x (D, D) products per chunk and never z: forward + backward cost the same three such
-  products as the naive form (plain checkpointing would cost four: it repeats the whole forward).
-
-``LlipMixer.naive_pair_cos`` materialises z (reference for tests and benchmarks).
+The image tower carries K learnable mixture tokens instead of [CLS]; their outputs, projected to
+the embedding width, are the keys and values of ``models.llip_mixer.LlipMixer`` (8 heads, temperature
+tau, output projection), whose queries are the captions' embeddings (Eq. 1-2). The forward computes
+the contextualised cosines of the local images against the captions of ALL workers
+(``world.gather``, with gradient) inside the module's forward, as ZeRO-3 requires, for the sigmoid
+loss (Eq. 3). Zero-shot contextualises every image with each class's template-averaged query.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def llip_attention(q: torch.Tensor, k: torch.Tensor, tau: float) -> torch.Tensor:
-    """Mixing weights, (H, B, N, K), from queries (H, N, dh) and keys (H, B, K, dh).
-
-    Computed as one (B K, dh) x (dh, N) product per head (no per-image copy of the queries),
-    normalised over K; the result is a transposed view of a (H, B, K, N) tensor.
-    """
-    heads, b, kk, dh = k.shape
-    logits = torch.matmul(k.reshape(heads, b * kk, dh), (q / tau).transpose(-1, -2))  # (H, B K, N)
-    # Llip Eq. 1: Phi_ij^m = softmax_k(Q_j^m . K_i^mk / tau)
-    return torch.softmax(logits.view(heads, b, kk, -1), dim=2).transpose(-1, -2)
+from models.gather import World
+from models.llip_mixer import LlipMixer
+from models.towers import TowerConfig
 
 
-def llip_heads(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Concatenated per-head mixtures c_ij, (B, N, heads * dh), from weights (H, B, N, K), values (H, B, K, dh)."""
-    # Llip Eq. 2 (inner part): Concat_m(sum_k Phi_ij^mk V_i^mk)
-    heads, b, n, _ = weights.shape
-    return torch.matmul(weights, v).permute(1, 2, 0, 3).reshape(b, n, heads * v.shape[-1])
+class Llip(nn.Module):
+    # encode_* return mu (and the mixture tokens); scored by the contextualised cosine
+    probabilistic = False
 
-
-def llip_mix(weights: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """Contextualised visual features z_ij = c_ij W_o^T, (B, N, D)."""
-    # Llip Eq. 2: z_ij = Concat_m(sum_k Phi_ij^mk V_i^mk) W_O
-    return F.linear(llip_heads(weights, v), w_o)
-
-
-def llip_cosine(z: torch.Tensor, text_hat: torch.Tensor) -> torch.Tensor:
-    """cos(z_ij, z'_j) = z_ij . z'_j / max(||z_ij||, 1e-12) for unit text rows, (B, N)."""
-    # Llip Sec. 3 (before Eq. 3): z_hat_ij = z_ij / ||z_ij||, similarity z_hat_ij . z_hat'_j
-    return (z * text_hat.unsqueeze(0)).sum(-1) / torch.linalg.vector_norm(z, dim=-1).clamp_min(1e-12)
-
-
-_NORM_EPS = 1e-12
-
-
-class _ChunkedCosine(torch.autograd.Function):
-    """cos(c_ij W_o^T, t_j) for all pairs, in chunks of image rows, without storing (B, N, D) tensors.
-
-    forward: per chunk, z = c W_o^T and cos = z . t / ||z|| (exactly the naive formulas, one chunk
-    at a time); the (B, N) cosines and norms are kept.
-    backward, per chunk (c recomputed with autograd for the attention part), with G = W_o^T W_o,
-    r = T W_o, y = c G (so that ||z||^2 = c . y and z . t = c . r):
-        dcos/dc_ij = r_j / n_ij - cos_ij / n_ij^2 * y_ij
-        dL/dr_j    = sum_i g_ij c_ij / n_ij
-        dL/dG      = -1/2 sum_ij (g_ij cos_ij / n_ij^2) c_ij^T c_ij
-    and finally G = W^T W, r = T W give dW = W (dG + dG^T) + T^T dr, dT = dr W^T.
-    The norm is clamped at 1e-12 like F.normalize; the backward formula assumes it is not hit.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, text_hat, w_o, tau: float, rows: int):
-        b, n = k.shape[1], text_hat.shape[0]
-        cos, norm = text_hat.new_empty(b, n), text_hat.new_empty(b, n)
-        for start in range(0, b, rows):
-            sl = slice(start, start + rows)
-            z = llip_mix(llip_attention(q, k[:, sl], tau), v[:, sl], w_o)  # one chunk of z only
-            cos[sl] = llip_cosine(z, text_hat)
-            norm[sl] = torch.linalg.vector_norm(z, dim=-1).clamp_min(_NORM_EPS)
-        ctx.save_for_backward(q, k, v, text_hat, w_o, cos, norm)
-        ctx.tau, ctx.rows = tau, rows
-        return cos
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, text_hat, w_o, cos, norm = ctx.saved_tensors
-        gram, r = w_o.T @ w_o, text_hat @ w_o
-        need_q, need_k, need_v, need_t, need_w = ctx.needs_input_grad[:5]
-        d_r, d_gram = torch.zeros_like(r), torch.zeros_like(gram)
-        d_q = torch.zeros_like(q) if need_q else None
-        d_k = torch.zeros_like(k) if need_k else None
-        d_v = torch.zeros_like(v) if need_v else None
-        grad = grad.contiguous()
-        for start in range(0, k.shape[1], ctx.rows):
-            sl = slice(start, start + ctx.rows)
-            with torch.enable_grad():
-                qq = q.detach().requires_grad_(need_q)
-                kc = k[:, sl].detach().requires_grad_(need_k)
-                vc = v[:, sl].detach().requires_grad_(need_v)
-                c = llip_heads(llip_attention(qq, kc, ctx.tau), vc)
-            cd = c.detach()
-            y = torch.matmul(cd, gram)
-            g_over_n = grad[sl] / norm[sl]
-            w_y = g_over_n * cos[sl] / norm[sl]
-            d_c = g_over_n.unsqueeze(-1) * r.unsqueeze(0) - w_y.unsqueeze(-1) * y
-            if need_t or need_w:
-                d_r += (g_over_n.unsqueeze(-1) * cd).sum(0)
-                flat = cd.reshape(-1, cd.shape[-1])
-                d_gram -= 0.5 * (flat * w_y.reshape(-1, 1)).T @ flat
-            inputs = [t for t, need in ((qq, need_q), (kc, need_k), (vc, need_v)) if need]
-            if inputs:
-                grads = torch.autograd.grad(c, inputs, d_c)
-                it = iter(grads)
-                if need_q:
-                    d_q += next(it)
-                if need_k:
-                    d_k[:, sl] = next(it)
-                if need_v:
-                    d_v[:, sl] = next(it)
-        d_t = d_r @ w_o.T if need_t else None
-        d_w = w_o @ (d_gram + d_gram.T) + text_hat.T @ d_r if need_w else None
-        return d_q, d_k, d_v, d_t, d_w, None, None
-
-
-class LlipMixer(nn.Module):
-    """Multi-head cross-attention from captions (queries) to an image's K mixture tokens.
-
-    Args:
-        dim: embedding width D (queries, mixture tokens and output share it).
-        heads: number of attention heads M (Llip uses 8); ``dim`` must be divisible by it.
-        tau: softmax temperature of Llip Eq. 1 (logits are divided by tau; Llip's default 5).
-        chunk_size: image rows per chunk; 0 picks it from ``chunk_mib``.
-        chunk_mib: target size in MiB of one (rows, N, max(D, heads*K)) intermediate per chunk.
-        query_proj: apply a learned query projection W_Q to ``text_query_all`` (Llip's Q = g W_Q);
-            set False if the caller already projected the queries.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        heads: int = 8,
-        tau: float = 5.0,
-        chunk_size: int = 0,
-        chunk_mib: float = 64.0,
-        query_proj: bool = True,
-    ):
+    def __init__(self, towers: TowerConfig = TowerConfig(), *, mixture_tokens: int = 64, mixer_heads: int = 8,
+                 tau: float = 5.0):
         super().__init__()
-        if dim % heads:
-            raise ValueError(f"dim {dim} is not divisible by heads {heads}")
-        if tau <= 0:
-            raise ValueError(f"tau must be > 0, got {tau}")
-        self.dim, self.heads, self.tau = dim, heads, float(tau)
-        self.chunk_size, self.chunk_mib = int(chunk_size), float(chunk_mib)
-        self.q_proj = nn.Linear(dim, dim, bias=False) if query_proj else nn.Identity()
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim, bias=False)
-        # W_O is a direct parameter (not a child nn.Linear): it is used inside the chunked autograd function,
-        # and DeepSpeed ZeRO-3 gathers a module's own parameters around its forward and backward.
-        self.out_weight = nn.Parameter(torch.empty(dim, dim))
-        nn.init.kaiming_uniform_(self.out_weight, a=5**0.5)  # nn.Linear's default initialisation
+        if mixture_tokens < 1:
+            raise ValueError("mixture_tokens must be >= 1")
+        self.visual = towers.image_tower(extra_tokens=mixture_tokens, class_token=False)
+        self.text = towers.text_tower()
+        self.image_proj, self.text_proj = towers.projections()
+        self.mixer = LlipMixer(towers.embed_dim, heads=mixer_heads, tau=tau)
+        self.context_length, self.img_size, self.mixture_tokens = towers.context_length, towers.img_size, mixture_tokens
 
-    # -- shared preparation -------------------------------------------------------------------
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (H, ..., dh)."""
-        x = x.reshape(*x.shape[:-1], self.heads, self.dim // self.heads)
-        return x.movedim(-2, 0)
+    def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """"mix": (B, K, D) projected mixture tokens; "mu": their normalised mean (uncontextualised summary)."""
+        mix = self.image_proj(self.visual(images)[:, : self.mixture_tokens])
+        return {"mu": F.normalize(mix.mean(dim=1), dim=-1), "mix": mix}
 
-    def _prepare(self, image_mix_tokens, text_query_all, text_emb_all):
-        if image_mix_tokens.dim() != 3 or image_mix_tokens.shape[-1] != self.dim:
-            raise ValueError(f"image_mix_tokens must be (B, K, {self.dim}), got {tuple(image_mix_tokens.shape)}")
-        if text_query_all.shape != text_emb_all.shape or text_query_all.shape[-1] != self.dim:
-            raise ValueError("text_query_all and text_emb_all must both be (N, D)")
-        q = self._split(self.q_proj(text_query_all))  # (H, N, dh)
-        k = self._split(self.k_proj(image_mix_tokens))  # (H, B, K, dh)
-        v = self._split(self.v_proj(image_mix_tokens))  # (H, B, K, dh)
-        return q, k, v, F.normalize(text_emb_all, dim=-1)
+    def encode_text(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.text(tokens)
+        pooled = x[torch.arange(x.shape[0], device=x.device), self.text.eot_index(tokens)]
+        return {"mu": F.normalize(self.text_proj(pooled), dim=-1)}
 
-    def _block(self, q, k, v, text_hat, w_o):
-        return llip_cosine(llip_mix(llip_attention(q, k, self.tau), v, w_o), text_hat)
+    def pair_cos(self, mix: torch.Tensor, text_mu: torch.Tensor, world: World) -> torch.Tensor:
+        """(B_local, N_global) contextualised cosines; the captions are gathered from every worker."""
+        text_all = world.gather(text_mu)
+        return self.mixer(mix, text_all, text_all)
 
-    def rows_per_chunk(self, n_text: int, n_tokens: int, itemsize: int = 4) -> int:
-        if self.chunk_size > 0:
-            return self.chunk_size
-        per_row = n_text * max(self.dim, self.heads * n_tokens) * itemsize
-        return max(1, int(self.chunk_mib * 2**20 // per_row))
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
+        world = world or World.current()
+        img, txt = self.encode_image(images), self.encode_text(tokens)
+        return {"image_mu": img["mu"], "text_mu": txt["mu"], "pair_cos": self.pair_cos(img["mix"], txt["mu"], world)}
 
-    # -- public paths ---------------------------------------------------------------------------
-    def forward(
-        self, image_mix_tokens: torch.Tensor, text_query_all: torch.Tensor, text_emb_all: torch.Tensor
-    ) -> torch.Tensor:
-        """(B_local, N) cosine matrix between contextualised images and captions, chunked.
+    @staticmethod
+    def class_embeddings(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Template-averaged caption embedding per class: the query and the target of the contextualisation."""
+        return {"mu": F.normalize(template_out["mu"].float().mean(dim=1), dim=-1)}
 
-        image_mix_tokens: (B, K, D) this worker's mixture tokens; text_query_all / text_emb_all:
-        (N, D) caption features of all workers (gathered with gradient by the caller).
-        """
-        q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
-        rows = self.rows_per_chunk(text_hat.shape[0], k.shape[2], text_hat.element_size())
-        # The custom function runs outside autocast on one common dtype (its backward is not autocast).
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in (q, k, v, text_hat, self.out_weight)])
-        cast = [t.to(dtype) for t in (q, k, v, text_hat, self.out_weight)]
-        if q.device.type in ("cpu", "cuda"):
-            with torch.autocast(device_type=q.device.type, enabled=False):
-                return _ChunkedCosine.apply(*cast, self.tau, rows)
-        return _ChunkedCosine.apply(*cast, self.tau, rows)
+    def class_scores(self, image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, C) cosines of each image contextualised by each class's query (Llip Sec. 5, zero-shot)."""
+        cls = class_out["mu"].to(image_out["mix"].dtype)
+        return self.mixer(image_out["mix"], cls, cls)
 
-    def naive_pair_cos(
-        self, image_mix_tokens: torch.Tensor, text_query_all: torch.Tensor, text_emb_all: torch.Tensor
-    ) -> torch.Tensor:
-        """Reference: the same cosine matrix with the full (B, N, D) tensor materialised."""
-        q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
-        return self._block(q, k, v, text_hat, self.out_weight)
-
-    def contextualise(self, image_mix_tokens: torch.Tensor, text_query: torch.Tensor) -> torch.Tensor:
-        """Normalised z_hat_ij, (B, N, D), for small B x N (analysis / zero-shot on few classes)."""
-        q, k, v, _ = self._prepare(image_mix_tokens, text_query, text_query)
-        return F.normalize(llip_mix(llip_attention(q, k, self.tau), v, self.out_weight), dim=-1)
-
-
-__all__ = ["LlipMixer", "llip_attention", "llip_cosine", "llip_mix"]

@@ -19,7 +19,7 @@ Keys read from ``out`` (B = local batch, N = global batch, D = embedding width):
   masked_rows                       (M,) long, rows of the local batch that have masked copies
   image_masked_mu/_logvar, text_masked_mu/_logvar   (M, D)                  (ProLIP, optional)
   mix_lambda (B,) float, mix_partner (B,) long      PCME++ MSDA soft labels   (PML, optional)
-  pair_cos                          (B, N) Llip contextualised cosines (models.llip.LlipMixer)
+  pair_cos                          (B, N) Llip contextualised cosines (models.llip_mixer.LlipMixer)
   image_hat/_alpha/_beta/_target, text_hat/_alpha/_beta/_target   (B, D)   (ProbVLM)
   image_mu/_logvar, text_mu/_logvar of row-matched pairs           (B, D)   (PFE-style baseline)
 """
@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.distributions import (
+    check_inclusion_form,
     contextual_ppcl_logits,
     ggd_nll,
     inclusion_test,
@@ -47,7 +48,10 @@ _LOSSES: dict[str, type[nn.Module]] = {}
 
 
 def register_loss(name: str):
+    """Class decorator adding a loss under `name`; a name registered twice is a ValueError."""
     def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in _LOSSES:
+            raise ValueError(f"loss {name!r} registered twice")
         _LOSSES[name] = cls
         cls.loss_name = name
         return cls
@@ -90,6 +94,16 @@ def _need(out: dict[str, torch.Tensor], loss: nn.Module, *keys: str) -> list[tor
     return [_fp(out[k]) for k in keys]
 
 
+def scalar_parameter(value: float) -> nn.Parameter:
+    """A learnable scalar stored with shape (1,): DeepSpeed cannot broadcast 0-dim parameters."""
+    return nn.Parameter(torch.tensor(float(value)).reshape(1))
+
+
+def as_scalar(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A (1,)-shaped parameter as a 0-dim tensor in `like`'s dtype."""
+    return param.to(like.dtype).reshape(())
+
+
 def _positive_columns(rows: int, world: World, device) -> torch.Tensor:
     """Global column index of each local row's matching pair."""
     return torch.arange(rows, device=device) + world.offset(rows)
@@ -120,13 +134,12 @@ class _ScaleBias(nn.Module):
         super().__init__()
         if init_scale <= 0 or max_scale <= 0:
             raise ValueError("init_scale and max_scale must be > 0")
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(init_scale)).reshape(1))  # (1,): DeepSpeed cannot broadcast 0-dim params
-        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)).reshape(1))
+        self.logit_scale = scalar_parameter(math.log(init_scale))
+        self.logit_bias = scalar_parameter(init_bias)
         self.max_scale = float(max_scale)
 
     def scale_bias(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.logit_scale.exp().clamp(max=self.max_scale).to(like.dtype).reshape(())
-        return s, self.logit_bias.to(like.dtype).reshape(())
+        return as_scalar(self.logit_scale.exp().clamp(max=self.max_scale), like), as_scalar(self.logit_bias, like)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +155,7 @@ class InfoNCELoss(nn.Module):
 
     def __init__(self, init_temperature: float = 0.07, max_logit_scale: float = 100.0):
         super().__init__()
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)).reshape(1))  # (1,): DeepSpeed cannot broadcast 0-dim params
+        self.logit_scale = scalar_parameter(math.log(1.0 / init_temperature))
         self.max_logit_scale = max_logit_scale
 
     def scale(self) -> torch.Tensor:
@@ -155,7 +168,7 @@ class InfoNCELoss(nn.Module):
         with _no_autocast(img):
             img_all, txt_all = world.gather(img), world.gather(txt)
             target = _positive_columns(img.shape[0], world, img.device)
-            s = self.scale().to(img.dtype).reshape(())
+            s = as_scalar(self.scale(), img)
             i2t = F.cross_entropy(s * img @ txt_all.T, target)  # InfoNCE (CLIP Eq. in Fig. 3)
             t2i = F.cross_entropy(s * txt @ img_all.T, target)
             loss = (i2t + t2i) / 2
@@ -223,14 +236,17 @@ class InclusionLoss(nn.Module):
 
     def __init__(self, eps: float = -10.0, c: float = 10.0, form: str = "paper"):
         super().__init__()
-        if form not in ("paper", "exact"):
-            raise ValueError(f"form must be 'paper' or 'exact', got {form!r}")
+        check_inclusion_form(form)
         self.eps, self.c, self.form = float(eps), float(c), form
+
+    def pair(self, mu1: torch.Tensor, lv1: torch.Tensor, mu2: torch.Tensor, lv2: torch.Tensor) -> torch.Tensor:
+        """The loss for Z1 in Z2, row by row."""
+        return inclusion_loss(mu1, lv1, mu2, lv2, self.eps, self.c, self.form)
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
         with _no_autocast(img_mu):
-            loss = inclusion_loss(img_mu, img_lv, txt_mu, txt_lv, self.eps, self.c, self.form)
+            loss = self.pair(img_mu, img_lv, txt_mu, txt_lv)
         return {"loss": loss, "inclusion_v_t": loss.detach()}
 
 
@@ -245,10 +261,15 @@ class VIBLoss(nn.Module):
         super().__init__()
         self.beta = float(beta)
 
+    @staticmethod
+    def kl(img_mu: torch.Tensor, img_lv: torch.Tensor, txt_mu: torch.Tensor, txt_lv: torch.Tensor) -> torch.Tensor:
+        """KL_image + KL_text (unweighted)."""
+        return vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
         with _no_autocast(img_mu):
-            vib = vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+            vib = self.kl(img_mu, img_lv, txt_mu, txt_lv)
         return {"loss": self.beta * vib, "vib": vib.detach()}
 
 
@@ -278,34 +299,35 @@ class ProLIPLoss(PPCLLoss):
         form: str = "paper",
     ):
         super().__init__(init_scale, init_bias, max_scale)
-        if form not in ("paper", "exact"):
-            raise ValueError(f"form must be 'paper' or 'exact', got {form!r}")
-        self.alpha1, self.alpha2, self.beta = float(alpha1), float(alpha2), float(beta)
-        self.eps, self.c, self.form = float(eps), float(c), form
+        self.alpha1, self.alpha2 = float(alpha1), float(alpha2)
+        self.inclusion = InclusionLoss(eps, c, form)
+        self.vib = VIBLoss(beta)
+
+    eps = property(lambda self: self.inclusion.eps)
+    c = property(lambda self: self.inclusion.c)
+    form = property(lambda self: self.inclusion.form)
+    beta = property(lambda self: self.vib.beta)
 
     def pairwise(self, out: dict[str, torch.Tensor], world: World):
         return self.ppcl(out, world)
-
-    def _inc(self, mu1, lv1, mu2, lv2) -> torch.Tensor:
-        return inclusion_loss(mu1, lv1, mu2, lv2, self.eps, self.c, self.form)
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         world = world or World.current()
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
         with _no_autocast(img_mu):
             pair, s, b = self.pairwise(out, world)
-            inc_vt = self._inc(img_mu, img_lv, txt_mu, txt_lv)
+            inc_vt = self.inclusion.pair(img_mu, img_lv, txt_mu, txt_lv)
             zero = img_mu.new_zeros(())
             inc_img = inc_txt = zero
             if "masked_rows" in out and out["masked_rows"].numel() > 0:
                 rows = out["masked_rows"].long()
                 if "image_masked_mu" in out:
                     m_mu, m_lv = _need(out, self, "image_masked_mu", "image_masked_logvar")
-                    inc_img = self._inc(img_mu[rows], img_lv[rows], m_mu, m_lv)
+                    inc_img = self.inclusion.pair(img_mu[rows], img_lv[rows], m_mu, m_lv)
                 if "text_masked_mu" in out:
                     m_mu, m_lv = _need(out, self, "text_masked_mu", "text_masked_logvar")
-                    inc_txt = self._inc(txt_mu[rows], txt_lv[rows], m_mu, m_lv)
-            vib = vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+                    inc_txt = self.inclusion.pair(txt_mu[rows], txt_lv[rows], m_mu, m_lv)
+            vib = self.vib.kl(img_mu, img_lv, txt_mu, txt_lv)
             # ProLIP Eq. 6: PPCL + alpha1 inc(v in t) + alpha2 (inc(v in v_masked) + inc(t in t_masked)) + beta VIB
             loss = pair + self.alpha1 * inc_vt + self.alpha2 * (inc_img + inc_txt) + self.beta * vib
         return {
@@ -364,15 +386,17 @@ class PMLLoss(nn.Module):
 
     def __init__(self, init_a: float = 5.0, init_b: float = 5.0, alpha: float = 0.1, beta: float = 1e-4):
         super().__init__()
-        self.a = nn.Parameter(torch.tensor(float(init_a)).reshape(1))  # (1,): DeepSpeed cannot broadcast 0-dim params
-        self.b = nn.Parameter(torch.tensor(float(init_b)).reshape(1))
-        self.alpha, self.beta = float(alpha), float(beta)
+        self.a, self.b = scalar_parameter(init_a), scalar_parameter(init_b)
+        self.alpha = float(alpha)
+        self.vib = VIBLoss(beta)
+
+    beta = property(lambda self: self.vib.beta)
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         world = world or World.current()
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
         with _no_autocast(img_mu):
-            a, b = self.a.to(img_mu.dtype).reshape(()), self.b.to(img_mu.dtype).reshape(())
+            a, b = as_scalar(self.a, img_mu), as_scalar(self.b, img_mu)
             logits = pml_logits(img_mu, img_lv, world.gather(txt_mu), world.gather(txt_lv), a, b)
             rows, cols = logits.shape
             labels = match_labels(rows, cols, world.offset(rows), out, logits)
@@ -389,7 +413,7 @@ class PMLLoss(nn.Module):
                     n_pseudo = (pp.sum(1) - 1).to(logits.dtype).mean()
                 pseudo = soft_bce(logits, pp_labels, cols)
                 loss = loss + self.alpha * pseudo
-            vib = vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+            vib = self.vib.kl(img_mu, img_lv, txt_mu, txt_lv)
             # PCME++ Eq. 3: L_match + alpha L_pseudo-match + beta L_VIB
             loss = loss + self.beta * vib
         return {
@@ -410,7 +434,7 @@ class PMLLoss(nn.Module):
 class LlipLoss(_ScaleBias):
     """Llip's sigmoid loss (Eq. 3) on contextualised cosines s * cos(z_hat_ij, z_hat'_j) + b.
 
-    The cosines come from ``models.llip.LlipMixer`` in the model's forward (where the mixer's
+    The cosines come from ``models.llip_mixer.LlipMixer`` in the model's forward (where the mixer's
     temperature ``tau`` and ``heads`` are set): out["pair_cos"] is (B_local, N_global), local
     image rows against all captions gathered with gradient. Positives are (i, offset + i).
     Params: init_scale (10), init_bias (-10), max_scale (100) (SigLIP's initialisation, as in Llip).

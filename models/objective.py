@@ -8,10 +8,14 @@ Objective passes ``world`` to the model and the loss and adds sigma^2 statistics
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
 from models.gather import World
+from models.losses import create_loss
+from models.registry import create_model, default_loss
 
 
 class Objective(nn.Module):
@@ -25,6 +29,17 @@ class Objective(nn.Module):
         out = self.model(images, tokens, world)
         parts = self.loss(out, world)
         return {**parts, **uncertainty_stats(out)}
+
+
+def loss_name(cfg: Any) -> str:
+    """The loss a config trains: ``loss.name``, or the model's method's default loss."""
+    return cfg.loss.name or default_loss(cfg.model.name)
+
+
+def build_objective(cfg: Any) -> Objective:
+    """A fresh model and loss for a config (``pipelines.config.Config``, or anything with ``model.name``,
+    ``model.overrides``, ``loss.name`` and ``loss.params``)."""
+    return Objective(create_model(cfg.model.name, **cfg.model.overrides), create_loss(loss_name(cfg), **cfg.loss.params))
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Load open_clip CLIP weights into our towers (e.g. PCME++-style fine-tuning from CLIP, papers/001 Sec. 2.5).
+"""Load open_clip CLIP weights into our towers (e.g. PCME++-style fine-tuning from CLIP, PCME++, arXiv:2305.18171, Sec. 2.5).
 
 Mapping (open_clip ``CLIP`` state dict -> ours):
 

@@ -1,4 +1,4 @@
-"""PCME++ (papers/001): mu and log sigma^2 heads on CLIP towers, GPO pooling, mixed-sample augmentation.
+"""PCME++ (Chun 2024, arXiv:2305.18171): mu and log sigma^2 heads on CLIP towers, GPO pooling, mixed-sample augmentation.
 
 Architecture (Sec. 2.5): the towers share all but their last transformer block; the mu head is the
 last block (loaded with the backbone's weights when fine-tuning from CLIP), the log sigma^2 head a
@@ -15,12 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.clip import B16, TINY
 from models.gather import World
 from models.heads import GPO
 from models.prolip import negative_csd, prompt_ensemble
-from models.registry import register_model
-from models.towers import ImageTower, TextTower, reset_linear_and_norm
+from models.towers import TowerConfig, reset_linear_and_norm
 
 
 def mixed_sample(images: torch.Tensor, fraction: float, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,18 +62,13 @@ class PCMEPP(nn.Module):
     # encode_* return log sigma^2 ("logvar") beside mu: scored by CSD, calibrated in evaluation
     probabilistic = True
 
-    def __init__(
-        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, logvar_bias_init: float = -5.0,
-        msda_fraction: float = 0.25, msda_beta: float = 2.0,
-    ):
+    def __init__(self, towers: TowerConfig = TowerConfig(), *, logvar_bias_init: float = -5.0,
+                 msda_fraction: float = 0.25, msda_beta: float = 2.0):
         super().__init__()
         if not 0.0 <= msda_fraction <= 1.0 or msda_beta <= 0:
             raise ValueError("msda_fraction must be in [0, 1] and msda_beta > 0")
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
-                                 pre_norm=vision_pre_norm)
-        self.text = TextTower(context_length, text_width, text_depth, text_heads)
+        self.visual = towers.image_tower()
+        self.text = towers.text_tower()
         # log sigma^2 heads: duplicates of the last block, freshly initialised, with their own final norm
         self.image_var_block = copy.deepcopy(self.visual.vit.blocks[-1])
         self.image_var_norm = copy.deepcopy(self.visual.vit.norm)
@@ -83,14 +76,12 @@ class PCMEPP(nn.Module):
         self.text_var_norm = copy.deepcopy(self.text.ln_final)
         for m in (self.image_var_block, self.image_var_norm, self.text_var_block, self.text_var_norm):
             reset_linear_and_norm(m)
-        self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
-        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
-        self.image_var_proj = nn.Linear(vision_width, embed_dim)
-        self.text_var_proj = nn.Linear(text_width, embed_dim)
+        self.image_proj, self.text_proj = towers.projections()
+        self.image_var_proj, self.text_var_proj = towers.projections(bias=True)
         for proj in (self.image_var_proj, self.text_var_proj):
             nn.init.constant_(proj.bias, logvar_bias_init)
         self.image_gpo, self.image_var_gpo, self.text_gpo, self.text_var_gpo = (GPO() for _ in range(4))
-        self.context_length, self.img_size = context_length, img_size
+        self.context_length, self.img_size = towers.context_length, towers.img_size
         self.msda_fraction, self.msda_beta = msda_fraction, msda_beta
 
     def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -121,20 +112,7 @@ class PCMEPP(nn.Module):
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"], **out}
 
-    @staticmethod
-    def class_embeddings(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return prompt_ensemble(template_out)
+    # zero-shot: prompt ensemble per class, scored by the negative CSD
+    class_embeddings = staticmethod(prompt_ensemble)
+    class_scores = staticmethod(negative_csd)
 
-    @staticmethod
-    def class_scores(image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
-        return negative_csd(image_out, class_out)
-
-
-@register_model("pcmepp_tiny", default_loss="pml", arch=PCMEPP)
-def pcmepp_tiny(**overrides) -> PCMEPP:
-    return PCMEPP(**{**TINY, **overrides})
-
-
-@register_model("pcmepp_vit_b16", default_loss="pml", arch=PCMEPP)
-def pcmepp_vit_b16(**overrides) -> PCMEPP:
-    return PCMEPP(**{**B16, **overrides})

@@ -14,31 +14,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.clip import B16, TINY
 from models.distributions import sigma_sq_sum
 from models.gather import World
-from models.llip import LlipMixer
+from models.llip_mixer import LlipMixer
 from models.prolip import ProLIP
-from models.registry import register_model
+from models.towers import TowerConfig
 
 
 class ProbLlip(ProLIP):
-    def __init__(
-        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0,
-        mask_fraction: float = 0.125, mask_ratio: float = 0.75, mixture_tokens: int = 64, mixer_heads: int = 8,
-        tau: float = 5.0,
-    ):
+    def __init__(self, towers: TowerConfig = TowerConfig(), *, unc_bias_init: float = -10.0,
+                 mask_fraction: float = 0.125, mask_ratio: float = 0.75, mixture_tokens: int = 64,
+                 mixer_heads: int = 8, tau: float = 5.0):
         if mixture_tokens < 1:
             raise ValueError("mixture_tokens must be >= 1")
         self.mixture_tokens = mixture_tokens  # read by image_prefix() while ProLIP builds the towers
-        super().__init__(img_size=img_size, patch_size=patch_size, vision_width=vision_width,
-                         vision_depth=vision_depth, vision_heads=vision_heads, vision_pre_norm=vision_pre_norm,
-                         context_length=context_length, text_width=text_width, text_depth=text_depth,
-                         text_heads=text_heads, embed_dim=embed_dim, unc_bias_init=unc_bias_init,
-                         mask_fraction=mask_fraction, mask_ratio=mask_ratio)
-        self.mixer = LlipMixer(embed_dim, heads=mixer_heads, tau=tau)
+        super().__init__(towers, unc_bias_init=unc_bias_init, mask_fraction=mask_fraction, mask_ratio=mask_ratio)
+        self.mixer = LlipMixer(towers.embed_dim, heads=mixer_heads, tau=tau)
 
     def image_prefix(self) -> dict:
         """[UNC] + K mixture tokens, no [CLS]."""
@@ -60,12 +51,3 @@ class ProbLlip(ProLIP):
         tr_i, tr_c = sigma_sq_sum(image_out["logvar"].float()), sigma_sq_sum(class_out["logvar"].float())
         return -(2.0 - 2.0 * cos + tr_i[:, None] + tr_c[None, :])
 
-
-@register_model("prolip_llip_tiny", default_loss="prob_llip", arch=ProbLlip)
-def prolip_llip_tiny(**overrides) -> ProbLlip:
-    return ProbLlip(**{**TINY, "mixture_tokens": 8, **overrides})
-
-
-@register_model("prolip_llip64_vit_b16", default_loss="prob_llip", arch=ProbLlip)
-def prolip_llip64_vit_b16(**overrides) -> ProbLlip:
-    return ProbLlip(**{**B16, "mixture_tokens": 64, **overrides})

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from models.distributions import ggd_variance
 from models.prolip import negative_csd, prompt_ensemble
-from models.registry import create_model, register_model
 
 SIDES = ("image", "text")
 
@@ -203,6 +202,8 @@ class AdaptedModel(nn.Module):
         super().__init__()
         if scoring not in ("cosine", "csd"):
             raise ValueError(f"scoring must be 'cosine' or 'csd', got {scoring!r}")
+        from models.registry import create_model  # the registry imports this module
+
         self.scoring = scoring
         self.source = create_model(source, **(source_overrides or {}))
         problem = source_problem(self.source, source)
@@ -247,13 +248,3 @@ class AdaptedModel(nn.Module):
         if self.scoring == "csd":
             return negative_csd(image_out, class_out)
         return image_out["mu"].float() @ class_out["mu"].float().T
-
-
-@register_model("probvlm_adapter", default_loss="probvlm", arch=AdaptedModel)
-def probvlm_adapter(**overrides) -> AdaptedModel:
-    return AdaptedModel(**{"head": "probvlm", **overrides})
-
-
-@register_model("pfe_adapter", default_loss="pfe_mls", arch=AdaptedModel)
-def pfe_adapter(**overrides) -> AdaptedModel:
-    return AdaptedModel(**{"head": "pfe", **overrides})

@@ -1,4 +1,4 @@
-"""ProLIP (papers/000): [CLS] gives mu, [UNC] gives log sigma^2, in both towers; masked copies for inclusion.
+"""ProLIP (Chun et al. 2024, arXiv:2410.18857): [CLS] gives mu, [UNC] gives log sigma^2, in both towers; masked copies for inclusion.
 
 Image tower: [CLS] and [UNC] at the start of the sequence. Text tower: [UNC] and [CLS] appended at
 the end (CLIP's text encoder pools at the end, not at a leading [CLS]). Both outputs are linearly
@@ -14,12 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.clip import B16, TINY
 from models.distributions import csd, sigma_sq_sum
 from models.gather import World
 from models.heads import unc_projection
-from models.registry import register_model
-from models.towers import ImageTower, TextTower, random_keep, random_text_mask
+from models.towers import TowerConfig, random_keep, random_text_mask
 
 
 def prompt_ensemble(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -47,23 +45,19 @@ class ProLIP(nn.Module):
     # encode_* return log sigma^2 ("logvar") beside mu: scored by CSD, calibrated in evaluation
     probabilistic = True
 
-    def __init__(
-        self, *, img_size: int = 224, patch_size: int = 16, vision_width: int = 768, vision_depth: int = 12,
-        vision_heads: int = 12, vision_pre_norm: bool = True, context_length: int = 64, text_width: int = 512,
-        text_depth: int = 12, text_heads: int = 8, embed_dim: int = 768, unc_bias_init: float = -10.0,
-        mask_fraction: float = 0.125, mask_ratio: float = 0.75,
-    ):
+    def __init__(self, towers: TowerConfig = TowerConfig(), *, unc_bias_init: float = -10.0,
+                 mask_fraction: float = 0.125, mask_ratio: float = 0.75):
         super().__init__()
         if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0:
             raise ValueError("mask_fraction must be in [0, 1] and mask_ratio in [0, 1)")
-        self.visual = ImageTower(img_size, patch_size, vision_width, vision_depth, vision_heads,
-                                 pre_norm=vision_pre_norm, **self.image_prefix())
-        self.text = TextTower(context_length, text_width, text_depth, text_heads, append_tokens=2, mask_token=True)
-        self.image_proj = nn.Linear(vision_width, embed_dim, bias=False)
-        self.image_unc_proj = unc_projection(vision_width, embed_dim, unc_bias_init)
-        self.text_proj = nn.Linear(text_width, embed_dim, bias=False)
-        self.text_unc_proj = unc_projection(text_width, embed_dim, unc_bias_init)
-        self.context_length, self.img_size = context_length, img_size
+        t = towers
+        self.visual = t.image_tower(**self.image_prefix())
+        self.text = t.text_tower(append_tokens=2, mask_token=True)
+        self.image_proj = nn.Linear(t.vision_width, t.embed_dim, bias=False)
+        self.image_unc_proj = unc_projection(t.vision_width, t.embed_dim, unc_bias_init)
+        self.text_proj = nn.Linear(t.text_width, t.embed_dim, bias=False)
+        self.text_unc_proj = unc_projection(t.text_width, t.embed_dim, unc_bias_init)
+        self.context_length, self.img_size = t.context_length, t.img_size
         self.mask_fraction, self.mask_ratio = mask_fraction, mask_ratio
 
     def image_prefix(self) -> dict:
@@ -105,23 +99,10 @@ class ProLIP(nn.Module):
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"], **masked, **self.extra_out(img, txt, world)}
 
-    @staticmethod
-    def class_embeddings(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return prompt_ensemble(template_out)
+    # zero-shot: prompt ensemble per class, scored by the negative CSD
+    class_embeddings = staticmethod(prompt_ensemble)
+    class_scores = staticmethod(negative_csd)
 
-    @staticmethod
-    def class_scores(image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
-        return negative_csd(image_out, class_out)
-
-
-@register_model("prolip_tiny", default_loss="prolip", arch=ProLIP)
-def prolip_tiny(**overrides) -> ProLIP:
-    return ProLIP(**{**TINY, **overrides})
-
-
-@register_model("prolip_vit_b16", default_loss="prolip", arch=ProLIP)
-def prolip_vit_b16(**overrides) -> ProLIP:
-    return ProLIP(**{**B16, **overrides})
 
 
 __all__ = ["ProLIP", "prompt_ensemble", "negative_csd", "masked_rows", "sigma_sq_sum"]

@@ -1,55 +1,109 @@
-"""Create models by name, like timm's `create_model`."""
+"""Create models by name, like timm's `create_model`: every `{method}_{size}` from a method x size table.
+
+A registry name fixes a model class, its tower sizes (a `TowerConfig` preset), the method's extra
+constructor defaults at that size and its default loss. `create_model(name, **overrides)` takes
+flat keyword overrides: `TowerConfig` fields (`vision_depth`, `embed_dim`, ...) replace the preset's,
+anything else goes to the model class (`mixture_tokens`, `tau`, `unc_bias_init`, ...). Model files
+(`models.model_file`) and configs (`model.overrides`) store exactly these names and overrides.
+"""
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Callable
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
+
+from models.clip import CLIP
+from models.llip import Llip
+from models.pcmepp import PCMEPP
+from models.prob_llip import ProbLlip
+from models.probvlm import AdaptedModel
+from models.prolip import ProLIP
+from models.towers import TowerConfig
+
+# Size presets. tiny: CPU tests and the demo (no ln_pre: from scratch it holds a 2-block ViT at
+# loss = log(batch) for ~100 steps; vision_pre_norm=True to load CLIP weights).
+# vit_b16: the papers' ViT-B/16 with a 12-layer 512-wide text transformer, 768-d embeddings and a
+# 64-token text context (ProLIP App. B.1): the TowerConfig defaults.
+TINY = TowerConfig(img_size=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=2, vision_pre_norm=False,
+                   context_length=16, text_width=64, text_depth=2, text_heads=2, embed_dim=64)
+VIT_B16 = TowerConfig()
+SIZES: dict[str, TowerConfig] = {"tiny": TINY, "vit_b16": VIT_B16}
+TOWER_FIELDS = frozenset(f.name for f in dataclasses.fields(TowerConfig))
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: a model class, its default loss, and per-size extras."""
+
+    arch: type[nn.Module]
+    default_loss: str
+    # size -> extra constructor defaults at that size (Llip's mixture-token count)
+    extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # size -> text between the method and the size in the name (Llip's "64" in llip64_vit_b16)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+_MIXTURE = {"tiny": {"mixture_tokens": 8}, "vit_b16": {"mixture_tokens": 64}}
+METHODS: dict[str, Method] = {
+    "clip": Method(CLIP, "infonce"),
+    "siglip": Method(CLIP, "siglip"),
+    "pcmepp": Method(PCMEPP, "pml"),
+    "prolip": Method(ProLIP, "prolip"),
+    "llip": Method(Llip, "llip", _MIXTURE, {"vit_b16": "64"}),
+    "prolip_llip": Method(ProbLlip, "prob_llip", _MIXTURE, {"vit_b16": "64"}),
+}
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    build: Callable[..., nn.Module]
+    arch: type[nn.Module]
+    towers: TowerConfig | None  # None: a model without towers of its own (an adapter over a registry model)
+    defaults: dict[str, Any]
     default_loss: str
-    # The class the builder instantiates: its constructor's parameters are the valid overrides.
-    arch: type[nn.Module] | None = None
+
+    def build(self, **overrides) -> nn.Module:
+        unknown = sorted(set(overrides) - set(override_types_of(self.arch)))
+        if unknown:
+            raise TypeError(f"{self.arch.__name__}: unknown overrides {', '.join(unknown)}")
+        if self.towers is None:
+            return self.arch(**{**self.defaults, **overrides})
+        towers = dataclasses.replace(self.towers, **{k: v for k, v in overrides.items() if k in TOWER_FIELDS})
+        kwargs = {**self.defaults, **{k: v for k, v in overrides.items() if k not in TOWER_FIELDS}}
+        return self.arch(towers, **kwargs)
 
 
 _MODELS: dict[str, ModelEntry] = {}
-# Imported on the first lookup: each registers its models (importing them costs seconds: timm, the towers).
-_BUILTIN_MODULES = ("models.clip", "models.llip_model", "models.pcmepp", "models.prob_llip", "models.probvlm",
-                    "models.prolip")
-_builtin_loaded = False
 
 
-def _load_builtin() -> None:
-    global _builtin_loaded
-    if not _builtin_loaded:
-        _builtin_loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
+def register_model(name: str, entry: ModelEntry) -> None:
+    """Add a model name; a name registered twice is an error (a clear ValueError, not a silent replacement)."""
+    if name in _MODELS:
+        raise ValueError(f"model {name!r} registered twice")
+    _MODELS[name] = entry
 
 
-def register_model(name: str, *, default_loss: str, arch: type[nn.Module] | None = None):
-    def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _MODELS:
-            raise ValueError(f"model {name!r} registered twice")
-        _MODELS[name] = ModelEntry(fn, default_loss, arch)
-        return fn
+for _method, _row in METHODS.items():
+    for _size, _towers in SIZES.items():
+        register_model(f"{_method}{_row.tags.get(_size, '')}_{_size}",
+                       ModelEntry(_row.arch, _towers, _row.extras.get(_size, {}), _row.default_loss))
 
-    return wrap
+# Post-hoc adapters over a frozen registry model (ProbVLM, arXiv:2307.00398 Sec. 3): the source names the size.
+register_model("probvlm_adapter", ModelEntry(AdaptedModel, None, {"head": "probvlm"}, "probvlm"))
+register_model("pfe_adapter", ModelEntry(AdaptedModel, None, {"head": "pfe"}, "pfe_mls"))
 
 
 def _entry(name: str) -> ModelEntry:
-    _load_builtin()
     if name not in _MODELS:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(_MODELS))}")
     return _MODELS[name]
 
 
 def create_model(name: str, **overrides) -> nn.Module:
-    """Build a registered model; `overrides` replace the entry's default constructor arguments."""
+    """Build a registered model; `overrides` replace the entry's tower sizes and constructor defaults."""
     return _entry(name).build(**overrides)
 
 
@@ -57,10 +111,30 @@ def default_loss(name: str) -> str:
     return _entry(name).default_loss
 
 
-def model_arch(name: str) -> type[nn.Module] | None:
+def model_arch(name: str) -> type[nn.Module]:
+    """The class a registered model is an instance of (e.g. to read ``probabilistic`` without building it)."""
     return _entry(name).arch
 
 
+def override_types_of(arch: type[nn.Module]) -> dict[str, Any]:
+    """Every override a model class takes and its annotated type: the TowerConfig fields (models built on
+    towers), then its own keywords."""
+    params = inspect.signature(arch.__init__).parameters
+    out: dict[str, Any] = {}
+    if "towers" in params:
+        hints = typing.get_type_hints(TowerConfig)
+        out = {f.name: hints[f.name] for f in dataclasses.fields(TowerConfig)}
+    own = typing.get_type_hints(arch.__init__)
+    for pname, param in params.items():
+        if pname not in ("self", "towers") and param.kind == param.KEYWORD_ONLY:
+            out[pname] = own.get(pname, Any)
+    return out
+
+
+def override_types(name: str) -> dict[str, Any]:
+    """The valid `model.overrides` keys of a registered model and their types."""
+    return override_types_of(_entry(name).arch)
+
+
 def list_models() -> list[str]:
-    _load_builtin()
     return sorted(_MODELS)

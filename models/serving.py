@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.checkpoint import load_model
+from models.model_file import load_model
 from models.preprocess import encoded_to_model_input
 from models.tokenizer import tokenize
 

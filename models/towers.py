@@ -14,6 +14,7 @@ Both towers are laid out like OpenAI/open_clip CLIP (pre-norm ViT, LayerNorm eps
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,6 +24,41 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from models.tokenizer import VOCAB_SIZE
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-5)  # CLIP's LayerNorm eps
+
+
+@dataclass(frozen=True)
+class TowerConfig:
+    """Sizes of the two towers and the shared embedding, as open_clip's vision / text configs.
+
+    The defaults are the papers' size: ViT-B/16 image tower, 12-layer 512-wide text transformer,
+    64-token context, 768-d embeddings (ProLIP App. B.1). Every field is also a config override
+    (``model.overrides.vision_depth`` ...). ``vision_pre_norm`` is CLIP's ``ln_pre`` (see ImageTower).
+    """
+
+    img_size: int = 224
+    patch_size: int = 16
+    vision_width: int = 768
+    vision_depth: int = 12
+    vision_heads: int = 12
+    vision_pre_norm: bool = True
+    context_length: int = 64
+    text_width: int = 512
+    text_depth: int = 12
+    text_heads: int = 8
+    embed_dim: int = 768
+
+    def image_tower(self, extra_tokens: int = 0, class_token: bool = True) -> "ImageTower":
+        return ImageTower(self.img_size, self.patch_size, self.vision_width, self.vision_depth, self.vision_heads,
+                          extra_tokens=extra_tokens, class_token=class_token, pre_norm=self.vision_pre_norm)
+
+    def text_tower(self, append_tokens: int = 0, mask_token: bool = False) -> "TextTower":
+        return TextTower(self.context_length, self.text_width, self.text_depth, self.text_heads,
+                         append_tokens=append_tokens, mask_token=mask_token)
+
+    def projections(self, bias: bool = False) -> tuple[nn.Linear, nn.Linear]:
+        """Image and text linear maps from the towers' widths to the embedding."""
+        return (nn.Linear(self.vision_width, self.embed_dim, bias=bias),
+                nn.Linear(self.text_width, self.embed_dim, bias=bias))
 
 
 class ImageTower(nn.Module):

@@ -184,7 +184,7 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
 
 
 def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:
-    from models.checkpoint import save_model
+    from models.model_file import save_model
 
     files = {}
     for name, model in models.items():

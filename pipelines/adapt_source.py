@@ -64,7 +64,7 @@ def model_metadata(path: Path) -> dict | None:
 
 
 def _from_openclip(spec: SourceConfig, folder: Path) -> Source:
-    from models.checkpoint import save_model
+    from models.model_file import save_model
     from models.openclip_weights import load_openclip_weights, read_openclip_state
     from models.registry import create_model
 
@@ -99,7 +99,7 @@ def _from_openclip(spec: SourceConfig, folder: Path) -> Source:
 
 def resolve_source(spec: SourceConfig, tracking_uri: str, folder: Path) -> Source:
     """The source as a probvlp model file + its model, or AdaptError naming the problem (no Ray needed)."""
-    from models.checkpoint import load_model
+    from models.model_file import load_model
     from models.probvlm import source_problem
     from pipelines.tracking import resolve_model
 

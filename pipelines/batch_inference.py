@@ -45,7 +45,7 @@ def _fixed_lists(out: dict[str, torch.Tensor]) -> dict:
 
 class _Embedder:
     def __init__(self, model_file: str, num_gpus: float = 0.0, threads: int = 1):
-        from models.checkpoint import load_model
+        from models.model_file import load_model
 
         if num_gpus <= 0:
             torch.set_num_threads(max(1, threads))

@@ -337,17 +337,16 @@ def _validate(data: dict[str, Any]) -> Config:
 
 
 def _check_loss(cfg: Config) -> None:
-    """Validate loss params and model overrides against their constructors' signatures."""
+    """Validate loss params and model overrides against what their constructors take."""
     from models.losses import list_losses, loss_class
-    from models.registry import default_loss, model_arch
+    from models.objective import loss_name
+    from models.registry import override_types
 
-    name = cfg.loss.name or default_loss(cfg.model.name)
+    name = loss_name(cfg)
     if name not in list_losses():
         raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
-    _check_kwargs("loss.params", f"loss {name!r}", loss_class(name), cfg.loss.params)
-    arch = model_arch(cfg.model.name)
-    if arch is not None:
-        _check_kwargs("model.overrides", f"model {cfg.model.name!r}", arch, cfg.model.overrides)
+    _check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), cfg.loss.params)
+    _check_kwargs("model.overrides", f"model {cfg.model.name!r}", override_types(cfg.model.name), cfg.model.overrides)
     _check_openclip_init(cfg)
 
 
@@ -359,49 +358,59 @@ def _check_openclip_init(cfg: Config) -> None:
         raise ConfigError(f"model.init_from_openclip: no such file {source!r} (or use open_clip:<arch>/<tag>)")
     import torch
 
-    from models.registry import create_model
+    from models.objective import build_objective
 
     with torch.device("meta"):
-        model = create_model(cfg.model.name, **cfg.model.overrides)
-    if "visual.vit.norm_pre.weight" not in model.state_dict():
+        objective = build_objective(cfg)
+    if "visual.vit.norm_pre.weight" not in objective.model.state_dict():
         raise ConfigError("model.init_from_openclip: CLIP weights need CLIP's ln_pre; "
                           "set model.overrides.vision_pre_norm: true")
 
 
-def _check_kwargs(prefix: str, what: str, cls: type, kwargs: dict[str, Any]) -> None:
-    """Names and annotated types of `kwargs` for `cls(**kwargs)`, as one-line ConfigErrors."""
+def keyword_types(cls: type) -> dict[str, Any]:
+    """The keyword parameters of `cls`'s constructor and their annotated types (Any where unannotated)."""
     sig = inspect.signature(cls.__init__)
     hints = typing.get_type_hints(cls.__init__)
+    return {name: hints.get(name, Any) for name, p in sig.parameters.items()
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _check_kwargs(prefix: str, what: str, types: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Names and types of `kwargs` against `types` (name -> annotation), as one-line ConfigErrors."""
     for key, value in kwargs.items():
-        param = sig.parameters.get(key)
-        if param is None or key == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
-            known = [p for p in sig.parameters if p != "self"]
-            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(known)}")
-        if key in hints:
+        if key not in types:
+            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(types)}")
+        if types[key] is not Any:
             try:
                 # Strict for everything but ints where a float is expected (YAML writes 10 for 10.0).
-                TypeAdapter(hints[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
+                TypeAdapter(types[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
             except ValidationError as err:
                 raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key.path=value")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, where: str | None = None) -> dict[str, Any]:
+    """data[a][b][c] = value for key "a.b.c", creating sections; `where` names the source in errors (default: key)."""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where or key}: {part} is not a section")
+    node[parts[-1]] = value
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"--set {text!r}: {part} is not a section")
-            node = nxt
-        node[path[-1]] = value
+        key, value = parse_override(text)
+        set_dotted(data, key, value, where=f"--set {text!r}")
     return data
 
 

@@ -29,7 +29,7 @@ model.predict(pd.DataFrame({{"image": [open("cat.jpg", "rb").read()], "caption":
 or as the PyTorch module, without unpickling code:
 
 ```python
-from models.checkpoint import load_model
+from models.model_file import load_model
 model = load_model("data/model.safetensors")  # rebuilds `{cfg.model.name}` from the registry
 ```
 

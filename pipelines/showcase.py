@@ -48,7 +48,7 @@ def run_summary(cfg, result) -> list[str]:
     """The end of `jobs.pretrain`: metrics per eval task, where the model is, how to look, sample predictions."""
     import tempfile
 
-    from models.checkpoint import load_model
+    from models.model_file import load_model
     from pipelines.tracking import resolve_model
 
     lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",

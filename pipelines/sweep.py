@@ -1,6 +1,6 @@
 """Hyperparameter sweeps: a YAML search space over dotted config keys, one TorchTrainer run per trial.
 
-One trial is a Ray Tune function trainable that runs `pipelines.trainer.fit` (Ray Train V2 + Tune:
+One trial is a Ray Tune function trainable that runs `pipelines.train_driver.fit` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
 """
@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides,
-                              load_config)
+                              load_config, set_dotted)
 
 
 class Domain(Section):
@@ -89,17 +89,6 @@ class SweepConfig(Section):
     reports_per_trial: int = 0
 
 
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {part} is not a section")
-    node[parts[-1]] = value
-    return data
-
-
 def trial_config(base: dict[str, Any], params: dict[str, Any]) -> Config:
     data = copy.deepcopy(base)
     for key, value in params.items():
@@ -164,7 +153,7 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, 
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from pipelines.trainer import fit
+    from pipelines.train_driver import fit
 
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
@@ -184,7 +173,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     from ray import tune
 
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.trainer import check_eval_tasks, prepare_data
+    from pipelines.train_driver import check_eval_tasks, prepare_data
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
@@ -280,14 +269,14 @@ def _scheduler(sweep: SweepConfig):
 def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
     import pandas as pd
-    from mlflow import MlflowClient
+
+    from pipelines.tracking import end_trial_runs
 
     s = sweep.tune
-    client = MlflowClient(uri)
-    experiment_id = client.get_experiment_by_name(base.run.experiment).experiment_id
     rows = [trial_row(result, sweep, base) for result in grid]
     for row in rows:
-        close_child_runs(client, experiment_id, row["trial_id"], row["status"])
+        final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(row["status"], "FAILED")
+        end_trial_runs(uri, base.run.experiment, row["trial_id"], row["status"], final)
     table = pd.DataFrame(rows)
     scored = table[table[s.metric].map(finite)]
     if scored.empty:
@@ -296,9 +285,7 @@ def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> 
     best_params = {k: _plain(best[k]) for k in sweep.space}
     best_cfg = trial_config(base.to_dict(), best_params)
     best_cfg.run.name = None
-    log_sweep_artifacts(client, parent, table, sweep, best_cfg)
-    client.log_metric(parent, f"best_{s.metric}", float(best[s.metric]))
-    client.set_terminated(parent, "FINISHED")
+    log_sweep_results(uri, parent, table, sweep, best_cfg, {f"best_{s.metric}": float(best[s.metric])})
     return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
 
 
@@ -312,17 +299,12 @@ def trial_row(result, sweep: SweepConfig, base: Config) -> dict[str, Any]:
             sweep.tune.metric: metrics.get(sweep.tune.metric), "step": step, "status": status}
 
 
-def close_child_runs(client, experiment_id: str, trial_id: str, status: str) -> None:
-    """Tag the trial's MLflow run with how it ended, and end it if Tune stopped it before fit() returned."""
-    for child in client.search_runs([experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
-        client.set_tag(child.info.run_id, "probvlp.trial_status", status)
-        if child.info.status == "RUNNING":
-            final = {"completed": "FINISHED", "stopped early": "KILLED"}.get(status, "FAILED")
-            client.set_terminated(child.info.run_id, final)
-
-
-def log_sweep_artifacts(client, parent: str, table, sweep: SweepConfig, best_cfg: Config) -> None:
+def log_sweep_results(uri: str, parent: str, table, sweep: SweepConfig, best_cfg: Config,
+                      metrics: dict[str, float]) -> None:
+    """The parent run's results table, knob plot, best config and `metrics`; then the parent run ends."""
     import tempfile
+
+    from pipelines.tracking import log_results
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -330,8 +312,8 @@ def log_sweep_artifacts(client, parent: str, table, sweep: SweepConfig, best_cfg
         (tmp / "results.md").write_text(markdown_table(table))
         (tmp / "best_config.yaml").write_text(best_cfg.to_yaml())
         plot_knobs(table, list(sweep.space), sweep.tune.metric, tmp / "metric_vs_knobs.png")
-        for name in ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"):
-            client.log_artifact(parent, str(tmp / name))
+        names = ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png")
+        log_results(uri, parent, metrics, [(tmp / name, None) for name in names])
 
 
 def _plain(value: Any) -> Any:

@@ -97,14 +97,17 @@ def find_run(uri: str, experiment: str, run_name: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def reopen_run(uri: str, run_id: str, config_yaml: str, attempt: int) -> None:
-    """Continue an existing run: mark it running and keep the resumed config next to the original."""
+def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
+    """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the
+    resumed config next to the original. Returns the resume's number (1 for the first)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
+    attempt = int(client.get_run(run_id).data.tags.get("probvlp.resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
     client.set_tag(run_id, "probvlp.resumes", str(attempt))
     client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")
+    return attempt
 
 
 class StepLogger:
@@ -234,8 +237,10 @@ def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
             "config": config}
 
 
-def log_evaluation(uri: str, run_id: str, metrics: dict[str, float], files: list[tuple[Path, str]]) -> None:
-    """Metrics (step 0) and files (local path, artifact folder) of an evaluation run, then end it."""
+def log_results(uri: str, run_id: str, metrics: dict[str, float], files: list[tuple[Path, str | None]] = (),
+                texts: dict[str, str] | None = None) -> None:
+    """A run's results, then end it: metrics (step 0), files (local path, artifact folder or None for the
+    root) and texts (artifact file name -> text). Evaluations, downloads and sweeps' parent runs."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
@@ -246,4 +251,21 @@ def log_evaluation(uri: str, run_id: str, metrics: dict[str, float], files: list
         client.log_batch(run_id, metrics=items[i : i + 1000])
     for path, folder in files:
         client.log_artifact(run_id, str(path), folder)
+    for name, text in (texts or {}).items():
+        client.log_text(run_id, text, name)
     client.set_terminated(run_id, "FINISHED")
+
+
+def end_trial_runs(uri: str, experiment: str, trial_id: str, trial_status: str, run_status: str) -> None:
+    """Tag a sweep trial's MLflow runs (tag probvlp.trial_id) with how the trial ended, and end any still
+    running (Tune stopped the trial before its fit() returned) with `run_status`."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return
+    for child in client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
+        client.set_tag(child.info.run_id, "probvlp.trial_status", trial_status)
+        if child.info.status == "RUNNING":
+            client.set_terminated(child.info.run_id, run_status)

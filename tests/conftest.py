@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import DEMO_STEPS
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -15,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the session, on loopback (see pipelines.ray_env)."""
+    """One local Ray for the whole pytest run, on loopback (see pipelines.ray_env)."""
     import ray
 
     from pipelines.ray_env import init_ray
@@ -40,15 +42,12 @@ def digits_root(tmp_path_factory) -> str:
     return str(root)
 
 
-DEMO_STEPS = 600
-
-
 @pytest.fixture(scope="session")
 def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, FitResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
     from pipelines.config import load_config
-    from pipelines.trainer import fit
+    from pipelines.train_driver import fit
 
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = load_config(ROOT / "configs" / "demo.yaml", [
@@ -90,10 +89,9 @@ def user_shards(ray_local, tmp_path_factory):
     return root, tmp
 
 
-# Capability tests that have not yet passed on an unshared machine: they
-# are collected with the `pending` marker and deselected by default (pyproject addopts), so they
-# are listed as deselected, not hidden; run them with `pytest -m pending`. A later session that
-# sees them pass removes their entry here.
+# Capability tests not yet seen passing on an unshared machine: they are collected with the
+# `pending` marker and deselected by default (pyproject addopts), so they are listed as deselected,
+# not hidden; run them with `pytest -m pending`. A test that passes there leaves this list.
 PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 

@@ -18,7 +18,7 @@ from PIL import Image
 
 import jobs.evaluate
 import jobs.pretrain
-from models.checkpoint import load_model
+from models.model_file import load_model
 from models.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
 from pipelines.config import ConfigError, EvalTask
 from pipelines.digits import NAMES, specific_captions

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,15 +13,10 @@ from models.gather import World
 from models.losses import create_loss
 from models.objective import Objective
 from models.tokenizer import tokenize
+from tests.helpers import free_port
 
 B = 6
 TINY = dict(vision_depth=1, text_depth=1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:

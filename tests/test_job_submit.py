@@ -6,7 +6,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
-from models.checkpoint import load_model
+from models.model_file import load_model
 from pipelines.tracking import model_file
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models.gather import World
-from models.llip import LlipMixer
+from models.llip_mixer import LlipMixer
 from models.losses import create_loss, list_losses, loss_class
 
 f64 = torch.float64

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -19,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gather import World
-from models.llip import LlipMixer
+from models.llip_mixer import LlipMixer
 from models.losses import create_loss
+from tests.helpers import free_port
 
 f64 = torch.float64
 WORLD, B_LOCAL, DIN, D, K = 2, 4, 6, 8, 3
@@ -159,12 +159,6 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_local_batches_reassemble_full_batch():
     full = full_batch()
     parts = [local_batch(full, r) for r in range(WORLD)]
@@ -175,4 +169,4 @@ def test_local_batches_reassemble_full_batch():
 
 @pytest.mark.timeout(300)
 def test_two_process_gloo_matches_single_process_full_batch():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -13,13 +13,13 @@ import pytest
 import torch
 from mlflow.artifacts import download_artifacts
 
-from models.checkpoint import load_model
+from models.model_file import load_model
 from models.distributions import inclusion_test
 from models.tokenizer import tokenize
 from models.towers import random_keep
 from pipelines.config import load_config
 from pipelines.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
-from pipelines.trainer import fit
+from pipelines.train_driver import fit
 from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,10 +10,10 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
-from models.checkpoint import load_model
+from models.model_file import load_model
 from pipelines.config import Config
 from pipelines.tracking import model_file
-from tests.conftest import DEMO_STEPS
+from tests.helpers import DEMO_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = DEMO_STEPS

@@ -17,7 +17,7 @@ from scipy import stats
 
 import jobs.adapt
 from models import create_model
-from models.checkpoint import load_model, save_model
+from models.model_file import load_model, save_model
 from models.distributions import ggd_variance, negative_mls
 from models.losses import create_loss
 from models.probvlm import AdaptedModel, ProbVLMAdapter

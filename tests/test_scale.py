@@ -9,10 +9,10 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.checkpointing import _safe_globals
+from pipelines.train_state import _safe_globals
 from pipelines.config import load_config
 from pipelines.tracking import LOCAL_DIR
-from pipelines.trainer import fit
+from pipelines.train_driver import fit
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",

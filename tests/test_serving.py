@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import create_model
-from models.checkpoint import save_model
+from models.model_file import save_model
 from models.preprocess import encode_png, encoded_to_model_input, to_model_input
 from models.tokenizer import tokenize
 from pipelines.tracking import save_mlflow_model

@@ -1,4 +1,4 @@
-"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer."""
+"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train_worker`)."""
 from __future__ import annotations
 
 import time
@@ -42,7 +42,7 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
     from pipelines.caption_sampling import CaptionSampler
     from pipelines.eval_data import read_eval_shards, task_paths
     from pipelines.reader import read_shards, read_split
-    from pipelines.train_loop import eval_dataset_name
+    from pipelines.train_worker import eval_dataset_name
 
     size = cfg.data.image_size
     datasets = {
@@ -77,23 +77,16 @@ def run_exists(cfg: Config) -> bool:
 
 def mlflow_run(cfg: Config, uri: str, extra_tags: dict[str, str] | None = None) -> str:
     """A new MLflow run, or the one of the run being resumed."""
+    from models.objective import loss_name
+
     existing = find_run(uri, cfg.run.experiment, cfg.run.name) if run_exists(cfg) else None
     if existing:
-        from mlflow import MlflowClient
-
-        attempt = int(MlflowClient(uri).get_run(existing).data.tags.get("probvlp.resumes", "0")) + 1
-        reopen_run(uri, existing, cfg.to_yaml(), attempt)
+        reopen_run(uri, existing, cfg.to_yaml())
         return existing
     tags = {"probvlp.run_name": cfg.run.name, "probvlp.model": cfg.model.name,
-            "probvlp.method": cfg.loss.name or _default_loss(cfg), "mlflow.source.git.commit": git_commit() or "",
+            "probvlp.method": loss_name(cfg), "mlflow.source.git.commit": git_commit() or "",
             **(extra_tags or {})}
     return start_run(uri, cfg.run.experiment, cfg.run.name, cfg.flat(), cfg.to_yaml(), tags)
-
-
-def _default_loss(cfg: Config) -> str:
-    from models import default_loss
-
-    return default_loss(cfg.model.name)
 
 
 def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] | None = None) -> FitResult:
@@ -103,7 +96,9 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
-    from models import create_model
+    import torch
+
+    from models.objective import build_objective
     from pipelines.ray_env import init_ray, local_cpus
 
     if cfg.run.name is None:
@@ -111,10 +106,11 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
-    from pipelines.train_loop import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
+    from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
-    context_length = create_model(cfg.model.name, **cfg.model.overrides).context_length
+    with torch.device("meta"):  # the sizes only: the workers build the weights
+        context_length = build_objective(cfg).model.context_length
     uri = tracking_uri(cfg.tracking.uri)
     run_id = mlflow_run(cfg, uri, extra_tags)
     resources = {"CPU": t.cpus_per_worker} if not t.use_gpu else None

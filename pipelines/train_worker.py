@@ -1,4 +1,5 @@
-"""What each Ray Train worker runs: DeepSpeed over the model+loss, Ray Data batches, rank-0 MLflow logging."""
+"""What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
+rank-0 MLflow logging. The driver side is `pipelines.train_driver`."""
 from __future__ import annotations
 
 import os
@@ -12,16 +13,14 @@ import ray.train
 import torch
 from safetensors.torch import save_file
 
-from models import create_model, default_loss
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.preprocess import encode_png
-from models.checkpoint import save_model
+from models.model_file import save_model
 from models.gather import World
-from models.losses import create_loss
-from models.objective import Objective
+from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines import checkpointing
-from pipelines.checkpointing import Progress
+from pipelines import train_state
+from pipelines.train_state import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluation import TaskResult, embed_task_locally, held_out_loss, prefixed, score_task, write_plots
 from pipelines.optim import param_groups, warmup_cosine
@@ -80,7 +79,7 @@ def embedding_probe(model: torch.nn.Module, task: EvalTask, batch_size: int, n: 
             **{f"text_{k}": v.contiguous() for k, v in model.encode_text(tokens).items()}}
 
 
-class Trainer:
+class TrainWorker:
     """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
 
     def __init__(self, cfg: Config, mlflow_uri: str, run_id: str, failure_marker: str | None):
@@ -96,7 +95,7 @@ class Trainer:
         self.tasks = cfg.eval.resolved_tasks(cfg.data.root)
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
-        self.progress = checkpointing.restore(self.engine) or Progress()
+        self.progress = train_state.restore(self.engine) or Progress()
         # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = StepLogger(mlflow_uri, run_id, flush_every) if self.rank == 0 else None
@@ -111,21 +110,19 @@ class Trainer:
     def _build_engine(self):
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        model = create_model(cfg.model.name, **cfg.model.overrides)
+        objective = build_objective(cfg)
         if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
-            fresh = load_openclip_weights(model, self._read_openclip_state(cfg.model.init_from_openclip))
+            fresh = load_openclip_weights(objective.model, self._read_openclip_state(cfg.model.init_from_openclip))
             if self.rank == 0:
                 print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
                       "own initialisation", flush=True)
-        loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
-        objective = Objective(model, loss)
         optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr,
                                       betas=(t.beta1, t.beta2), eps=t.eps)
         engine, _, _, scheduler = deepspeed.initialize(
             model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
             config=deepspeed_config(cfg, self.use_bf16), dist_init_required=False,
         )
-        checkpointing.use_weights_only_loading(engine)
+        train_state.use_weights_only_loading(engine)
         return engine, scheduler
 
     def _read_openclip_state(self, source: str) -> dict[str, torch.Tensor]:
@@ -223,7 +220,7 @@ class Trainer:
         raise RuntimeError(f"injected failure at step {step} (train.fail_once_at_step)")
 
     def checkpoint(self, metrics: dict[str, Any]) -> None:
-        checkpointing.save(self.engine, self.progress, metrics)
+        train_state.save(self.engine, self.progress, metrics)
         if self.logger:
             # Metrics are written only once their step is covered by a checkpoint: a restart
             # replays steps after the last checkpoint, and MLflow must not see them twice.
@@ -240,11 +237,10 @@ class Trainer:
     def evaluate(self, weights, loss_weights) -> tuple[torch.nn.Module, dict[str, float], dict[str, TaskResult]]:
         """Rank 0: a fresh model with these weights, its `{task}/{metric}` numbers (logged) and per-task results."""
         cfg = self.cfg
-        model = create_model(cfg.model.name, **cfg.model.overrides)
-        model.load_state_dict(weights)
-        loss = create_loss(cfg.loss.name or default_loss(cfg.model.name), **cfg.loss.params)
-        loss.load_state_dict(loss_weights)
-        objective = Objective(model, loss).eval()
+        objective = build_objective(cfg)
+        objective.model.load_state_dict(weights)
+        objective.loss.load_state_dict(loss_weights)
+        model = objective.eval().model
         metrics: dict[str, float] = {}
         results: dict[str, TaskResult] = {}
         for task in self.tasks:
@@ -307,6 +303,6 @@ EXAMPLE_CAPTION = "a photo of a dog"
 
 def train_loop(config: dict[str, Any]) -> None:
     cfg = Config.from_dict(config["config"])
-    trainer = Trainer(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
-    trainer.fit()
-    trainer.finish()
+    worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
+    worker.fit()
+    worker.finish()
