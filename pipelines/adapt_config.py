@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (ConfigError, EvalConfig, RayConfig, RunConfig, Section, TrackingConfig, _format_error,
-                              absolute_local, apply_overrides)
+from pipelines.config import (ConfigError, Document, EvalConfig, RayConfig, RunConfig, Section, TrackingConfig,
+                              _format_error, absolute_local, read_config_file)
 
 
 class SourceConfig(Section):
@@ -86,7 +85,7 @@ class EmbedConfig(Section):
     gpus_per_actor: float = Field(0.0, ge=0)
 
 
-class AdaptConfig(Section):
+class AdaptConfig(Document):
     run: RunConfig = Field(default_factory=lambda: RunConfig(experiment="probvlp-adapt"))
     source: SourceConfig
     data: AdaptDataConfig = Field(default_factory=AdaptDataConfig)
@@ -117,25 +116,6 @@ class AdaptConfig(Section):
         tasks = self.eval.tasks or [EvalTask(name="heldout", kind="retrieval")]
         return self.eval.model_copy(update={"tasks": tasks}).resolved_tasks(self.data.root)
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def flat(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-
-        def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict) and value:
-                for k, v in value.items():
-                    walk(f"{prefix}.{k}" if prefix else k, v)
-            else:
-                out[prefix] = value
-
-        walk("", self.to_dict())
-        return out
-
     def with_absolute_paths(self) -> "AdaptConfig":
         """Local paths absolute (Ray workers run in other directories); URIs and open_clip: as they are."""
         def local(value: str | None) -> str | None:
@@ -144,31 +124,17 @@ class AdaptConfig(Section):
         model = self.source.model
         if Path(model).exists():
             model = absolute_local(model)
-        uri, prefix = self.tracking.uri, "sqlite:///"
-        if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
-            uri = prefix + absolute_local(uri[len(prefix):])
-        tasks = None if self.eval.tasks is None else [
-            t.model_copy(update={"data": local(t.data), "templates": local(t.templates)}) for t in self.eval.tasks]
         return self.model_copy(update={
             "source": self.source.model_copy(update={"model": model, "weights": local(self.source.weights)}),
             "data": self.data.model_copy(update={"root": local(self.data.root), "embeddings": local(self.data.embeddings)}),
             "run": self.run.model_copy(update={"storage_path": local(self.run.storage_path)}),
-            "eval": self.eval.model_copy(update={"tasks": tasks}),
-            "tracking": self.tracking.model_copy(update={"uri": uri}),
+            "eval": self.eval.with_local_paths(local),
+            "tracking": self.tracking.with_absolute_store(),
         })
 
 
 def load_adapt_config(path: str | Path, overrides: list[str] | None = None) -> AdaptConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
-    return adapt_config_from_dict(apply_overrides(data, overrides or []))
+    return adapt_config_from_dict(read_config_file(path, overrides))
 
 
 def adapt_config_from_dict(data: dict[str, Any]) -> AdaptConfig:

@@ -166,12 +166,26 @@ class EvalConfig(Section):
             out.append(t.model_copy(update={"data": data, "split": t.split or self.split, "templates": templates}))
         return out
 
+    def with_local_paths(self, local) -> "EvalConfig":
+        """The tasks' data and template paths passed through `local` (see Config.with_absolute_paths)."""
+        if self.tasks is None:
+            return self
+        return self.model_copy(update={"tasks": [
+            t.model_copy(update={"data": local(t.data), "templates": local(t.templates)}) for t in self.tasks]})
+
 
 class TrackingConfig(Section):
     # None: $MLFLOW_TRACKING_URI, else a sqlite store in the project folder.
     uri: str | None = None
     # Register the final MLflow model under this name in the Model Registry (a new version per run).
     register_as: str | None = Field(None, min_length=1)
+
+    def with_absolute_store(self) -> "TrackingConfig":
+        """A relative sqlite store made absolute (sqlite:////abs/path); other URIs as they are."""
+        uri, prefix = self.uri, "sqlite:///"
+        if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
+            return self.model_copy(update={"uri": prefix + absolute_local(uri[len(prefix):])})
+        return self
 
 
 class RayConfig(Section):
@@ -243,7 +257,31 @@ class DownloadConfig(Section):
         return self
 
 
-class Config(Section):
+class Document(Section):
+    """A whole config file (sections at the top level): YAML and MLflow-param views."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> scalar values, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+
+class Config(Document):
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -263,15 +301,9 @@ class Config(Section):
             raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
         return self
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":
         return _validate(data)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def with_absolute_paths(self) -> "Config":
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
@@ -281,31 +313,12 @@ class Config(Section):
                 return value
             return absolute_local(value)
 
-        uri, prefix = self.tracking.uri, "sqlite:///"
-        if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
-            uri = prefix + local(uri[len(prefix):])  # sqlite:////abs/path
-        tasks = None if self.eval.tasks is None else [
-            t.model_copy(update={"data": local(t.data), "templates": local(t.templates)}) for t in self.eval.tasks]
         return self.model_copy(update={
             "data": self.data.model_copy(update={"root": local(self.data.root)}),
             "model": self.model.model_copy(update={"init_from_openclip": local(self.model.init_from_openclip)}),
-            "eval": self.eval.model_copy(update={"tasks": tasks}),
-            "tracking": self.tracking.model_copy(update={"uri": uri}),
+            "eval": self.eval.with_local_paths(local),
+            "tracking": self.tracking.with_absolute_store(),
         })
-
-    def flat(self) -> dict[str, Any]:
-        """Dotted keys -> scalar values, for MLflow params."""
-        out: dict[str, Any] = {}
-
-        def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict) and value:
-                for k, v in value.items():
-                    walk(f"{prefix}.{k}" if prefix else k, v)
-            else:
-                out[prefix] = value
-
-        walk("", self.to_dict())
-        return out
 
 
 def absolute_local(path: str) -> str:
@@ -414,7 +427,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+def read_config_file(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A config file's sections as a dict, `--set` overrides applied; one-line ConfigError otherwise."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -424,4 +438,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    return _validate(apply_overrides(data, overrides or []))
+    return apply_overrides(data, overrides or [])
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    return _validate(read_config_file(path, overrides))
