@@ -25,7 +25,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not pending and not long" tests
 
-# Every method trained to its accuracy target (~28 min on 2 cores; outside `make test` to keep CI short).
+# Every method trained to its accuracy target and the ProbVLM adapter's uncertainty behaviours
+# (~30 min on 2 cores; outside `make test` to keep CI short).
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long tests
 

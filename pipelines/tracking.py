@@ -257,15 +257,22 @@ def log_results(uri: str, run_id: str, metrics: dict[str, float], files: list[tu
 
 
 def end_trial_runs(uri: str, experiment: str, trial_id: str, trial_status: str, run_status: str) -> None:
-    """Tag a sweep trial's MLflow runs (tag probvlp.trial_id) with how the trial ended, and end any still
-    running (Tune stopped the trial before its fit() returned) with `run_status`."""
+    """Tag a sweep trial's MLflow run (tag probvlp.trial_id) with how the trial ended, and end it if still
+    running (Tune stopped the trial before its fit() returned) with `run_status`. Earlier runs of the trial
+    (an interrupted sweep's) are tagged "interrupted" and end as KILLED."""
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return
-    for child in client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'"):
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'")
+    runs.sort(key=lambda r: r.info.start_time)
+    for child in runs[:-1]:  # left by a sweep interrupted during this trial, which then ran again
+        client.set_tag(child.info.run_id, "probvlp.trial_status", "interrupted")
+        if child.info.status == "RUNNING":
+            client.set_terminated(child.info.run_id, "KILLED")
+    for child in runs[-1:]:
         client.set_tag(child.info.run_id, "probvlp.trial_status", trial_status)
         if child.info.status == "RUNNING":
             client.set_terminated(child.info.run_id, run_status)
