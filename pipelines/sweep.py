@@ -224,17 +224,19 @@ def trial_progress(total: int, metric: str):
         def setup(self, **info):
             self.line.update(0)
 
-        def _ended(self, trial, how: str) -> None:
-            self.done += 1
+        def _ended(self, trials, trial, how: str) -> None:
+            # Counted from Tune's trial list, so a resumed sweep goes on from the trials ended before it.
+            ended = {t.trial_id for t in trials if t.status in ("TERMINATED", "ERROR")} | {trial.trial_id}
+            self.done = max(self.done + 1, len(ended))
             value = (trial.last_result or {}).get(metric)
             shown = f"{value:.4g}" if isinstance(value, (int, float)) else "not reported"
             self.line.update(self.done, trial=f"{trial.trial_id} {how}", **{metric: shown})
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            self._ended(trial, "ended")
+            self._ended(trials, trial, "ended")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            self._ended(trial, "failed")
+            self._ended(trials, trial, "failed")
 
     return TrialProgress()
 
