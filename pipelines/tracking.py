@@ -268,11 +268,9 @@ def end_trial_runs(uri: str, experiment: str, trial_id: str, trial_status: str, 
         return
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.trial_id` = '{trial_id}'")
     runs.sort(key=lambda r: r.info.start_time)
-    for child in runs[:-1]:  # left by a sweep interrupted during this trial, which then ran again
-        client.set_tag(child.info.run_id, "probvlp.trial_status", "interrupted")
+    # Earlier runs were left by a sweep interrupted during this trial, which then ran again.
+    ends = [(r, "interrupted", "KILLED") for r in runs[:-1]] + [(r, trial_status, run_status) for r in runs[-1:]]
+    for child, how, final in ends:
+        client.set_tag(child.info.run_id, "probvlp.trial_status", how)
         if child.info.status == "RUNNING":
-            client.set_terminated(child.info.run_id, "KILLED")
-    for child in runs[-1:]:
-        client.set_tag(child.info.run_id, "probvlp.trial_status", trial_status)
-        if child.info.status == "RUNNING":
-            client.set_terminated(child.info.run_id, run_status)
+            client.set_terminated(child.info.run_id, final)

@@ -261,3 +261,19 @@ def test_llip_training_cosines_match_naive_mixer():
     naive = model.mixer.naive_pair_cos(img["mix"], txt["mu"], txt["mu"])
     assert out["pair_cos"].shape == (8, 8) and torch.allclose(out["pair_cos"], naive, atol=1e-5)
     assert math.isfinite(out["pair_cos"].sum().item())
+
+
+def test_data_workers_tokenize_without_importing_model_code():
+    """What a Ray Data worker imports to read shards: the reader and the tokenizer, not timm or open_clip's models."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipelines.reader; from models.tokenizer import tokenize; t = tokenize(['a photo of a dog'], 8); "
+            "print(t.tolist(), 'timm' in sys.modules, 'open_clip' in sys.modules, 'models.registry' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import open_clip
+
+    expected = open_clip.tokenize(["a photo of a dog"], 8).tolist()
+    assert out.stdout.strip() == f"{expected} False False False"
