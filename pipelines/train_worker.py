@@ -28,6 +28,18 @@ from pipelines.progress import ProgressLine
 from pipelines.tracking import StepLogger, save_mlflow_model
 
 
+def skip_inference_comm_op() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-compiles its shared-memory all-reduce (C++, about a minute on
+    2 cores, again whenever the build command changes) before the first step. Only its `inference_all_reduce`
+    calls that op; training all-reduces through torch.distributed (gloo), so the build is skipped."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
     t = cfg.train
     return {
@@ -118,6 +130,7 @@ class TrainWorker:
                       "own initialisation", flush=True)
         optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr,
                                       betas=(t.beta1, t.beta2), eps=t.eps)
+        skip_inference_comm_op()
         engine, _, _, scheduler = deepspeed.initialize(
             model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
             config=deepspeed_config(cfg, self.use_bf16), dist_init_required=False,

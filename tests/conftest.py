@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ from tests.helpers import DEMO_STEPS
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# Where torch would JIT-build C++ ops in this pytest run (Ray's processes inherit it): training must build none
+# (tests/test_pretrain.py), and a per-run folder keeps a copy built elsewhere from hiding a build.
+os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_")
 
 
 @pytest.fixture(scope="session")
@@ -99,12 +104,33 @@ PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 SLOW_FIXTURES = {"ray_local", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded", "site"}
 
 
+# Session fixtures that train: under pytest-xdist (`make test` runs two workers) every module using one
+# runs in the same worker, so the model trains once per pytest run, not once per worker.
+TRAINED_FIXTURES = ("trained_clip",)
+# Groups that take longest, started first so that one worker is not left alone with a long one at the end.
+LONGEST_FIRST = ("trained_clip", "test_tune", "test_scale", "test_job_submit")
+
+
+def _xdist_group(item, shared: dict[str, str]) -> str:
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    return shared.get(module, module)  # a module stays together: its module fixtures run once
+
+
 def pytest_collection_modifyitems(config, items):
+    shared = {}
     for item in items:
         if item.nodeid.startswith(PENDING):
             item.add_marker(pytest.mark.pending)
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+        for name in TRAINED_FIXTURES:
+            if name in item.fixturenames:
+                shared[item.module.__name__.rsplit(".", 1)[-1]] = name
+    groups = {id(item): _xdist_group(item, shared) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: file order otherwise
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """End to end: tiny CLIP on the bundled digits with 2 Ray Train workers under DeepSpeed ZeRO-2."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def test_learns_digits(trained):
     history = [m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")]
     assert len(history) == STEPS // cfg.train.log_every
     assert sum(history[-5:]) / 5 < 0.8 * sum(history[:3]) / 3
+
+
+def test_training_compiles_no_cpp_ops(trained):
+    """DeepSpeed's CPU all-reduce op serves inference only; a JIT build of it costs a minute before the first step."""
+    built = sorted(p.name for p in Path(os.environ["TORCH_EXTENSIONS_DIR"]).rglob("*.so"))
+    assert not built, f"training JIT-built C++ ops: {built}"
 
 
 def test_mlflow_run_reads_back(trained):
