@@ -1,5 +1,6 @@
 # The whole set-up is `make demo` or `make test`: each creates .venv if needed,
 # installs the project (skipped when pyproject.toml and constraints.txt are unchanged), then runs.
+# --no-compile: Python compiles a module the first time it is imported; most of torch and ray never are.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -18,8 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jobs.pretrain --config configs/demo.yaml
 
+# Two pytest workers: much of a Ray test is waiting (process starts, polls), so two overlap on 2 cores.
+# Modules sharing a trained fixture run in one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # No Ray, no training, no servers: formulas, models, metrics, configs, readers (under 2 minutes).
 test-fast: $(STAMP)

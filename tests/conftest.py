@@ -116,6 +116,7 @@ def _xdist_group(item, shared: dict[str, str]) -> str:
     return shared.get(module, module)  # a module stays together: its module fixtures run once
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group markers
 def pytest_collection_modifyitems(config, items):
     shared = {}
     for item in items:

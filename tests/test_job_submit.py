@@ -86,6 +86,8 @@ def mlflow_server(tmp_path_factory):
          "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
          "--artifacts-destination", str(tmp_path / "server_artifacts")],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        # MLflow's job runner (seven task-queue processes, for its GenAI jobs) has nothing to do here.
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=120)
