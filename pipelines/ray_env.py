@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
 from pathlib import Path
 
 import ray
@@ -103,11 +104,29 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # The dashboard (on 127.0.0.1) serves the state API, which Ray Train's placement-group cleaner needs:
     # without it, the worker placement group of a run whose controller is killed (a sweep trial that
     # ASHA stops) is never released and later trials wait forever for CPUs.
+    # Ray's state API (which that cleaner calls) finds the dashboard by looking for the machine's Ray instance
+    # and refuses when it finds several ("Found multiple active Ray instances", e.g. two runs on one
+    # workstation); naming this instance's dashboard in its processes' environment avoids the lookup.
+    port = _dashboard_port()
+    api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
     ray.init(
         address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV}, "worker_process_setup_hook": hook},
+        dashboard_port=port, _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV, **api_env},
+                     "worker_process_setup_hook": hook},
     )
+
+
+def _dashboard_port(default: int = 8265) -> int:
+    """Ray's default dashboard port if free on 127.0.0.1, else any free one."""
+    for port in (default, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free TCP port on 127.0.0.1 for the Ray dashboard")
 
 
 def local_cpus(num_workers: int, cpus_per_worker: float) -> int:
