@@ -20,11 +20,12 @@ demo: $(STAMP)
 	$(PY) -m jobs.pretrain --config configs/demo.yaml
 
 # Two pytest workers: much of a Ray test is waiting (process starts, polls), so two overlap on 2 cores.
-# Modules sharing a trained fixture run in one worker (tests/conftest.py).
+# Modules sharing a trained fixture run in one worker, longest first (tests/conftest.py; xdist would
+# otherwise start the groups with the most tests first).
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 # No Ray, no training, no servers: formulas, models, metrics, configs, readers (under 2 minutes).
 test-fast: $(STAMP)
