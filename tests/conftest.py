@@ -111,9 +111,8 @@ TRAINED_FIXTURES = ("trained_clip",)
 LONGEST_FIRST = ("trained_clip", "test_tune", "test_scale", "test_job_submit")
 
 
-def _xdist_group(item, shared: dict[str, str]) -> str:
-    module = item.module.__name__.rsplit(".", 1)[-1]
-    return shared.get(module, module)  # a module stays together: its module fixtures run once
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group markers
@@ -126,8 +125,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         for name in TRAINED_FIXTURES:
             if name in item.fixturenames:
-                shared[item.module.__name__.rsplit(".", 1)[-1]] = name
-    groups = {id(item): _xdist_group(item, shared) for item in items}
+                shared[_module(item)] = name
+    # a module stays together (its module fixtures run once) unless it joins a trained fixture's group
+    groups = {id(item): shared.get(_module(item), _module(item)) for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
