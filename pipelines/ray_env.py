@@ -1,8 +1,10 @@
 """Starting or joining Ray. Local runs stay on 127.0.0.1; `ray job submit` runs join the cluster."""
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
+import tempfile
 import os
 import socket
 from pathlib import Path
@@ -74,8 +76,9 @@ def quiet_logs() -> None:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join `address` / $RAY_ADDRESS if given (cluster, job submission), else start a local Ray on loopback."""
+def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_port: int = 8265) -> None:
+    """Join `address` / $RAY_ADDRESS if given (cluster, job submission), else start a local Ray on loopback
+    with its dashboard on `dashboard_port`, or on a free port when that one is taken."""
     if ray.is_initialized():
         return
     for key, value in _QUIET_ENV.items():
@@ -107,14 +110,33 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # Ray's state API (which that cleaner calls) finds the dashboard by looking for the machine's Ray instance
     # and refuses when it finds several ("Found multiple active Ray instances", e.g. two runs on one
     # workstation); naming this instance's dashboard in its processes' environment avoids the lookup.
-    port = _dashboard_port()
-    api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
-    ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-        dashboard_port=port, _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV, **api_env},
-                     "worker_process_setup_hook": hook},
-    )
+    # The port is checked free, then bound by the dashboard Ray starts: two local runs starting at once (two
+    # pytest workers, two jobs on a workstation) would both see 8265 free, so they take turns.
+    with _machine_lock("probvlp-ray-dashboard.lock"):
+        port = _dashboard_port(dashboard_port)
+        api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+            dashboard_port=port, _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV, **api_env},
+                         "worker_process_setup_hook": hook},
+        )
+
+
+class _machine_lock:
+    """An exclusive lock shared by this machine's processes (a file in the temp folder, released on exit)."""
+
+    def __init__(self, name: str):
+        self.path = Path(tempfile.gettempdir()) / name
+
+    def __enter__(self):
+        self.file = open(self.path, "a")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
 
 
 def _dashboard_port(default: int = 8265) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -143,3 +144,7 @@ def _starts_ray_only_if_slow(request):
     ray = sys.modules.get("ray")
     if not before and ray is not None and ray.is_initialized() and request.node.get_closest_marker("slow") is None:
         pytest.fail(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.slow")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["TORCH_EXTENSIONS_DIR"], ignore_errors=True)

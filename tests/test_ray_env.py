@@ -1,21 +1,33 @@
 """A local Ray beside another Ray instance on the same machine (two runs on one workstation, or pytest workers)."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = "from pipelines.ray_env import init_ray; import sys; init_ray(num_cpus=1); print('up', flush=True); sys.stdin.read()"
+HOLD = ("import sys, ray; from pipelines.ray_env import init_ray; init_ray(num_cpus=1, dashboard_port={port}); "
+        "print(ray._private.worker.get_dashboard_url(), flush=True); sys.stdin.read()")
 
 
-def test_state_api_finds_its_own_instance_beside_another(ray_local):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_state_api_finds_its_own_instance_beside_others(ray_local):
     """Ray Train's placement-group cleaner asks Ray's state API whether the controller lives; with a second
-    instance on the machine, the API's own lookup refuses ("Found multiple active Ray instances")."""
-    other = subprocess.Popen([sys.executable, "-c", HOLD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    instance on the machine, the API's own lookup refuses ("Found multiple active Ray instances").
+    The two others start at the same moment and prefer the same free dashboard port: one gets it, the other
+    a port of its own (both finding the port free, then both binding it, failed one of them)."""
+    port = _free_port()
+    others = [subprocess.Popen([sys.executable, "-c", HOLD.format(port=port)], cwd=ROOT, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        assert other.stdout.readline().strip() == "up"
+        urls = [other.stdout.readline().strip() for other in others]
+        assert f"127.0.0.1:{port}" in urls and len(set(urls)) == 2 and all(u.startswith("127.0.0.1:") for u in urls)
 
         @ray_local.remote
         class Probe:
@@ -32,5 +44,6 @@ def test_state_api_finds_its_own_instance_beside_another(ray_local):
         ray_local.get(probe.ping.remote())
         assert ray_local.get(alive.remote(probe._actor_id.hex())) is True
     finally:
-        other.stdin.close()
-        other.wait(timeout=60)
+        for other in others:
+            other.stdin.close()
+            other.wait(timeout=60)
