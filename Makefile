@@ -1,6 +1,5 @@
 # The whole set-up is `make demo` or `make test`: each creates .venv if needed,
 # installs the project (skipped when pyproject.toml and constraints.txt are unchanged), then runs.
-# --no-compile: Python compiles a module the first time it is imported; most of torch and ray never are.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -25,7 +24,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 tests
 
 # No Ray, no training, no servers: formulas, models, metrics, configs, readers (under 2 minutes).
 test-fast: $(STAMP)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
-DEMO_STEPS = 400
+DEMO_STEPS = 600
 
 
 def free_port() -> int:
