@@ -170,10 +170,25 @@ def check_inclusion_form(form: str) -> None:
         raise ValueError(f"inclusion form must be 'paper' or 'exact', got {form!r}")
 
 
-def vib_kl(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
-    """KL(N(mu, sigma^2) || N(0, I)), mean over batch and dimensions (scalar)."""
+VIB_FORMS = ("standard", "half_logvar")
+
+
+def vib_kl(mu: torch.Tensor, logvar: torch.Tensor, form: str = "standard") -> torch.Tensor:
+    """KL(N(mu, sigma^2) || N(0, I)), mean over batch and dimensions (scalar).
+
+    ``form="half_logvar"``: official ProLIP's variant, l / 2 in place of the log sigma^2 term
+    (the e^l term unchanged); its minimum is at sigma^2 = 1/2, not 1.
+    """
+    if form not in VIB_FORMS:
+        raise ValueError(f"vib form must be one of {VIB_FORMS}, got {form!r}")
+    log_term = logvar if form == "standard" else 0.5 * logvar
     # PCME++ Sec. 2.2 / ProLIP Eq. 6 (VIB): KL = -1/2 mean(1 + l - mu^2 - e^l)
-    return -0.5 * (1.0 + logvar - mu.pow(2) - logvar.exp()).mean()
+    return -0.5 * (1.0 + log_term - mu.pow(2) - logvar.exp()).mean()
+
+
+GGD_APPROX_FORMS = ("eq16", "linear")
+# Official ProbVLM's guards (``stabilise=True``): offsets on 1/alpha and beta, clamp of the power term.
+GGD_OFFSET, GGD_POWER_MIN, GGD_POWER_MAX = 1e-4, 1e-4, 1e3
 
 
 def ggd_nll(
@@ -182,22 +197,36 @@ def ggd_nll(
     alpha: torch.Tensor,
     beta: torch.Tensor,
     approx: bool = False,
+    approx_form: str = "eq16",
+    stabilise: bool = False,
 ) -> torch.Tensor:
     """Elementwise generalized-Gaussian NLL (the constant log 2 dropped).
 
     (|mu - target| / alpha)^beta - log(beta / alpha) + log Gamma(1 / beta); with ``approx=True``
-    the power term is ProbVLM's first-order Taylor form 1 - beta + beta |mu - target| / alpha.
+    the power term is ProbVLM's first-order Taylor form 1 - beta + beta |mu - target| / alpha
+    (``approx_form="eq16"``) or official ProbVLM's beta |mu - target| / alpha (``"linear"``).
+    ``stabilise=True`` is official ProbVLM's guarded form: 1/alpha and beta each get +1e-4 (in
+    every term) and the power term is clamped to [1e-4, 1e3] (no gradient outside).
     """
-    ratio = (mu - target).abs() / alpha
+    if approx_form not in GGD_APPROX_FORMS:
+        raise ValueError(f"approx_form must be one of {GGD_APPROX_FORMS}, got {approx_form!r}")
+    if stabilise:
+        inv_alpha, beta = 1.0 / alpha + GGD_OFFSET, beta + GGD_OFFSET
+        log_alpha = -torch.log(inv_alpha)
+    else:
+        inv_alpha, log_alpha = 1.0 / alpha, torch.log(alpha)
+    ratio = (mu - target).abs() * inv_alpha
     if approx:
-        # ProbVLM Eq. 16: (r/alpha)^beta ~= 1 - beta + beta r/alpha
-        power = 1.0 - beta + beta * ratio
+        # ProbVLM Eq. 16: (r/alpha)^beta ~= 1 - beta + beta r/alpha (official code: beta r/alpha)
+        power = beta * ratio + (1.0 - beta if approx_form == "eq16" else 0.0)
     else:
         # 0 ** beta has a NaN gradient in autograd for beta < 1: take 0 (and zero gradient) there.
         positive = ratio > 0
         power = torch.where(positive, torch.where(positive, ratio, torch.ones_like(ratio)).pow(beta), torch.zeros_like(ratio))
+    if stabilise:
+        power = power.clamp(GGD_POWER_MIN, GGD_POWER_MAX)
     # ProbVLM Eq. 3: L = (|z_hat - z| / alpha)^beta - log(beta / alpha) + log Gamma(1 / beta)
-    return power - torch.log(beta) + torch.log(alpha) + torch.lgamma(1.0 / beta)
+    return power - torch.log(beta) + log_alpha + torch.lgamma(1.0 / beta)
 
 
 def ggd_variance(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,41 @@
-"""Heads shared by the probabilistic models: ProLIP's [UNC] projection, PCME++'s GPO pooling."""
+"""Heads shared by the probabilistic models: ProLIP's [UNC] projection, PCME++'s GPO pooling.
+
+Both compute in float32 whatever the input dtype and the autocast state: under bf16 training
+(towers under bf16 autocast) a log sigma^2 near -10 held in bf16 moves in steps of 0.0625, i.e.
+sigma^2 in 6.4% steps, and a bf16 pooling weight errs by ~0.4% of log sigma^2.
+"""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from models.towers import sinusoid
 
 
+def float32_region(device: torch.device):
+    """Autocast off on `device` (inputs still need an explicit ``.float()``)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class Float32Linear(nn.Linear):
+    """nn.Linear computed in float32 (weights, inputs and output) under any autocast or input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with float32_region(x.device):
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            return F.linear(x.to(dtype), self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype))
+
+
 def unc_projection(width: int, embed_dim: int, bias_init: float = -10.0) -> nn.Linear:
-    """Linear map of the [UNC] output to log sigma^2; bias starts at `bias_init` (sigma^2 ~ e^-10 ~ 5e-5)."""
+    """Float32 linear map of the [UNC] output to log sigma^2; bias starts at `bias_init` (sigma^2 ~ e^-10 ~ 5e-5)."""
     # ProLIP Sec. 3.1 / 4.1: the [UNC] projection's bias is initialised to -10 for stable training
-    proj = nn.Linear(width, embed_dim, bias=True)
+    proj = Float32Linear(width, embed_dim, bias=True)
     nn.init.constant_(proj.bias, bias_init)
     return proj
 
@@ -46,7 +70,11 @@ class GPO(nn.Module):
         return torch.softmax(scores / self.temperature, dim=1)[inverse]
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D)."""
+        """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D) in float32."""
+        with float32_region(features.device):
+            return self._pool(features if features.dtype == torch.float64 else features.float(), lengths)
+
+    def _pool(self, features: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         b, length, _ = features.shape
         if lengths is None:
             lengths = torch.full((b,), length, device=features.device, dtype=torch.long)

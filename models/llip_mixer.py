@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.heads import float32_region
+
 
 def llip_attention(q: torch.Tensor, k: torch.Tensor, tau: float) -> torch.Tensor:
     """Mixing weights, (H, B, N, K), from queries (H, N, dh) and keys (H, B, K, dh).
@@ -126,6 +128,21 @@ class _ChunkedCosine(torch.autograd.Function):
         return d_q, d_k, d_v, d_t, d_w, None, None
 
 
+class PerTokenLinear(nn.Module):
+    """A separate bias-free linear map for each of K tokens: (B, K, in) -> (B, K, out) (official Llip's K/V)."""
+
+    def __init__(self, tokens: int, in_dim: int, out_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(tokens, out_dim, in_dim))
+        for w in self.weight:  # nn.Linear's default initialisation, token by token
+            nn.init.kaiming_uniform_(w, a=5**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[1] != self.weight.shape[0]:
+            raise ValueError(f"per-token projection expects (B, {self.weight.shape[0]}, in), got {tuple(x.shape)}")
+        return torch.einsum("bki,koi->bko", x, self.weight.to(x.dtype))
+
+
 class LlipMixer(nn.Module):
     """Multi-head cross-attention from captions (queries) to an image's K mixture tokens.
 
@@ -137,6 +154,13 @@ class LlipMixer(nn.Module):
         chunk_mib: target size in MiB of one (rows, N, max(D, heads*K)) intermediate per chunk.
         query_proj: apply a learned query projection W_Q to ``text_query_all`` (Llip's Q = g W_Q);
             set False if the caller already projected the queries.
+        query_dim: width of ``text_query_all`` (default ``dim``; the text tower's width when the query
+            is computed from its hidden state, as official Llip does).
+        kv_tokens, kv_dim: 0 (default): one K and one V projection shared by the mixture tokens, which
+            are ``dim`` wide; K > 0: a separate K and V projection per token (official Llip), from
+            ``kv_dim``-wide tokens (the image tower's width).
+
+    Under any autocast the mixer computes in float32 (bf16 cosines err by ~2e-3).
     """
 
     def __init__(
@@ -147,6 +171,9 @@ class LlipMixer(nn.Module):
         chunk_size: int = 0,
         chunk_mib: float = 64.0,
         query_proj: bool = True,
+        query_dim: int | None = None,
+        kv_tokens: int = 0,
+        kv_dim: int | None = None,
     ):
         super().__init__()
         if dim % heads:
@@ -154,10 +181,16 @@ class LlipMixer(nn.Module):
         if tau <= 0:
             raise ValueError(f"tau must be > 0, got {tau}")
         self.dim, self.heads, self.tau = dim, heads, float(tau)
+        self.query_dim, self.kv_dim = query_dim or dim, (kv_dim or dim) if kv_tokens else dim
+        if not query_proj and self.query_dim != dim:
+            raise ValueError("query_dim != dim needs query_proj")
         self.chunk_size, self.chunk_mib = int(chunk_size), float(chunk_mib)
-        self.q_proj = nn.Linear(dim, dim, bias=False) if query_proj else nn.Identity()
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.q_proj = nn.Linear(self.query_dim, dim, bias=False) if query_proj else nn.Identity()
+        if kv_tokens:
+            self.k_proj, self.v_proj = PerTokenLinear(kv_tokens, self.kv_dim, dim), PerTokenLinear(kv_tokens, self.kv_dim, dim)
+        else:
+            self.k_proj = nn.Linear(dim, dim, bias=False)
+            self.v_proj = nn.Linear(dim, dim, bias=False)
         # W_O is a direct parameter (not a child nn.Linear): it is used inside the chunked autograd function,
         # and DeepSpeed ZeRO-3 gathers a module's own parameters around its forward and backward.
         self.out_weight = nn.Parameter(torch.empty(dim, dim))
@@ -170,10 +203,14 @@ class LlipMixer(nn.Module):
         return x.movedim(-2, 0)
 
     def _prepare(self, image_mix_tokens, text_query_all, text_emb_all):
-        if image_mix_tokens.dim() != 3 or image_mix_tokens.shape[-1] != self.dim:
-            raise ValueError(f"image_mix_tokens must be (B, K, {self.dim}), got {tuple(image_mix_tokens.shape)}")
-        if text_query_all.shape != text_emb_all.shape or text_query_all.shape[-1] != self.dim:
-            raise ValueError("text_query_all and text_emb_all must both be (N, D)")
+        if image_mix_tokens.dim() != 3 or image_mix_tokens.shape[-1] != self.kv_dim:
+            raise ValueError(f"image_mix_tokens must be (B, K, {self.kv_dim}), got {tuple(image_mix_tokens.shape)}")
+        if (text_query_all.shape[0] != text_emb_all.shape[0] or text_query_all.shape[-1] != self.query_dim
+                or text_emb_all.shape[-1] != self.dim):
+            raise ValueError(f"text_query_all must be (N, {self.query_dim}) and text_emb_all (N, {self.dim})")
+        # float32 (no autocast): the cosines feed the loss, bf16 would put them ~2e-3 off
+        image_mix_tokens, text_query_all, text_emb_all = (
+            t if t.dtype == torch.float64 else t.float() for t in (image_mix_tokens, text_query_all, text_emb_all))
         q = self._split(self.q_proj(text_query_all))  # (H, N, dh)
         k = self._split(self.k_proj(image_mix_tokens))  # (H, B, K, dh)
         v = self._split(self.v_proj(image_mix_tokens))  # (H, B, K, dh)
@@ -197,27 +234,29 @@ class LlipMixer(nn.Module):
         image_mix_tokens: (B, K, D) this worker's mixture tokens; text_query_all / text_emb_all:
         (N, D) caption features of all workers (gathered with gradient by the caller).
         """
-        q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
-        rows = self.rows_per_chunk(text_hat.shape[0], k.shape[2], text_hat.element_size())
-        # The custom function runs outside autocast on one common dtype (its backward is not autocast).
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in (q, k, v, text_hat, self.out_weight)])
-        cast = [t.to(dtype) for t in (q, k, v, text_hat, self.out_weight)]
-        if q.device.type in ("cpu", "cuda"):
-            with torch.autocast(device_type=q.device.type, enabled=False):
-                return _ChunkedCosine.apply(*cast, self.tau, rows)
-        return _ChunkedCosine.apply(*cast, self.tau, rows)
+        with float32_region(image_mix_tokens.device):
+            q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
+            rows = self.rows_per_chunk(text_hat.shape[0], k.shape[2], text_hat.element_size())
+            # The custom function runs outside autocast on one common dtype (its backward is not autocast).
+            dtype = functools.reduce(torch.promote_types, [t.dtype for t in (q, k, v, text_hat, self.out_weight)])
+            cast = [t.to(dtype) for t in (q, k, v, text_hat, self.out_weight)]
+            return _ChunkedCosine.apply(*cast, self.tau, rows)
 
     def naive_pair_cos(
         self, image_mix_tokens: torch.Tensor, text_query_all: torch.Tensor, text_emb_all: torch.Tensor
     ) -> torch.Tensor:
         """Reference: the same cosine matrix with the full (B, N, D) tensor materialised."""
-        q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
-        return self._block(q, k, v, text_hat, self.out_weight)
+        with float32_region(image_mix_tokens.device):
+            q, k, v, text_hat = self._prepare(image_mix_tokens, text_query_all, text_emb_all)
+            return self._block(q, k, v, text_hat, self.out_weight.to(q.dtype))
 
-    def contextualise(self, image_mix_tokens: torch.Tensor, text_query: torch.Tensor) -> torch.Tensor:
+    def contextualise(self, image_mix_tokens: torch.Tensor, text_query: torch.Tensor,
+                      text_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised z_hat_ij, (B, N, D), for small B x N (analysis / zero-shot on few classes)."""
-        q, k, v, _ = self._prepare(image_mix_tokens, text_query, text_query)
-        return F.normalize(llip_mix(llip_attention(q, k, self.tau), v, self.out_weight), dim=-1)
+        text_emb = text_query if text_emb is None else text_emb
+        with float32_region(image_mix_tokens.device):
+            q, k, v, _ = self._prepare(image_mix_tokens, text_query, text_emb)
+            return F.normalize(llip_mix(llip_attention(q, k, self.tau), v, self.out_weight.to(q.dtype)), dim=-1)
 
 
-__all__ = ["LlipMixer", "llip_attention", "llip_cosine", "llip_mix"]
+__all__ = ["LlipMixer", "PerTokenLinear", "llip_attention", "llip_cosine", "llip_mix"]

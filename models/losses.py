@@ -33,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.distributions import (
+    GGD_APPROX_FORMS,
+    VIB_FORMS,
     check_inclusion_form,
     contextual_ppcl_logits,
     ggd_nll,
@@ -230,18 +232,19 @@ class InclusionLoss(nn.Module):
     """ProLIP inclusion loss (Eq. 3-5) for image-in-its-caption, mean over rows and dimensions.
 
     Params: eps (-10; inverse variances scaled by e^eps), c (10; paper's main runs: eps=-20, c=1000),
-    form ("paper": Eq. 3 as printed; "exact": the exact log-integral).
+    form ("paper": Eq. 3 as printed; "exact": the exact log-integral), guard (inf: none; official ProLIP:
+    1e5, the loss counts 0 while it exceeds it).
     Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, inclusion_v_t.
     """
 
-    def __init__(self, eps: float = -10.0, c: float = 10.0, form: str = "paper"):
+    def __init__(self, eps: float = -10.0, c: float = 10.0, form: str = "paper", guard: float = math.inf):
         super().__init__()
         check_inclusion_form(form)
-        self.eps, self.c, self.form = float(eps), float(c), form
+        self.eps, self.c, self.form, self.guard = float(eps), float(c), form, guard
 
     def pair(self, mu1: torch.Tensor, lv1: torch.Tensor, mu2: torch.Tensor, lv2: torch.Tensor) -> torch.Tensor:
-        """The loss for Z1 in Z2, row by row."""
-        return inclusion_loss(mu1, lv1, mu2, lv2, self.eps, self.c, self.form)
+        """The loss for Z1 in Z2 (mean over rows and dimensions), zeroed past the guard."""
+        return guarded(inclusion_loss(mu1, lv1, mu2, lv2, self.eps, self.c, self.form), self.guard)
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
@@ -250,21 +253,33 @@ class InclusionLoss(nn.Module):
         return {"loss": loss, "inclusion_v_t": loss.detach()}
 
 
+def guarded(value: torch.Tensor, limit: float) -> torch.Tensor:
+    """`value`, or 0 (no gradient) while it exceeds `limit` (official ProLIP / PCME++ explosion guards)."""
+    if math.isinf(limit):
+        return value
+    return torch.where(value.detach() > limit, torch.zeros_like(value), value)
+
+
 @register_loss("vib")
 class VIBLoss(nn.Module):
     """Variational information bottleneck, beta * (KL_image + KL_text) against N(0, I).
 
-    Params: beta (1e-4). Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, vib (unweighted).
+    Params: beta (1e-4); form ("standard" | "half_logvar": official ProLIP's l/2 in place of log sigma^2);
+    guard (inf: none; official ProLIP / PCME++: 1e4, each modality's KL counts 0 while it exceeds it).
+    Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, vib (unweighted).
     """
 
-    def __init__(self, beta: float = 1e-4):
+    def __init__(self, beta: float = 1e-4, form: str = "standard",
+                 guard: float = math.inf):
         super().__init__()
-        self.beta = float(beta)
+        if form not in VIB_FORMS:
+            raise ValueError(f"vib form must be one of {VIB_FORMS}, got {form!r}")
+        self.beta, self.form, self.guard = float(beta), form, guard
 
-    @staticmethod
-    def kl(img_mu: torch.Tensor, img_lv: torch.Tensor, txt_mu: torch.Tensor, txt_lv: torch.Tensor) -> torch.Tensor:
-        """KL_image + KL_text (unweighted)."""
-        return vib_kl(img_mu, img_lv) + vib_kl(txt_mu, txt_lv)
+    def kl(self, img_mu: torch.Tensor, img_lv: torch.Tensor, txt_mu: torch.Tensor, txt_lv: torch.Tensor) -> torch.Tensor:
+        """KL_image + KL_text (unweighted), each zeroed past the guard."""
+        return (guarded(vib_kl(img_mu, img_lv, self.form), self.guard)
+                + guarded(vib_kl(txt_mu, txt_lv, self.form), self.guard))
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         img_mu, img_lv, txt_mu, txt_lv = _need(out, self, "image_mu", "image_logvar", "text_mu", "text_logvar")
@@ -278,8 +293,10 @@ class ProLIPLoss(PPCLLoss):
     """ProLIP's objective (Eq. 6):
     PPCL + alpha1 * inc(image in caption) + alpha2 * [inc(x in masked x), images + texts] + beta * VIB.
 
-    Params: init_scale (10), init_bias (-10), max_scale (100), alpha1 (1e-7), alpha2 (1e-3),
-    beta (1e-4), eps (-10), c (10), form ("paper" | "exact").
+    Params: init_scale (10; official ProLIP: 1/0.07 unless its SigLIP flag), init_bias (-10), max_scale (100),
+    alpha1 (1e-7), alpha2 (1e-3), beta (1e-4), eps (-10), c (10), form ("paper" | "exact"),
+    vib_form ("standard" | "half_logvar"), vib_guard (inf | 1e4), inclusion_guard (inf | 1e5):
+    see VIBLoss and InclusionLoss; inf (no guard) is the paper's, the numbers official ProLIP's.
     Reads image_mu/_logvar, text_mu/_logvar and, when present, masked_rows,
     image_masked_mu/_logvar, text_masked_mu/_logvar. The masked term is 0 when they are absent.
     Returns loss, ppcl, inclusion_v_t, inclusion_masked (= image + text), inclusion_masked_image,
@@ -297,11 +314,14 @@ class ProLIPLoss(PPCLLoss):
         eps: float = -10.0,
         c: float = 10.0,
         form: str = "paper",
+        vib_form: str = "standard",
+        vib_guard: float = math.inf,
+        inclusion_guard: float = math.inf,
     ):
         super().__init__(init_scale, init_bias, max_scale)
         self.alpha1, self.alpha2 = float(alpha1), float(alpha2)
-        self.inclusion = InclusionLoss(eps, c, form)
-        self.vib = VIBLoss(beta)
+        self.inclusion = InclusionLoss(eps, c, form, inclusion_guard)
+        self.vib = VIBLoss(beta, vib_form, vib_guard)
 
     eps = property(lambda self: self.inclusion.eps)
     c = property(lambda self: self.inclusion.c)
@@ -364,10 +384,46 @@ def match_labels(rows: int, cols: int, offset: int, out: dict[str, torch.Tensor]
     return m
 
 
+def caption_match_labels(rows: int, offset: int, out: dict[str, torch.Tensor], world: World,
+                         like: torch.Tensor) -> torch.Tensor:
+    """The labels of the local captions' rows, (B_local, N): m_T[j, i] = m[i, offset + j] of ``match_labels``
+    over the global images (their MSDA lambdas and partners gathered from every worker)."""
+    cols = rows * world.size
+    m = like.new_zeros(rows, cols)
+    if "mix_lambda" not in out:
+        r = torch.arange(rows, device=like.device)
+        m[r, r + offset] = 1.0
+        return m
+    lam = world.gather(out["mix_lambda"].detach().to(like.dtype))
+    partner = world.gather(out["mix_partner"].long().to(like.device) + offset)  # global partner index
+    image = torch.arange(cols, device=like.device)
+    own = (image >= offset) & (image < offset + rows)  # images whose own caption is local
+    m.index_put_((image[own] - offset, image[own]), lam[own])
+    mixed_in = (partner >= offset) & (partner < offset + rows)
+    m.index_put_((partner[mixed_in] - offset, image[mixed_in]), 1.0 - lam[mixed_in], accumulate=True)
+    return m
+
+
+def smooth_labels(labels: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Official PCME++ label smoothing: 1 -> 1 - s, 0 -> s, linear in between (mixed labels)."""
+    return labels if smoothing == 0.0 else smoothing + (1.0 - 2.0 * smoothing) * labels
+
+
 def soft_bce(logits: torch.Tensor, labels: torch.Tensor, n_cols: int) -> torch.Tensor:
     """Sum over local rows of mean-over-columns BCE with logits, divided by B_local * N."""
     # PCME++ Eq. 2: -m log sigmoid(logit) - (1 - m) log sigmoid(-logit)
     return (F.softplus(logits) - labels * logits).sum() / (logits.shape[0] * n_cols)
+
+
+def pseudo_match(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCME++ pseudo-positive loss of the rows, and pseudo-positives per row (mean)."""
+    with torch.no_grad():
+        # PCME++ Sec. 2.3: columns scoring >= the row's ground truth get the ground truth's label
+        gt_label, gt_idx = labels.max(dim=1)
+        pp = logits >= logits.gather(1, gt_idx[:, None])
+        pp_labels = torch.where(pp, gt_label[:, None].expand_as(labels), labels)
+        n_pseudo = (pp.sum(1) - 1).to(logits.dtype).mean()
+    return soft_bce(logits, pp_labels, logits.shape[1]), n_pseudo
 
 
 @register_loss("pml")
@@ -379,16 +435,27 @@ class PMLLoss(nn.Module):
     ground-truth caption's logit get the ground-truth label; the loss recomputed with those
     labels is added with weight alpha. BCE is a mean over all (image, caption) pairs.
 
-    Params: init_a (5), init_b (5), alpha (0.1), beta (1e-4).
+    Params: init_a (5), init_b (5), alpha (0.1), beta (1e-4); the official code's choices (paper
+    defaults first): match_weight (1 | 2), pseudo_rows ("image" | "both": caption rows too),
+    label_smoothing (0 | 1e-4), vib_form ("standard"), vib_guard (inf | 1e4) (see VIBLoss).
     Reads image_mu/_logvar, text_mu/_logvar, and optionally mix_lambda, mix_partner.
-    Returns loss, pml, pseudo_match, vib (unweighted), a, b, n_pseudo (pseudo-positives per row, mean).
+    Returns loss, pml, pseudo_match (image rows + caption rows), vib (unweighted), a, b,
+    n_pseudo (pseudo-positives per image row, mean).
     """
 
-    def __init__(self, init_a: float = 5.0, init_b: float = 5.0, alpha: float = 0.1, beta: float = 1e-4):
+    def __init__(self, init_a: float = 5.0, init_b: float = 5.0, alpha: float = 0.1, beta: float = 1e-4,
+                 match_weight: float = 1.0, pseudo_rows: str = "image",
+                 label_smoothing: float = 0.0, vib_form: str = "standard",
+                 vib_guard: float = math.inf):
         super().__init__()
+        if pseudo_rows not in ("image", "both"):
+            raise ValueError(f"pseudo_rows must be 'image' or 'both', got {pseudo_rows!r}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
         self.a, self.b = scalar_parameter(init_a), scalar_parameter(init_b)
-        self.alpha = float(alpha)
-        self.vib = VIBLoss(beta)
+        self.alpha, self.match_weight = float(alpha), float(match_weight)
+        self.pseudo_rows, self.label_smoothing = pseudo_rows, float(label_smoothing)
+        self.vib = VIBLoss(beta, vib_form, vib_guard)
 
     beta = property(lambda self: self.vib.beta)
 
@@ -399,23 +466,21 @@ class PMLLoss(nn.Module):
             a, b = as_scalar(self.a, img_mu), as_scalar(self.b, img_mu)
             logits = pml_logits(img_mu, img_lv, world.gather(txt_mu), world.gather(txt_lv), a, b)
             rows, cols = logits.shape
-            labels = match_labels(rows, cols, world.offset(rows), out, logits)
+            labels = smooth_labels(match_labels(rows, cols, world.offset(rows), out, logits), self.label_smoothing)
             match = soft_bce(logits, labels, cols)
-            loss = match
             pseudo = logits.new_zeros(())
             n_pseudo = logits.new_zeros(())
             if self.alpha != 0.0:
-                with torch.no_grad():
-                    gt_label, gt_idx = labels.max(dim=1)
-                    gt_logit = logits.gather(1, gt_idx[:, None])
-                    pp = logits >= gt_logit
-                    pp_labels = torch.where(pp, gt_label[:, None].expand_as(labels), labels)
-                    n_pseudo = (pp.sum(1) - 1).to(logits.dtype).mean()
-                pseudo = soft_bce(logits, pp_labels, cols)
-                loss = loss + self.alpha * pseudo
+                pseudo, n_pseudo = pseudo_match(logits, labels)
+                if self.pseudo_rows == "both":
+                    # official PCME++: the same rule on the caption rows (local captions x all images)
+                    t_logits = pml_logits(txt_mu, txt_lv, world.gather(img_mu), world.gather(img_lv), a, b)
+                    t_labels = smooth_labels(caption_match_labels(rows, world.offset(rows), out, world, t_logits),
+                                             self.label_smoothing)
+                    pseudo = pseudo + pseudo_match(t_logits, t_labels)[0]
             vib = self.vib.kl(img_mu, img_lv, txt_mu, txt_lv)
-            # PCME++ Eq. 3: L_match + alpha L_pseudo-match + beta L_VIB
-            loss = loss + self.beta * vib
+            # PCME++ Eq. 3: L_match + alpha L_pseudo-match + beta L_VIB (official code: 2 L_match, caption rows too)
+            loss = self.match_weight * match + self.alpha * pseudo + self.beta * vib
         return {
             "loss": loss,
             "pml": match.detach(),
@@ -483,27 +548,37 @@ class ProbVLMLoss(nn.Module):
 
     Params: lambda_cross (1e-4, ProbVLM's released training script), l1 (0.0; that script uses
     1.0 with ggd 0.05), ggd (1.0, weight of the three GGD terms), approx (False; True uses Eq. 16).
+    The official code's choices (paper defaults first): approx_form ("eq16" | "linear": beta r / alpha
+    without 1 - beta), stabilise (False | True: +1e-4 on 1/alpha and beta, power term clamped to
+    [1e-4, 1e3]; see ``models.distributions.ggd_nll``), l1_cross (False | True: the L1 term also on
+    the cross-modal pairs |z_hat_V - z_T| + |z_hat_T - z_V|).
     Reads image_hat, image_alpha, image_beta, image_target, text_hat, text_alpha, text_beta,
     text_target, all (B, D): z_hat, alpha_hat > 0, beta_hat > 0 predicted by the adapter, and the
     frozen encoder's embedding z. Returns loss, rec_image, rec_text, cross, l1 (unweighted).
     """
 
-    def __init__(self, lambda_cross: float = 1e-4, l1: float = 0.0, ggd: float = 1.0, approx: bool = False):
+    def __init__(self, lambda_cross: float = 1e-4, l1: float = 0.0, ggd: float = 1.0, approx: bool = False,
+                 approx_form: str = "eq16", stabilise: bool = False, l1_cross: bool = False):
         super().__init__()
+        if approx_form not in GGD_APPROX_FORMS:
+            raise ValueError(f"approx_form must be one of {GGD_APPROX_FORMS}, got {approx_form!r}")
         self.lambda_cross, self.l1, self.ggd, self.approx = float(lambda_cross), float(l1), float(ggd), bool(approx)
+        self.approx_form, self.stabilise, self.l1_cross = approx_form, bool(stabilise), bool(l1_cross)
+
+    def nll(self, target: torch.Tensor, mu: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        return ggd_nll(target, mu, alpha, beta, self.approx, self.approx_form, self.stabilise).mean()
 
     def forward(self, out: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
         keys = [f"{m}_{k}" for m in ("image", "text") for k in ("hat", "alpha", "beta", "target")]
         i_hat, i_alpha, i_beta, i_z, t_hat, t_alpha, t_beta, t_z = _need(out, self, *keys)
         with _no_autocast(i_hat):
-            rec_i = ggd_nll(i_z, i_hat, i_alpha, i_beta, approx=self.approx).mean()
-            rec_t = ggd_nll(t_z, t_hat, t_alpha, t_beta, approx=self.approx).mean()
+            rec_i = self.nll(i_z, i_hat, i_alpha, i_beta)
+            rec_t = self.nll(t_z, t_hat, t_alpha, t_beta)
             # ProbVLM Eq. 7: L_cross = GGD NLL of z_T under (z_hat_V, alpha_V, beta_V) + z_V under the text's
-            cross = (
-                ggd_nll(t_z, i_hat, i_alpha, i_beta, approx=self.approx).mean()
-                + ggd_nll(i_z, t_hat, t_alpha, t_beta, approx=self.approx).mean()
-            )
+            cross = self.nll(t_z, i_hat, i_alpha, i_beta) + self.nll(i_z, t_hat, t_alpha, t_beta)
             l1 = (i_hat - i_z).abs().mean() + (t_hat - t_z).abs().mean()
+            if self.l1_cross:
+                l1 = l1 + (i_hat - t_z).abs().mean() + (t_hat - i_z).abs().mean()
             # ProbVLM Eq. 8: L = L_rec^V + L_rec^T + lambda_cross L_cross (+ optional L1 term)
             loss = self.ggd * (rec_i + rec_t + self.lambda_cross * cross) + self.l1 * l1
         return {

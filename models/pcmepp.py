@@ -4,58 +4,79 @@ Architecture (Sec. 2.5): the towers share all but their last transformer block; 
 last block (loaded with the backbone's weights when fine-tuning from CLIP), the log sigma^2 head a
 randomly initialised duplicate of it. Each head's tokens are projected to the embedding space and
 pooled by its own GPO (text: over the tokens up to EOT). In training mode the forward applies
-Mixup or CutMix (chosen per batch) to a random ``msda_fraction`` of the images (Sec. 2.4) and
-returns the soft-label information ``mix_lambda`` / ``mix_partner`` for the PML loss.
+Mixup or CutMix to a share ``msda_fraction`` of the images (Sec. 2.4; ``msda_selection``,
+``msda_partner``, ``msda_switch`` choose the paper's or the official code's way, docs/FIDELITY.md)
+and returns the soft-label information ``mix_lambda`` / ``mix_partner`` for the PML loss.
 """
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gather import World
-from models.heads import GPO
+from models.heads import GPO, Float32Linear
 from models.prolip import negative_csd, prompt_ensemble
 from models.towers import TowerConfig, reset_linear_and_norm
 
 
-def mixed_sample(images: torch.Tensor, fraction: float, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PCME++ MSDA: Mixup or CutMix (one of them per batch, with probability 1/2) on a random `fraction`
-    of the images, lambda ~ Beta(beta, beta). Returns mixed images, lambda (B,) (1 for untouched rows;
-    for CutMix the pasted area's exact complement) and each row's partner (B,) (itself if untouched)."""
+MSDA_SELECTIONS, MSDA_PARTNERS, MSDA_SWITCHES = ("exact", "bernoulli"), ("random", "reversed"), ("batch", "image")
+
+
+def mixed_sample(images: torch.Tensor, fraction: float, beta: float, selection: str = "exact",
+                 partner: str = "random", switch: str = "batch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PCME++ MSDA: Mixup or CutMix on a share `fraction` of the images, lambda ~ Beta(beta, beta).
+
+    selection: "exact" mixes round(fraction * B) random images (at least 1), "bernoulli" each image with
+    probability `fraction` (official PCME++). partner: "random" (any image) or "reversed" (image B-1-i,
+    official). switch: Mixup or CutMix (probability 1/2) drawn once per "batch" or per "image" (official).
+    Returns mixed images, lambda (B,) (1 for untouched rows; for CutMix the pasted area's exact
+    complement) and each row's partner (B,) (itself if untouched)."""
     # PCME++ Sec. 2.4: mixed image labels: lambda for its own caption, 1 - lambda for the partner's
-    b = images.shape[0]
-    n = max(1, int(round(fraction * b))) if fraction > 0 else 0
+    if selection not in MSDA_SELECTIONS or partner not in MSDA_PARTNERS or switch not in MSDA_SWITCHES:
+        raise ValueError(f"MSDA: selection in {MSDA_SELECTIONS}, partner in {MSDA_PARTNERS}, switch in {MSDA_SWITCHES}; "
+                         f"got {selection!r}, {partner!r}, {switch!r}")
+    b, device = images.shape[0], images.device
     lam = images.new_ones(b, dtype=torch.float32)
-    partner = torch.arange(b, device=images.device)
+    partners = torch.arange(b, device=device)
+    if selection == "exact":
+        n = max(1, int(round(fraction * b))) if fraction > 0 else 0
+        rows = torch.randperm(b, device=device)[:n]
+    else:
+        rows = torch.nonzero(torch.rand(b, device=device) < fraction).flatten()
+        n = len(rows)
     if n == 0:
-        return images, lam, partner
-    rows = torch.randperm(b, device=images.device)[:n]
-    other = torch.randint(0, b, (n,), device=images.device)
-    draw = torch.distributions.Beta(torch.tensor(float(beta)), torch.tensor(float(beta))).sample((n,)).to(images.device)
+        return images, lam, partners
+    other = torch.randint(0, b, (n,), device=device) if partner == "random" else b - 1 - rows
+    draw = torch.distributions.Beta(torch.tensor(float(beta)), torch.tensor(float(beta))).sample((n,)).to(device)
     src, dst = images[rows], images[other]
-    if torch.rand(()) < 0.5:  # Mixup (Zhang et al. 2018)
-        w = draw.to(images.dtype).view(-1, 1, 1, 1)
-        mixed = w * src + (1 - w) * dst
-        row_lam = draw
-    else:  # CutMix (Yun et al. 2019): a box with area ~ (1 - lambda) from the partner
-        h, w = images.shape[-2:]
+    if switch == "batch":
+        use_cut = (torch.rand(()) >= 0.5).expand(n).to(device)
+    else:
+        use_cut = torch.rand(n, device=device) >= 0.5
+    # Mixup (Zhang et al. 2018)
+    w = draw.to(images.dtype).view(-1, 1, 1, 1)
+    mixed, row_lam = w * src + (1 - w) * dst, draw
+    if bool(use_cut.any()):  # CutMix (Yun et al. 2019): a box with area ~ (1 - lambda) from the partner
+        h, wd = images.shape[-2:]
         cut = (1.0 - draw).sqrt()
-        cy, cx = torch.rand(n, device=images.device) * h, torch.rand(n, device=images.device) * w
+        cy, cx = torch.rand(n, device=device) * h, torch.rand(n, device=device) * wd
         y0, y1 = (cy - cut * h / 2).clamp(0, h), (cy + cut * h / 2).clamp(0, h)
-        x0, x1 = (cx - cut * w / 2).clamp(0, w), (cx + cut * w / 2).clamp(0, w)
-        ys = torch.arange(h, device=images.device).view(1, h, 1) + 0.5
-        xs = torch.arange(w, device=images.device).view(1, 1, w) + 0.5
+        x0, x1 = (cx - cut * wd / 2).clamp(0, wd), (cx + cut * wd / 2).clamp(0, wd)
+        ys = torch.arange(h, device=device).view(1, h, 1) + 0.5
+        xs = torch.arange(wd, device=device).view(1, 1, wd) + 0.5
         box = ((ys >= y0.view(-1, 1, 1)) & (ys < y1.view(-1, 1, 1)) & (xs >= x0.view(-1, 1, 1)) & (xs < x1.view(-1, 1, 1)))
-        mixed = torch.where(box.unsqueeze(1), dst, src)
-        row_lam = 1.0 - box.float().mean(dim=(1, 2))
+        cutmixed = torch.where(box.unsqueeze(1), dst, src)
+        mixed = torch.where(use_cut.view(-1, 1, 1, 1), cutmixed, mixed)
+        row_lam = torch.where(use_cut, 1.0 - box.float().mean(dim=(1, 2)), draw)
     images = images.clone()
     images[rows] = mixed
     lam[rows] = row_lam.float()
-    partner[rows] = other
-    return images, lam, partner
+    partners[rows] = other
+    return images, lam, partners
 
 
 class PCMEPP(nn.Module):
@@ -63,10 +84,17 @@ class PCMEPP(nn.Module):
     probabilistic = True
 
     def __init__(self, towers: TowerConfig = TowerConfig(), *, logvar_bias_init: float = -5.0,
-                 msda_fraction: float = 0.25, msda_beta: float = 2.0):
+                 msda_fraction: float = 0.25, msda_beta: float = 2.0,
+                 msda_selection: Literal["exact", "bernoulli"] = "exact",
+                 msda_partner: Literal["random", "reversed"] = "random",
+                 msda_switch: Literal["batch", "image"] = "batch"):
         super().__init__()
         if not 0.0 <= msda_fraction <= 1.0 or msda_beta <= 0:
             raise ValueError("msda_fraction must be in [0, 1] and msda_beta > 0")
+        if msda_selection not in MSDA_SELECTIONS or msda_partner not in MSDA_PARTNERS or msda_switch not in MSDA_SWITCHES:
+            raise ValueError(f"msda_selection in {MSDA_SELECTIONS}, msda_partner in {MSDA_PARTNERS}, "
+                             f"msda_switch in {MSDA_SWITCHES}")
+        self.msda = {"selection": msda_selection, "partner": msda_partner, "switch": msda_switch}
         self.visual = towers.image_tower()
         self.text = towers.text_tower()
         # log sigma^2 heads: duplicates of the last block, freshly initialised, with their own final norm
@@ -77,7 +105,9 @@ class PCMEPP(nn.Module):
         for m in (self.image_var_block, self.image_var_norm, self.text_var_block, self.text_var_norm):
             reset_linear_and_norm(m)
         self.image_proj, self.text_proj = towers.projections()
-        self.image_var_proj, self.text_var_proj = towers.projections(bias=True)
+        # float32 heads: bf16 would hold log sigma^2 near its init in 6% steps of sigma^2 (models.heads)
+        self.image_var_proj = Float32Linear(towers.vision_width, towers.embed_dim)
+        self.text_var_proj = Float32Linear(towers.text_width, towers.embed_dim)
         for proj in (self.image_var_proj, self.text_var_proj):
             nn.init.constant_(proj.bias, logvar_bias_init)
         self.image_gpo, self.image_var_gpo, self.text_gpo, self.text_var_gpo = (GPO() for _ in range(4))
@@ -106,7 +136,7 @@ class PCMEPP(nn.Module):
     def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
         out = {}
         if self.training and self.msda_fraction > 0:
-            images, lam, partner = mixed_sample(images, self.msda_fraction, self.msda_beta)
+            images, lam, partner = mixed_sample(images, self.msda_fraction, self.msda_beta, **self.msda)
             out.update(mix_lambda=lam, mix_partner=partner)
         img, txt = self.encode_image(images), self.encode_text(tokens)
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],

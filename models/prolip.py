@@ -5,10 +5,12 @@ the end (CLIP's text encoder pools at the end, not at a leading [CLS]). Both out
 projected; the [UNC] projection's bias starts at -10. In training mode the forward also encodes
 masked copies of a random ``mask_fraction`` of the pairs (``mask_ratio`` of the patch tokens dropped,
 of the words replaced by [MASK]) for the inclusion loss inc(x in masked x) (ProLIP Eq. 6).
+``image_mask_ratio`` and ``text_mask`` select official ProLIP's masking instead (docs/FIDELITY.md).
 """
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from models.distributions import csd, sigma_sq_sum
 from models.gather import World
 from models.heads import unc_projection
-from models.towers import TowerConfig, random_keep, random_text_mask
+from models.towers import TEXT_MASK_MODES, TowerConfig, random_keep, random_text_mask
 
 
 def prompt_ensemble(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -46,10 +48,14 @@ class ProLIP(nn.Module):
     probabilistic = True
 
     def __init__(self, towers: TowerConfig = TowerConfig(), *, unc_bias_init: float = -10.0,
-                 mask_fraction: float = 0.125, mask_ratio: float = 0.75):
+                 mask_fraction: float = 0.125, mask_ratio: float = 0.75, image_mask_ratio: float | None = None,
+                 text_mask: Literal["exact", "bernoulli"] = "exact"):
         super().__init__()
-        if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0:
-            raise ValueError("mask_fraction must be in [0, 1] and mask_ratio in [0, 1)")
+        image_mask_ratio = mask_ratio if image_mask_ratio is None else image_mask_ratio
+        if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0 or not 0.0 <= image_mask_ratio < 1.0:
+            raise ValueError("mask_fraction must be in [0, 1], mask_ratio and image_mask_ratio in [0, 1)")
+        if text_mask not in TEXT_MASK_MODES:
+            raise ValueError(f"text_mask must be one of {TEXT_MASK_MODES}, got {text_mask!r}")
         t = towers
         self.visual = t.image_tower(**self.image_prefix())
         self.text = t.text_tower(append_tokens=2, mask_token=True)
@@ -59,6 +65,7 @@ class ProLIP(nn.Module):
         self.text_unc_proj = unc_projection(t.text_width, t.embed_dim, unc_bias_init)
         self.context_length, self.img_size = t.context_length, t.img_size
         self.mask_fraction, self.mask_ratio = mask_fraction, mask_ratio
+        self.image_mask_ratio, self.text_mask = image_mask_ratio, text_mask
 
     def image_prefix(self) -> dict:
         """ImageTower prefix layout: [CLS] then [UNC]."""
@@ -75,8 +82,8 @@ class ProLIP(nn.Module):
     def masked_inputs(self, images: torch.Tensor, tokens: torch.Tensor):
         """Rows with masked copies, kept patch indices for them, and their text [MASK] positions."""
         rows = masked_rows(images.shape[0], self.mask_fraction, images.device)
-        keep = random_keep(len(rows), self.visual.num_patches, self.mask_ratio, images.device)
-        return rows, keep, random_text_mask(tokens[rows], self.mask_ratio)
+        keep = random_keep(len(rows), self.visual.num_patches, self.image_mask_ratio, images.device)
+        return rows, keep, random_text_mask(tokens[rows], self.mask_ratio, self.text_mask)
 
     def extra_out(self, img: dict, txt: dict, world: World) -> dict[str, torch.Tensor]:
         """More keys for the loss (subclasses: the probabilistic Llip's pair_cos)."""

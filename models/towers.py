@@ -8,8 +8,9 @@ Both towers are laid out like OpenAI/open_clip CLIP (pre-norm ViT, LayerNorm eps
 - TextTower: ``append_tokens`` learnable tokens appended after the context (ProLIP: [UNC], [CLS]);
   they attend to the real tokens (up to EOT) and each other, never to padding. Token masking
   replaces chosen token embeddings by a learned [MASK] embedding (``mask_token=True``). Padding
-  after the batch's longest caption is cut before the blocks: under causal attention no position
-  up to a caption's EOT sees it, so the result is the same and short captions cost less.
+  after the batch's longest caption is cut before the blocks: no position up to a caption's EOT
+  sees it (causal attention, or the key mask of ``causal=False``), so the result is the same and
+  short captions cost less.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class TowerConfig:
     text_depth: int = 12
     text_heads: int = 8
     embed_dim: int = 768
+    # CLIP's causal text attention; False: every token sees the whole caption (official ProLIP's no_causal_mask)
+    text_causal: bool = True
 
     def image_tower(self, extra_tokens: int = 0, class_token: bool = True) -> "ImageTower":
         return ImageTower(self.img_size, self.patch_size, self.vision_width, self.vision_depth, self.vision_heads,
@@ -53,7 +56,7 @@ class TowerConfig:
 
     def text_tower(self, append_tokens: int = 0, mask_token: bool = False) -> "TextTower":
         return TextTower(self.context_length, self.text_width, self.text_depth, self.text_heads,
-                         append_tokens=append_tokens, mask_token=mask_token)
+                         append_tokens=append_tokens, mask_token=mask_token, causal=self.text_causal)
 
     def projections(self, bias: bool = False) -> tuple[nn.Linear, nn.Linear]:
         """Image and text linear maps from the towers' widths to the embedding."""
@@ -106,11 +109,22 @@ def random_keep(batch: int, n_patches: int, ratio: float, device=None) -> torch.
     return order[:, :n_keep].sort(dim=1).values
 
 
-def random_text_mask(tokens: torch.Tensor, ratio: float) -> torch.Tensor:
-    """(B, L) bool: a `ratio` share (at least 1) of each caption's words (between SOT and EOT) to mask."""
-    # ProLIP Sec. 4.1: masked copies replace 75% of the text tokens with [MASK] (as in BERT)
+TEXT_MASK_MODES = ("exact", "bernoulli")
+
+
+def random_text_mask(tokens: torch.Tensor, ratio: float, mode: str = "exact") -> torch.Tensor:
+    """(B, L) bool: the caption tokens to replace by [MASK].
+
+    "exact": round(ratio * n) (at least 1) of each caption's n words (between SOT and EOT);
+    "bernoulli" (official ProLIP): every token from SOT to EOT, both included, with probability `ratio`.
+    """
+    if mode not in TEXT_MASK_MODES:
+        raise ValueError(f"text mask mode must be one of {TEXT_MASK_MODES}, got {mode!r}")
     eot = TextTower.eot_index(tokens)
     pos = torch.arange(tokens.shape[1], device=tokens.device)
+    if mode == "bernoulli":
+        return (torch.rand(tokens.shape, device=tokens.device) < ratio) & (pos[None, :] <= eot[:, None])
+    # ProLIP Sec. 4.1: masked copies replace 75% of the text tokens with [MASK] (as in BERT)
     content = (pos[None, :] > 0) & (pos[None, :] < eot[:, None])
     n_content = content.sum(1)
     n_mask = torch.where(n_content > 0, (n_content.float() * ratio).round().clamp_min(1), 0).long()
@@ -120,7 +134,8 @@ def random_text_mask(tokens: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 class TextTower(nn.Module):
-    """CLIP text transformer: token + position embeddings, causal blocks, final LayerNorm.
+    """CLIP text transformer: token + position embeddings, causal blocks (``causal=False``: full attention
+    over the caption), final LayerNorm.
 
     The context is cut to L' = the batch's longest caption (up to its EOT); ``append_tokens`` learnable
     tokens follow it (ProLIP puts [UNC] and [CLS] there): the output is (B, L' + append_tokens, width),
@@ -128,9 +143,10 @@ class TextTower(nn.Module):
     """
 
     def __init__(self, context_length: int, width: int, depth: int, heads: int, vocab_size: int = VOCAB_SIZE,
-                 append_tokens: int = 0, mask_token: bool = False):
+                 append_tokens: int = 0, mask_token: bool = False, causal: bool = True):
         super().__init__()
         self.context_length = context_length
+        self.causal = causal
         self.width = width
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.randn(context_length, width) * 0.01)
@@ -157,16 +173,19 @@ class TextTower(nn.Module):
                 raise ValueError("this text tower has no [MASK] embedding (mask_token=False)")
             x = torch.where(mask.unsqueeze(-1), self.mask_embedding.to(x.dtype), x)
         x = x + self.positional_embedding[: tokens.shape[1]].to(x.dtype)
-        if not self.num_appended:
+        if not self.num_appended and self.causal:
             return x, None
         b, length = tokens.shape
-        x = torch.cat([x, self.appended.to(x.dtype).unsqueeze(0).expand(b, -1, -1)], dim=1)
+        if self.num_appended:
+            x = torch.cat([x, self.appended.to(x.dtype).unsqueeze(0).expand(b, -1, -1)], dim=1)
         total = length + self.num_appended
         pos = torch.arange(total, device=tokens.device)
         eot = self.eot_index(tokens)
-        # causal, and no token attends to padding after EOT (the appended tokens sit after the padding)
+        # no token attends to padding after EOT (the appended tokens sit after the padding); causal unless not
         key_ok = (pos[None, :] <= eot[:, None]) | (pos[None, :] >= length)  # (B, total)
-        allowed = (pos[None, :, None] >= pos[None, None, :]) & key_ok[:, None, :]  # (B, query, key)
+        allowed = key_ok[:, None, :].expand(b, total, total)  # (B, query, key)
+        if self.causal:
+            allowed = allowed & (pos[None, :, None] >= pos[None, None, :])
         return x, allowed.unsqueeze(1)
 
     def run(self, x: torch.Tensor, blocks, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -180,7 +199,7 @@ class TextTower(nn.Module):
 
     @classmethod
     def trim(cls, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drop the padding columns after the longest caption's EOT (exact under causal attention)."""
+        """Drop the padding columns after the longest caption's EOT (exact: no position up to an EOT sees them)."""
         length = int(cls.eot_index(tokens).max()) + 1 if tokens.numel() else tokens.shape[1]
         return tokens[:, :length], None if mask is None else mask[:, :length]
 

@@ -17,7 +17,7 @@ import torch
 
 from models.preprocess import to_model_input
 
-OUTPUT_KEYS = ("mu", "logvar", "mix")
+OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
 
 
 @dataclass

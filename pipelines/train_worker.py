@@ -41,13 +41,17 @@ def skip_inference_comm_op() -> None:
 
 
 def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
+    """bf16 is DeepSpeed's torch autocast, not its bf16 engine: the engine casts every parameter to bf16
+    (its keep_in_fp32_modules keeps buffers only), where the sigma heads, the mixer and the losses'
+    scale / bias must stay float32 (models.heads); under autocast the parameters stay float32 and the
+    towers' matmuls run in bf16 (their gradients are reduced in bf16)."""
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": use_bf16},
+        "torch_autocast": {"enabled": use_bf16, "dtype": "bfloat16"},
         # torch's AdamW is a client optimizer: DeepSpeed's fused/CPU Adam would JIT-compile C++ first.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -100,7 +104,6 @@ class TrainWorker:
         self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
         self.use_bf16 = self.t.precision == "bf16" or (self.t.precision == "auto" and self.use_gpu)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
-        self.dtype = torch.bfloat16 if self.use_bf16 else torch.float32
         if not self.use_gpu:
             torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
         self.failure_marker = failure_marker
@@ -175,7 +178,7 @@ class TrainWorker:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         bad_in_a_row = 0
         for batch in self.batches():
-            images = batch["image"].to(self.dtype)
+            images = batch["image"].float()  # bf16: the engine's autocast casts inside the towers
             out = engine(images, batch["text"], self.world)
             if not self._finite_on_all_ranks(out["loss"]):
                 # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.
