@@ -95,9 +95,10 @@ class Llip(nn.Module):
         with zeroshot_query "mean_query" a "query": the templates' mean query input (W_Q is linear, so the
         mean of the queries is W_Q of the mean)."""
         # Llip Sec. 5 (zero-shot): class prompts averaged; official code averages the template queries
-        out = {"mu": F.normalize(template_out["mu"].float().mean(dim=1), dim=-1)}
+        at_least_f32 = lambda t: t if t.dtype == torch.float64 else t.float()  # noqa: E731
+        out = {"mu": F.normalize(at_least_f32(template_out["mu"]).mean(dim=1), dim=-1)}
         if self.zeroshot_query == "mean_query":
-            out["query"] = template_out["query" if self.query_from == "hidden" else "mu"].float().mean(dim=1)
+            out["query"] = at_least_f32(template_out["query" if self.query_from == "hidden" else "mu"]).mean(dim=1)
         return out
 
     def class_scores(self, image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -209,8 +209,9 @@ class LlipMixer(nn.Module):
                 or text_emb_all.shape[-1] != self.dim):
             raise ValueError(f"text_query_all must be (N, {self.query_dim}) and text_emb_all (N, {self.dim})")
         # float32 (no autocast): the cosines feed the loss, bf16 would put them ~2e-3 off
-        image_mix_tokens, text_query_all, text_emb_all = (
-            t if t.dtype == torch.float64 else t.float() for t in (image_mix_tokens, text_query_all, text_emb_all))
+        inputs = (image_mix_tokens, text_query_all, text_emb_all)
+        dtype = torch.float64 if torch.float64 in {t.dtype for t in (*inputs, self.out_weight)} else torch.float32
+        image_mix_tokens, text_query_all, text_emb_all = (t.to(dtype) for t in inputs)
         q = self._split(self.q_proj(text_query_all))  # (H, N, dh)
         k = self._split(self.k_proj(image_mix_tokens))  # (H, B, K, dh)
         v = self._split(self.v_proj(image_mix_tokens))  # (H, B, K, dh)

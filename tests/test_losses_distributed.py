@@ -37,6 +37,13 @@ CASES = [
     ("llip", {"init_scale": 3.0, "init_bias": -1.0}),
     ("prob_llip", {"init_scale": 3.0, "init_bias": -1.0, "alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0}),
     ("probvlm", {"lambda_cross": 0.5, "l1": 0.3}),
+    # the official recipes' switches (docs/FIDELITY.md): caption-row pseudo-positives gather the MSDA labels
+    ("pml", {"init_a": 2.0, "init_b": 1.0, "alpha": 0.5, "beta": 0.5, "match_weight": 2.0, "pseudo_rows": "both",
+             "label_smoothing": 0.01, "vib_guard": 1e4}),
+    ("prolip", {"alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0, "vib_form": "half_logvar",
+                "vib_guard": 1e4, "inclusion_guard": 1e5}),
+    ("probvlm", {"lambda_cross": 0.5, "l1": 0.3, "approx": True, "approx_form": "linear", "stabilise": True,
+                 "l1_cross": True}),
 ]
 
 
