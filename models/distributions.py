@@ -16,6 +16,8 @@ Numerical notes (what is clamped, and where):
   ``eps - max(l1, l2)`` stays below ~88 in float32 (e.g. |l| <= 30 with eps <= 0 is safe).
 - ``ggd_nll`` returns 0 (with zero gradient) for the power term where the residual is exactly 0,
   instead of the NaN that ``0 ** beta`` gives in backward for beta < 1.
+- ``ggd_nll(..., stabilise=True)`` is official ProbVLM's guarded form (offsets on 1/alpha and beta,
+  power term clamped to [1e-4, 1e3]); the default is the paper's formula, unclamped.
 - Functions that exponentiate ``logvar`` overflow float32 beyond l ~ 88; nothing is clamped.
 """
 from __future__ import annotations
