@@ -24,7 +24,7 @@ from pipelines.train_driver import fit
 from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.long  # ~28 min on 2 cores: `make test-long`
+pytestmark = pytest.mark.long  # ~28 min on 2 cores for the paper configs, plus the official recipes: `make test-long`
 METHODS = ["siglip", "pcmepp", "prolip", "llip", "prolip_llip"]
 OFFICIAL = ["pcmepp", "prolip", "llip"]  # configs/{method}_tiny_official.yaml
 
