@@ -2,7 +2,8 @@
 an independent reference written from the description in that table (float64, small sizes), plus the
 bf16 guarantee: under bf16 autocast the sigma heads, the Llip mixer and the losses compute in float32.
 
-No Ray, no training: formulas and single forward passes (``make test-fast``).
+No Ray: formulas and single forward passes, and three steps of a bf16 DeepSpeed engine in a subprocess
+(``make test-fast``).
 """
 from __future__ import annotations
 
@@ -463,3 +464,51 @@ def test_bf16_training_is_deepspeed_torch_autocast():
     on, off = deepspeed_config(cfg, True), deepspeed_config(cfg, False)
     assert on["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not off["torch_autocast"]["enabled"]
     assert "bf16" not in on  # DeepSpeed's bf16 engine would cast the float32 heads' parameters to bf16
+
+
+BF16_ENGINE_STEPS = """
+import json, os, torch, deepspeed
+from models.objective import build_objective
+from models.tokenizer import tokenize
+from pipelines.config import load_config
+from pipelines.train_worker import deepspeed_config, skip_inference_comm_op
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+skip_inference_comm_op()
+torch.manual_seed(0)
+cfg = load_config("configs/prolip_tiny.yaml", ["train.precision=bf16", "train.batch_size=8", "train.num_workers=1"])
+objective = build_objective(cfg)
+engine, *_ = deepspeed.initialize(model=objective, optimizer=torch.optim.AdamW(objective.parameters(), lr=1e-3),
+                                  config=deepspeed_config(cfg, True))
+dtypes = {{}}
+for name, module in objective.named_modules():
+    if isinstance(module, torch.nn.Linear):
+        module.register_forward_hook(lambda m, i, o, n=name: dtypes.setdefault(n, str(o.dtype)) and None)
+images, tokens = torch.randn(8, 3, 32, 32), tokenize(["one digit"] * 8, 16)
+losses = []
+for _ in range(3):
+    out = engine(images, tokens)
+    engine.backward(out["loss"])
+    engine.step()
+    losses.append(out["loss"].item())
+print(json.dumps({{"losses": losses, "loss_dtype": str(out["loss"].dtype), "dtypes": dtypes,
+                  "params": sorted({{str(p.dtype) for p in objective.parameters()}})}}))
+"""
+
+
+def test_bf16_deepspeed_engine_runs_towers_in_bf16_and_heads_in_float32():
+    """The DeepSpeed engine of a bf16 run (CPU, one process): tower matmuls bf16, [UNC] heads, loss and
+    parameters float32, and it trains."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    done = subprocess.run([sys.executable, "-c", BF16_ENGINE_STEPS.format(port=free_port())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["dtypes"]["model.visual.vit.blocks.0.attn.qkv"] == "torch.bfloat16"
+    assert got["dtypes"]["model.image_unc_proj"] == got["dtypes"]["model.text_unc_proj"] == "torch.float32"
+    assert got["params"] == ["torch.float32"] and got["loss_dtype"] == "torch.float32"
+    assert all(math.isfinite(v) for v in got["losses"]) and got["losses"][-1] < got["losses"][0]
