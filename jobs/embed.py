@@ -1,10 +1,13 @@
 """Embed a shard set with a saved model (Ray Data batch inference), for indexing or the ProbVLM adapter.
 
     python -m jobs.embed --model <file.safetensors | runs:/<run_id>/model | run id> --data DIR_OR_URI
-        [--split test] --out DIR [--actors 2] [--gpus-per-actor 0] [--no-texts]
+        [--split test] --out DIR [--actors 2] [--gpus-per-actor 0] [--no-texts] [--index hnsw|ivf]
 
 Writes {out}/images/*.parquet (key, captions, cls, mu[, logvar][, mix]) and, unless --no-texts, the
-distinct captions' embeddings in {out}/texts/*.parquet (index, text, mu[, logvar]).
+distinct captions' embeddings in {out}/texts/*.parquet (index, text, mu[, logvar]). With --index, a faiss
+index on the images' mu (rows in key order, as `read_embeddings(folder, "key")` returns them) in
+{out}/images.faiss: search it with models.ann.MeanIndex.load and re-rank the candidates by CSD
+(models.ann.pair_scores).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--gpus-per-actor", type=float, default=0.0)
     parser.add_argument("--no-texts", action="store_true", help="images only")
+    parser.add_argument("--index", choices=["hnsw", "ivf"], default=None, help="also write a faiss index on the images' mu")
     parser.add_argument("--tracking-uri", default=None, help="MLflow store of a run id (default as jobs.pretrain)")
     args = parser.parse_args(argv)
 
@@ -44,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(source["model"])
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
     folder = embed_images(str(source["model"]), paths, model.img_size, out, opts, stats_name="embed")
-    cols, _ = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
+    cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
     print(f"{len(cols['key'])} image embeddings in {folder}")
+    if args.index:
+        from models.ann import MeanIndex
+
+        MeanIndex(outputs["mu"], kind=args.index).save(out / "images.faiss")
+        print(f"faiss {args.index} index on the image means in {out / 'images.faiss'}")
     if not args.no_texts:
         texts = distinct_captions(split_captions(cols["captions"]))
         if texts:

@@ -48,6 +48,28 @@ def rank_queries(scores: torch.Tensor, positives: torch.Tensor) -> Ranked:
     return Ranked(first_hit, map_at_r, r_precision)
 
 
+def rank_candidates(rows: torch.Tensor, positive_keys: torch.Tensor, n_pos: torch.Tensor, gallery: int) -> Ranked:
+    """Ranked candidate lists (Q, K) of gallery rows, best first (-1: none), -> the same measures as
+    `rank_queries`, counting every item outside the list as ranked after it: a query whose positives are
+    all outside gets first_hit = K, and AP@R / R-Precision count only the positives inside the top R.
+
+    positive_keys: sorted query * gallery + item of every positive pair; n_pos: (Q,) positives per query."""
+    if bool((n_pos == 0).any()):
+        raise ValueError("every query needs at least one positive")
+    q, k = rows.shape
+    keys = torch.arange(q, dtype=torch.int64)[:, None] * gallery + rows
+    rel = (torch.isin(keys, positive_keys) & (rows >= 0)).double()
+    found = rel.sum(dim=1) > 0
+    first_hit = torch.where(found, rel.argmax(dim=1), torch.full((q,), k, dtype=torch.int64))
+    hits = rel.cumsum(dim=1)
+    position = torch.arange(1, k + 1, dtype=torch.float64)
+    r = n_pos.double()
+    map_at_r = (rel * hits / position * (position[None, :] <= r[:, None])).sum(dim=1) / r
+    at_r = (n_pos.clamp_max(k) - 1)[:, None]
+    r_precision = torch.gather(hits, 1, at_r).squeeze(1) / r
+    return Ranked(first_hit, map_at_r, r_precision)
+
+
 def retrieval_summary(direction: str, ranked: Ranked, ks=(1, 5, 10)) -> dict[str, float]:
     out = {f"{direction}_R{k}": ranked.recall_at(k) for k in ks}
     out[f"{direction}_mAP_R"] = float(ranked.map_at_r.mean())

@@ -111,6 +111,39 @@ class TrainConfig(Section):
 TASK_NAME = r"^[A-Za-z0-9_.-]+$"
 
 
+class BPRWConfig(Section):
+    """Bayesian prompt re-weighting (ProLIP A.5, C.5): the EM's hyperparameters (defaults: the paper's zero-shot)."""
+
+    # Dirichlet prior concentration: large -> near-uniform weights, small (< 1) -> one prompt dominates.
+    alpha: float = Field(5.0, gt=0)
+    # Added to every prompt's sigma^2 before the EM (the paper's stability term).
+    eps: float = Field(0.02, ge=0)
+    # Unlabeled test images nearest each class's prompt-ensemble embedding, and points sampled from each.
+    images: int = Field(5, ge=1)
+    samples: int = Field(10, ge=1)
+    iters: int = Field(100, ge=1)
+    tol: float = Field(1e-6, gt=0)
+    seed: int = 0
+
+
+class IndexConfig(Section):
+    """`index: faiss` retrieval: an approximate index on the gallery's mu, candidates re-ranked by the model's score."""
+
+    kind: Literal["hnsw", "ivf"] = "hnsw"
+    # Candidates per query taken from the index and re-ranked (PCME++ C.5); R@K needs K <= candidates.
+    candidates: int = Field(100, ge=10)
+    hnsw_m: int = Field(32, ge=4)
+    ef_search: int = Field(256, ge=1)
+    ef_construction: int = Field(80, ge=1)
+    # IVF lists (None: sqrt(gallery size)) and lists searched per query.
+    nlist: int | None = Field(None, ge=1)
+    nprobe: int = Field(16, ge=1)
+
+
+ZEROSHOT_ONLY = ("prompts", "score", "filter_keep", "bprw")
+RETRIEVAL_ONLY = ("index", "faiss", "analyses", "caption_levels")
+
+
 class EvalTask(Section):
     """One evaluation: its metrics are logged as `{name}/{metric}` (see pipelines.evaluation)."""
 
@@ -127,11 +160,34 @@ class EvalTask(Section):
     # zeroshot only: a JSON file with a list of templates ("{c}" for the class name) or a mapping
     # class name -> prompts (CLIP_benchmark's custom template file); None: the dataset's templates file.
     templates: str | None = None
+    # zeroshot: how a class's prompts make its embedding. mean: the model's prompt ensemble; bprw: weights by
+    # Bayesian prompt re-weighting on the unlabeled test images (ProLIP A.5); filter: the filter_keep prompts
+    # of smallest sigma^2 per class (PCME++ C.6, ProLIP 3.4). bprw and filter need a probabilistic model.
+    prompts: Literal["mean", "bprw", "filter"] = "mean"
+    filter_keep: int = Field(5, ge=1)
+    bprw: BPRWConfig = Field(default_factory=BPRWConfig)
+    # zeroshot: model = the model's own similarity (CSD for probabilistic models); mean = cosine of the means.
+    score: Literal["model", "mean"] = "model"
+    # retrieval: exact = every query against the whole gallery; faiss = approximate index on mu + re-ranking.
+    index: Literal["exact", "faiss"] = "exact"
+    faiss: IndexConfig = Field(default_factory=IndexConfig)
+    # retrieval, probabilistic models: uncertainty analyses (sigma^2 vs caption length and generality level,
+    # images vs captions, image-in-caption inclusion per level; pipelines.uncertainty_analyses).
+    analyses: bool = True
+    # Caption generality levels, most specific first: keys of the samples' json "captions" mapping
+    # (level -> captions). The default names the bundled digits' levels.
+    caption_levels: list[str] = Field(default_factory=lambda: ["instance", "specific", "mid", "general"], min_length=2)
 
     @model_validator(mode="after")
-    def _templates_only_for_zeroshot(self) -> "EvalTask":
+    def _options_match_kind(self) -> "EvalTask":
         if self.templates is not None and self.kind != "zeroshot":
             raise ValueError(f"templates: only zeroshot tasks take templates (task {self.name!r} is {self.kind})")
+        for keys, kind in ((ZEROSHOT_ONLY, "zeroshot"), (RETRIEVAL_ONLY, "retrieval")):
+            # non-default values, not fields_set: a dumped config (Ray boundary, saved runs) carries every field
+            wrong = [k for k in keys if self.kind != kind
+                     and getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)]
+            if wrong:
+                raise ValueError(f"{wrong[0]}: only {kind} tasks take {wrong[0]} (task {self.name!r} is {self.kind})")
         return self
 
 

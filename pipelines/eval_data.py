@@ -10,8 +10,9 @@ Layout of a task's data (CLIP_benchmark's webdataset layout; `jobs.download` out
     {data}/zeroshot_classification_templates.txt  zeroshot: one template per line, "{c}" for the class
 
 Decoded batches: ``key`` (str), ``image`` (B,3,H,W) float32 normalised as in training (no
-augmentation), ``captions`` (str, one caption per line; empty when there is none) and ``cls``
-(int64, -1 when there is none). An undecodable sample is skipped and counted (`reader_stats`).
+augmentation), ``captions`` (str, one caption per line; empty when there is none), ``cls``
+(int64, -1 when there is none) and ``levels`` (str: the json's "captions" mapping of generality level ->
+captions, as JSON; empty when the sample has none). An undecodable sample is skipped and counted (`reader_stats`).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class EvalDecode:
         keys = [str(k) for k in batch.get("__key__", [f"row{i}" for i in range(n)])]
         image_cols = [batch[c] for c in IMAGE_COLUMNS if c in batch]
         txts, metas, clss = (batch.get(c, [None] * n) for c in ("txt", "json", "cls"))
-        images, out_keys, captions, labels, corrupt = [], [], [], [], []
+        images, out_keys, captions, labels, levels, corrupt = [], [], [], [], [], []
         for i in range(n):
             try:
                 img, meta = decode_row(image_cols, metas, i)
@@ -63,6 +64,7 @@ class EvalDecode:
             out_keys.append(keys[i])
             captions.append("\n".join(captions_of(txts[i], meta)))
             labels.append(label)
+            levels.append(levels_of(meta))
         if self.stats is not None:
             import ray
 
@@ -76,7 +78,39 @@ class EvalDecode:
             "image": image,
             "captions": np.asarray(captions, dtype=object),
             "cls": np.asarray(labels, dtype=np.int64),
+            "levels": np.asarray(levels, dtype=object),
         }
+
+
+def levels_of(meta: dict) -> str:
+    """A sample json's captions by generality level ({"captions": {level: [caption, ...]}}) as JSON, or ""."""
+    caps = meta.get("captions") if isinstance(meta, dict) else None
+    if not isinstance(caps, dict):
+        return ""
+    clean = {str(k): [str(c) for c in v] for k, v in caps.items() if isinstance(v, list) and v}
+    return json.dumps(clean) if clean else ""
+
+
+def parse_levels(value) -> dict[str, list[str]]:
+    return json.loads(value) if isinstance(value, str) and value else {}
+
+
+def read_caption_levels(task: EvalTask, keys: list[str]) -> list[dict[str, list[str]]] | None:
+    """Per key, its captions by level, read from the task's shards (json only); None when the first sample
+    has no levels (the shards are then not read further)."""
+    paths = task_paths(task)
+    first = next(iter_tar_samples(paths, limit=1), None)
+    if first is None or not levels_of(_json(first)):
+        return None
+    found = {s["__key__"]: parse_levels(levels_of(_json(s))) for s in iter_tar_samples(paths)}
+    return [found.get(k, {}) for k in keys]
+
+
+def _json(sample: dict) -> dict:
+    try:
+        return json.loads(sample.get("json") or b"{}")
+    except ValueError:
+        return {}
 
 
 def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None = None, batch_size: int = 256,

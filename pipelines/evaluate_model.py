@@ -66,6 +66,10 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
             metrics[f"{task.name}/loss"] = held_out_loss_of(cfg, model, source, task)
             continue
         emb = embed_task(str(source["model"]), model, task, out / task.name, opts)
+        if task.kind == "retrieval" and model.probabilistic and task.analyses:
+            from pipelines.eval_data import read_caption_levels
+
+            emb.levels = read_caption_levels(task, emb.keys)  # json only; the actors' parquet carries no levels
         results[task.name] = score_task(model, task, emb, cfg.eval.calibration_bins)
         metrics.update(prefixed(task, results[task.name]))
     records = [{"task": k.split("/", 1)[0], "metric": k.split("/", 1)[1], "value": v} for k, v in metrics.items()]

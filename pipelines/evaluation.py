@@ -9,16 +9,22 @@ same numbers for the same model and data.
   the distinct captions. R@1/5/10 (a hit when any positive is in the top K), rsum, mAP@R and
   R-Precision (PCME++ B.1), ranked by the model's own score (CSD for probabilistic models, the
   contextualised cosine for Llip) and, for probabilistic models, also by the means alone (``cos_``).
-- zeroshot: prompt ensemble per class (the model's `class_embeddings`), top-1, top-5, mean per-class recall.
+  `index: faiss` takes each query's candidates from an approximate index on the gallery's means and
+  re-ranks them by the same score (models.ann).
+- zeroshot: one embedding per class from its prompts (`prompts`: the model's ensemble, BPRW weights or
+  the most certain prompts; models.prompt_weighting), scored by the model (`score: model`) or by the
+  cosine of the means (`score: mean`); top-1, top-5, mean per-class recall.
 - loss: the training objective over held-out batches (each batch its own negatives).
 - probabilistic models, every embedding task: mean sigma^2 of images and captions, and calibration
-  (queries in `eval.calibration_bins` equal-count bins by sigma^2; Spearman rho, R^2, -rho R^2).
+  (queries in `eval.calibration_bins` equal-count bins by sigma^2; Spearman rho, R^2, -rho R^2); retrieval
+  tasks add the uncertainty analyses (pipelines.uncertainty_analyses, `unc_*` metrics and a plot).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import torch
@@ -26,6 +32,9 @@ import torch
 from models.metrics import Calibration, Ranked, calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
 from models.tokenizer import tokenize
 from pipelines.config import Config, EvalTask
+
+if TYPE_CHECKING:
+    from pipelines.uncertainty_analyses import Analyses
 
 DIRECTIONS = ("i2t", "t2i")
 RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
@@ -78,6 +87,8 @@ class TaskEmbeddings:
     text: dict[str, torch.Tensor]
     prompt_counts: list[int] | None = None
     classnames: list[str] | None = None
+    # per image, its captions by generality level (json "captions": level -> captions); None: the data has none
+    levels: list[dict[str, list[str]]] | None = None
 
 
 def distinct_captions(captions: list[list[str]]) -> list[str]:
@@ -93,7 +104,14 @@ def split_captions(column: Iterable[str]) -> list[list[str]]:
 def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], dict[str, torch.Tensor],
                                                                            list[list[str]], torch.Tensor]:
     """Decoded eval batches (pipelines.eval_data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
-    keys, outs, captions, classes = [], [], [], []
+    return _embed_images(model, batches)[:4]
+
+
+def _embed_images(model: torch.nn.Module, batches: Iterable[dict]):
+    """embed_images, plus each image's caption levels (None when no sample has any)."""
+    from pipelines.eval_data import parse_levels
+
+    keys, outs, captions, classes, levels = [], [], [], [], []
     for batch in batches:
         if len(batch["key"]) == 0:
             continue
@@ -101,13 +119,15 @@ def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[
         keys += [str(k) for k in batch["key"]]
         captions += split_captions(batch["captions"])
         classes.append(torch.as_tensor(np.asarray(batch["cls"], dtype=np.int64)))
+        levels += [parse_levels(v) for v in batch.get("levels", [""] * len(batch["key"]))]
     if not keys:
         raise ValueError("no decodable images")
     # canonical order (by key), whatever order the batches came in: Ray Data batch inference gives the same
     order = sorted(range(len(keys)), key=keys.__getitem__)
     idx = torch.tensor(order, dtype=torch.long)
     image = {k: torch.cat([o[k] for o in outs])[idx] for k in outs[0]}
-    return [keys[i] for i in order], image, [captions[i] for i in order], torch.cat(classes)[idx]
+    ordered_levels = [levels[i] for i in order] if any(levels) else None
+    return [keys[i] for i in order], image, [captions[i] for i in order], torch.cat(classes)[idx], ordered_levels
 
 
 @torch.no_grad()
@@ -134,9 +154,10 @@ def embed_task_locally(model: torch.nn.Module, task: EvalTask, batches: Iterable
                        batch_size: int = 256) -> TaskEmbeddings:
     """In-process embeddings of a task's decoded batches (the training run's evaluation, and the
     single-process reference for Ray Data batch inference)."""
-    keys, image, captions, cls = embed_images(model, batches)
+    keys, image, captions, cls, levels = _embed_images(model, batches)
     texts, counts, classnames = task_texts(task, captions)
-    return TaskEmbeddings(keys, image, captions, cls, texts, embed_texts(model, texts, batch_size), counts, classnames)
+    return TaskEmbeddings(keys, image, captions, cls, texts, embed_texts(model, texts, batch_size), counts, classnames,
+                          levels)
 
 
 # ------------------------------------------------------------------------------------ scoring
@@ -147,6 +168,8 @@ class TaskResult:
     metrics: dict[str, float]
     calibrations: dict[str, Calibration] = field(default_factory=dict)
     sigma2: dict[str, np.ndarray] = field(default_factory=dict)
+    analyses: "Analyses | None" = None  # retrieval, probabilistic models (pipelines.uncertainty_analyses)
+    prompt_weights: dict[str, list[float]] | None = None  # zeroshot, bprw / filter: class -> its prompts' weights
 
 
 def _rows(out: dict[str, torch.Tensor], idx: slice | torch.Tensor) -> dict[str, torch.Tensor]:
@@ -183,21 +206,69 @@ def rank_retrieval(model, image: dict, text: dict, image_pos: list[list[int]]) -
     return Ranked.cat(i2t), Ranked.cat(t2i), queries
 
 
+@torch.no_grad()
+def rank_retrieval_ann(image: dict, text: dict, image_pos: list[list[int]], candidates: tuple, views: list):
+    """Per view (e.g. the model's score, the means' score): i2t and t2i from the index's candidates re-ranked."""
+    from models.ann import pair_scores, rerank
+    from models.metrics import rank_candidates
+
+    n_img, n_txt = next(iter(image.values())).shape[0], next(iter(text.values())).shape[0]
+    queries = torch.tensor([i for i, p in enumerate(image_pos) if p], dtype=torch.long)
+    # positive pairs as sorted keys query * gallery + item (i2t queries numbered by position among the queries)
+    i2t_keys = torch.tensor(sorted(a * n_txt + j for a, i in enumerate(queries.tolist()) for j in set(image_pos[i])),
+                            dtype=torch.long)
+    t2i_keys = torch.tensor(sorted({j * n_img + i for i, p in enumerate(image_pos) for j in p}), dtype=torch.long)
+    n_pos_i2t = torch.tensor([len(set(image_pos[i])) for i in queries.tolist()], dtype=torch.long)
+    n_pos_t2i = torch.bincount(t2i_keys // n_img, minlength=n_txt)
+    text_rows, image_rows = candidates
+    out = []
+    for view in views:
+        img, txt = view(image), view(text)
+        _, i2t = rerank(pair_scores(_rows(img, queries), txt, text_rows), text_rows)
+        _, t2i = rerank(pair_scores(txt, img, image_rows), image_rows)
+        out.append((rank_candidates(i2t, i2t_keys, n_pos_i2t, n_txt), rank_candidates(t2i, t2i_keys, n_pos_t2i, n_img),
+                    queries))
+    return out
+
+
+def ann_candidates(task: EvalTask, image: dict, text: dict, image_pos: list[list[int]]) -> tuple:
+    """(i2t candidate text rows, t2i candidate image rows) from faiss indexes on the means."""
+    from models.ann import MeanIndex
+
+    opts = task.faiss
+    kwargs = dict(kind=opts.kind, hnsw_m=opts.hnsw_m, ef_construction=opts.ef_construction, ef_search=opts.ef_search,
+                  nlist=opts.nlist, nprobe=opts.nprobe)
+    queries = torch.tensor([i for i, p in enumerate(image_pos) if p], dtype=torch.long)
+    text_rows = MeanIndex(text["mu"], **kwargs).search(image["mu"][queries], opts.candidates)
+    image_rows = MeanIndex(image["mu"], **kwargs).search(text["mu"], opts.candidates)
+    return text_rows, image_rows
+
+
 def score_retrieval(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> TaskResult:
     index = {c: j for j, c in enumerate(emb.texts)}
     image_pos = [[index[c] for c in caps] for caps in emb.captions]
     variants = [("", lambda o: o)] + ([("cos_", _mean_only)] if model.probabilistic else [])
     result = TaskResult({})
-    for prefix, view in variants:
-        i2t, t2i, queries = rank_retrieval(model, view(emb.image), view(emb.text), image_pos)
+    if task.index == "faiss":
+        ranked = rank_retrieval_ann(emb.image, emb.text, image_pos, ann_candidates(task, emb.image, emb.text, image_pos),
+                                    [view for _, view in variants])
+    for v, (prefix, view) in enumerate(variants):
+        if task.index == "faiss":
+            i2t, t2i, queries = ranked[v]
+        else:
+            i2t, t2i, queries = rank_retrieval(model, view(emb.image), view(emb.text), image_pos)
         part = {**retrieval_summary("i2t", i2t), **retrieval_summary("t2i", t2i)}
         part["rsum"] = 100 * sum(part[f"{d}_R{k}"] for d in DIRECTIONS for k in (1, 5, 10))
         result.metrics.update({prefix + k: v for k, v in part.items()})
         if prefix == "" and model.probabilistic:
             image_var, text_var = sigma2(emb.image), sigma2(emb.text)
             result.sigma2 = {"images": image_var, "captions": text_var}
-            for direction, var, ranked in (("i2t", image_var[queries.numpy()], i2t), ("t2i", text_var, t2i)):
-                result.calibrations[direction] = _calibrate(task, direction, var, ranked.first_hit == 0, bins)
+            for direction, var, ranking in (("i2t", image_var[queries.numpy()], i2t), ("t2i", text_var, t2i)):
+                result.calibrations[direction] = _calibrate(task, direction, var, ranking.first_hit == 0, bins)
+    if model.probabilistic and task.analyses:
+        from pipelines.uncertainty_analyses import analyse
+
+        result.analyses = analyse(model, task, emb, image_pos)
     return _with_uncertainty(result, model)
 
 
@@ -208,16 +279,59 @@ def score_zeroshot(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> Tas
     if int(labels.max()) >= len(emb.prompt_counts):
         raise ValueError(f"eval task {task.name!r} (zeroshot): cls {int(labels.max())} but only "
                          f"{len(emb.prompt_counts)} class names")
-    classes = class_embeddings(model, emb.text, emb.prompt_counts)
-    scores = torch.cat([model.class_scores(_rows(emb.image, slice(a, a + 1024)), classes)
-                        for a in range(0, len(labels), 1024)])
+    classes, weights = zeroshot_classes(model, task, emb)
+    scores = zeroshot_scores(model, emb.image, classes, task.score)
     predicted = scores.argmax(dim=1)
     result = TaskResult({"top1": topk_accuracy(scores, labels, 1), "top5": topk_accuracy(scores, labels, 5),
                          "mean_per_class_recall": mean_per_class_recall(predicted, labels)})
+    if weights is not None:
+        result.prompt_weights = dict(zip(emb.classnames or [str(c) for c in range(len(weights))], weights))
     if model.probabilistic:
         result.sigma2 = {"images": sigma2(emb.image), "prompts": sigma2(emb.text)}
         result.calibrations["top1"] = _calibrate(task, "top1", result.sigma2["images"], predicted == labels, bins)
     return _with_uncertainty(result, model)
+
+
+@torch.no_grad()
+def zeroshot_scores(model, image: dict[str, torch.Tensor], classes: dict[str, torch.Tensor], score: str) -> torch.Tensor:
+    """(N, C) image-class scores: the model's own (`model`) or the cosine of the means (`mean`)."""
+    if score == "mean":
+        import torch.nn.functional as F
+
+        return F.normalize(image["mu"].float(), dim=-1) @ F.normalize(classes["mu"].float(), dim=-1).T
+    n = next(iter(image.values())).shape[0]
+    return torch.cat([model.class_scores(_rows(image, slice(a, a + 1024)), classes) for a in range(0, n, 1024)])
+
+
+def per_class_prompts(text: dict[str, torch.Tensor], counts: list[int]) -> list[dict[str, torch.Tensor]]:
+    starts = np.cumsum([0] + counts[:-1]).tolist()
+    return [{k: v[a : a + n] for k, v in text.items()} for a, n in zip(starts, counts)]
+
+
+@torch.no_grad()
+def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[str, torch.Tensor], list | None]:
+    """Class embeddings by `task.prompts`, and the prompt weights (None for the model's own ensemble)."""
+    from models.prompt_weighting import bprw_em, bprw_observations, filter_weights, weighted_ensemble
+
+    base = class_embeddings(model, emb.text, emb.prompt_counts)
+    if task.prompts == "mean":
+        return base, None
+    if not model.probabilistic or "logvar" not in emb.text:
+        raise ValueError(f"eval task {task.name!r} (zeroshot): prompts: {task.prompts} weighs prompts by their "
+                         f"sigma^2 and needs a probabilistic model ({type(model).__name__} has none)")
+    prompts = per_class_prompts(emb.text, emb.prompt_counts)
+    if task.prompts == "filter":
+        weights = [filter_weights(p["logvar"][None], task.filter_keep)[0] for p in prompts]
+    else:
+        opts = task.bprw
+        generator = torch.Generator().manual_seed(opts.seed)
+        # ProLIP C.5 without labels: the images nearest each class's prompt-ensemble embedding
+        points = bprw_observations(emb.image, zeroshot_scores(model, emb.image, base, "model"), opts.images,
+                                   opts.samples, generator)
+        weights = [bprw_em(points[c : c + 1], p["mu"][None], p["logvar"][None], opts.alpha, opts.eps, opts.iters,
+                           opts.tol)[0] for c, p in enumerate(prompts)]
+    parts = [weighted_ensemble({k: v[None] for k, v in p.items()}, w[None]) for p, w in zip(prompts, weights)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}, [w.tolist() for w in weights]
 
 
 def class_embeddings(model, text: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
@@ -276,7 +390,8 @@ def held_out_loss(objective: torch.nn.Module, batches: Iterable[dict]) -> float:
 
 
 def prefixed(task: EvalTask, result: TaskResult) -> dict[str, float]:
-    return {f"{task.name}/{k}": float(v) for k, v in result.metrics.items()}
+    extra = result.analyses.metrics if result.analyses is not None else {}
+    return {f"{task.name}/{k}": float(v) for k, v in {**result.metrics, **extra}.items()}
 
 
 # ------------------------------------------------------------------------------------ plots
@@ -312,4 +427,13 @@ def write_plots(results: dict[str, TaskResult], folder: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
+    for name, res in results.items():
+        if res.analyses is not None:
+            from pipelines.uncertainty_analyses import write_analyses
+
+            paths += write_analyses(name, res.analyses, folder)
+        if res.prompt_weights is not None:
+            path = folder / f"{name}_prompt_weights.json"
+            path.write_text(json.dumps(res.prompt_weights))
+            paths.append(path)
     return paths

@@ -1,0 +1,46 @@
+"""A tiny model trained in this process on the bundled digits (no Ray, no DeepSpeed): the same model and
+loss as a Ray Train fit of the config, single process, AdamW, for tests that need trained embeddings fast."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.objective import build_objective
+from models.preprocess import to_model_input
+from models.tokenizer import tokenize
+from pipelines.caption_sampling import CaptionSampler
+from pipelines.config import Config
+
+
+def digit_arrays(split: str):
+    """(images as model input, labels, sample metadata) of one split of the bundled digits at 32 px."""
+    from pipelines.digits import iter_digits
+
+    samples = [s for s in iter_digits(32) if s.split == split]
+    images = torch.from_numpy(to_model_input(np.stack([np.asarray(s.image) for s in samples])))
+    return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
+
+
+def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0):
+    """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
+    on the train split with cfg.data's caption mix; returns the model in eval mode."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    images, _, metas = digit_arrays("train")
+    sampler = CaptionSampler(cfg.data.mid_caption_prob, cfg.data.general_caption_prob, cfg.data.instance_caption_prob)
+    objective = build_objective(cfg).train()
+    t = cfg.train
+    opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                            weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)))
+    context = objective.model.context_length
+    for _ in range(steps):
+        rows = rng.choice(len(images), batch, replace=False)
+        tokens = tokenize([sampler.draw(metas[i], "", rng) for i in rows], context)
+        loss = objective(images[rows], tokens)["loss"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(objective.parameters(), t.grad_clip)
+        opt.step()
+        sched.step()
+    return objective.model.eval()
