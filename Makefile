@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.data
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.adapter
+	$(PY) -m benchmarks.retrieval_index
 
 clean:
 	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

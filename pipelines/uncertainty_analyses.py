@@ -2,7 +2,8 @@
 
 sigma^2 below is the per-item mean over the embedding dimensions (tr(Sigma) / D).
 
-- caption length: Spearman rho between a caption's word count and its sigma^2 (Fig. 6: shorter, more uncertain);
+- caption length: Spearman rho between a caption's word count and its sigma^2 over every distinct caption
+  (the task's and the levels'; Fig. 6: shorter, more uncertain);
 - images vs captions: mean sigma^2 of each, and over (image, caption) pairs how often the caption's sigma^2
   is the larger (Fig. 5) and how often "image in caption" holds, H(Z_v in Z_t) > 0 (Eq. 4, at eps = 0,
   summed over the dimensions);
@@ -60,13 +61,18 @@ def analyse(model, task, emb, image_pos: list[list[int]]) -> Analyses:
     """The analyses of one retrieval task's embeddings (pipelines.evaluation.TaskEmbeddings)."""
     out = Analyses()
     image_s2, text_s2 = _sigma2(emb.image), _sigma2(emb.text)
+    level_texts, level_s2 = _levels(model, task, emb, out)
 
-    words = np.array([len(t.split()) for t in emb.texts])
+    # every distinct caption the task has: its own and, when the data has them, those of the levels
+    seen = set(emb.texts)
+    extra = [j for j, t in enumerate(level_texts) if t not in seen]
+    words = np.array([len(t.split()) for t in emb.texts] + [len(level_texts[j].split()) for j in extra])
+    caption_s2 = np.concatenate([text_s2, level_s2[extra]])
     if len(np.unique(words)) < 2:
         out.skipped["caption_length"] = f"every caption has {words[0]} words: no length to compare"
     else:
-        out.metrics["unc_length_rho"] = spearman(words, text_s2)
-        out.series["caption_length"] = {"words": words.tolist(), "sigma2": text_s2.tolist()}
+        out.metrics["unc_length_rho"] = spearman(words, caption_s2)
+        out.series["caption_length"] = {"words": words.tolist(), "sigma2": caption_s2.tolist()}
 
     pairs = np.array([(i, j) for i, p in enumerate(image_pos) for j in p], dtype=np.int64)
     included = image_in_caption(emb.image, emb.text, pairs)
@@ -76,24 +82,24 @@ def analyse(model, task, emb, image_pos: list[list[int]]) -> Analyses:
         unc_image_in_caption_frac=float(included.mean()),
     )
     out.series["images_vs_captions"] = {"images": image_s2.tolist(), "captions": text_s2.tolist()}
-
-    _levels(model, task, emb, out)
     return out
 
 
-def _levels(model, task, emb, out: Analyses) -> None:
+def _levels(model, task, emb, out: Analyses) -> tuple[list[str], np.ndarray]:
+    """The per-level analyses; returns the level captions and their sigma^2 (empty when skipped)."""
     from pipelines.evaluation import embed_texts
 
+    none = ([], np.zeros(0))
     if emb.levels is None:
         out.skipped["levels"] = ("the data has no caption levels (sample json \"captions\": level -> captions, "
                                  f"levels named by the task's caption_levels {task.caption_levels})")
-        return
+        return none
     present = [lv for lv in task.caption_levels if any(lv in per_image for per_image in emb.levels)]
     if len(present) < 2:
         found = sorted({lv for per_image in emb.levels for lv in per_image})
         out.skipped["levels"] = (f"the samples' caption levels {found} hold fewer than two of the task's "
                                  f"caption_levels {task.caption_levels}")
-        return
+        return none
     texts = list(dict.fromkeys(c for per_image in emb.levels for lv in present for c in per_image.get(lv, [])))
     index = {t: j for j, t in enumerate(texts)}
     text = embed_texts(model, texts)
@@ -116,6 +122,7 @@ def _levels(model, task, emb, out: Analyses) -> None:
         series["sigma2"].append(s2[members].tolist())
         series["image_in_caption"].append(frac)
     out.series["levels"] = series
+    return texts, s2
 
 
 def write_analyses(name: str, analyses: Analyses, folder: Path) -> list[Path]:

@@ -140,3 +140,55 @@ def test_prolip_original_included_in_masked(fits):
     eps, form = cfg.loss.params.get("eps", -10.0), cfg.loss.params.get("form", "paper")
     h = inclusion_test(full["mu"], full["logvar"], masked["mu"], masked["logvar"], eps=eps, form=form).mean(-1)
     assert (h > 0).float().mean().item() >= 0.70
+
+
+def test_prolip_uncertainty_analyses_are_in_its_mlflow_run(fits):
+    import json
+
+    from mlflow import MlflowClient
+
+    cfg, result, tmp = fits("prolip")
+    client = MlflowClient(result.mlflow_uri)
+    plots = {a.path for a in client.list_artifacts(result.mlflow_run_id, "plots")}
+    assert {"plots/heldout_analyses.png", "plots/heldout_analyses.json", "plots/digits_retrieval_analyses.png",
+            "plots/digits_retrieval_analyses.json"} <= plots
+    folder = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="plots", dst_path=str(tmp / "dl_plots"),
+                                     tracking_uri=result.mlflow_uri))
+    heldout = json.loads((folder / "heldout_analyses.json").read_text())
+    assert heldout["skipped"] == {}  # the held-out shards carry the four caption levels
+    logged = client.get_run(result.mlflow_run_id).data.metrics
+    for level in ("instance", "specific", "mid", "general"):
+        for what in ("sigma2", "image_in_caption"):
+            assert logged[f"heldout/unc_level_{level}_{what}"] == pytest.approx(heldout["metrics"][f"unc_level_{level}_{what}"])
+    # the retrieval set's samples have captions but no levels: that analysis is skipped with its reason
+    pairs = json.loads((folder / "digits_retrieval_analyses.json").read_text())
+    assert "no caption levels" in pairs["skipped"]["levels"]
+    assert "digits_retrieval/unc_level_rho" not in logged and "digits_retrieval/unc_length_rho" in logged
+    print("\nProLIP analyses:", {k: round(v, 3) for k, v in heldout["metrics"].items()})
+    # ProLIP Sec. 4.3 on the digits: captions wider than their images (the image-in-text inclusion loss)
+    assert heldout["metrics"]["unc_caption_wider_frac"] > 0.5
+
+
+WRONG_TEMPLATES = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
+                   "a mountain at sunset"]
+
+
+def test_prolip_bprw_and_filter_beat_the_plain_ensemble_with_wrong_templates(fits):
+    # ProLIP A.5 / PCME++ C.6: with deliberately wrong prompts mixed into every class's prompts, weighting
+    # by the images (BPRW) or keeping the most certain prompts (filter) beats the plain prompt ensemble
+    from pipelines.config import EvalTask
+    from pipelines.evaluation import TaskEmbeddings, embed_texts, score_task
+
+    model, _ = trained_model(fits, "prolip")
+    images = held_out_images()
+    labels = torch.tensor([s.label for s in iter_digits(8) if s.split == "test"])
+    with torch.no_grad():
+        image = {k: v.float() for k, v in model.encode_image(images).items()}
+    prompts = [specific_captions(c) + WRONG_TEMPLATES for c in range(len(NAMES))]
+    flat = [p for per_class in prompts for p in per_class]
+    emb = TaskEmbeddings([f"{i:04d}" for i in range(len(labels))], image, [[] for _ in labels], labels, flat,
+                         embed_texts(model, flat), [len(p) for p in prompts], NAMES)
+    top1 = {how: score_task(model, EvalTask(name="z", kind="zeroshot", prompts=how, filter_keep=5), emb).metrics["top1"]
+            for how in ("mean", "bprw", "filter")}
+    print(f"\nzero-shot top-1 with {len(WRONG_TEMPLATES)} wrong templates per class: {top1}")
+    assert top1["bprw"] > top1["mean"] and top1["filter"] > top1["mean"]

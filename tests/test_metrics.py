@@ -162,6 +162,7 @@ def test_uncertainty_plot_per_probabilistic_task(tmp_path):
     result = score_task(model, load_config_task("retrieval"), emb, bins=10)
     assert result.metrics["cos_i2t_R1"] == 1.0  # captions share their image's mean
     assert set(result.calibrations) == {"i2t", "t2i"}
-    [png] = write_plots({"toy": result}, tmp_path)
+    png, *analyses = write_plots({"toy": result}, tmp_path)
     assert png.name == "toy_uncertainty.png" and png.read_bytes()[:4] == b"\x89PNG"
+    assert [p.name for p in analyses] == ["toy_analyses.png", "toy_analyses.json"]  # tests/test_evaluation_options.py
     assert write_plots({"det": type(result)({"i2t_R1": 1.0})}, tmp_path) == []  # nothing for deterministic models
