@@ -27,7 +27,7 @@ class MeanIndex:
     """A faiss index over the gallery means; `search` returns candidate gallery rows per query."""
 
     def __init__(self, mu: torch.Tensor | np.ndarray, kind: str = "hnsw", hnsw_m: int = 32, ef_construction: int = 80,
-                 ef_search: int = 256, nlist: int | None = None, nprobe: int = 16, seed: int = 0):
+                 ef_search: int = 256, nlist: int | None = None, nprobe: int = 64, seed: int = 0):
         faiss = _faiss()
         data = np.ascontiguousarray(np.asarray(mu, dtype=np.float32))
         if data.ndim != 2 or len(data) == 0:

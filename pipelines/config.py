@@ -137,7 +137,7 @@ class IndexConfig(Section):
     ef_construction: int = Field(80, ge=1)
     # IVF lists (None: sqrt(gallery size)) and lists searched per query.
     nlist: int | None = Field(None, ge=1)
-    nprobe: int = Field(16, ge=1)
+    nprobe: int = Field(64, ge=1)
 
 
 ZEROSHOT_ONLY = ("prompts", "score", "filter_keep", "bprw")
