@@ -100,13 +100,13 @@ def split_captions(column: Iterable[str]) -> list[list[str]]:
     return [[c for c in str(s).split("\n") if c] for s in column]
 
 
-@torch.no_grad()
 def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], dict[str, torch.Tensor],
                                                                            list[list[str]], torch.Tensor]:
     """Decoded eval batches (pipelines.eval_data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
     return _embed_images(model, batches)[:4]
 
 
+@torch.no_grad()
 def _embed_images(model: torch.nn.Module, batches: Iterable[dict]):
     """embed_images, plus each image's caption levels (None when no sample has any)."""
     from pipelines.eval_data import parse_levels
