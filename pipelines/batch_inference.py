@@ -9,6 +9,7 @@ pyarrow or faiss without this project. Texts: the same for a list of strings ->
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,12 +89,18 @@ def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
                 num_cpus=None if opts.num_gpus else opts.threads)
 
 
+def _fresh(folder: Path) -> Path:
+    """`folder` emptied: Ray Data adds its files beside any already there, so a rerun would double the rows."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 def embed_images(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
                  stats_name: str | None = None) -> Path:
     """Shards -> {out}/images/*.parquet through an actor pool; returns the folder."""
     from pipelines.eval_data import read_eval_shards
 
-    folder = Path(out) / "images"
+    folder = _fresh(Path(out) / "images")
     # streamed (one pass), images moved as uint8 and scaled in the actor
     ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
                           uint8=True)
@@ -105,7 +112,7 @@ def embed_texts(model_file: str, texts: list[str], out: str | Path, opts: Infere
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
     import ray.data
 
-    folder = Path(out) / "texts"
+    folder = _fresh(Path(out) / "texts")
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
     ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)).write_parquet(str(folder))
     return folder

@@ -238,3 +238,18 @@ def test_zero_shot_with_per_class_prompts_file(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps({"cat": ["a cat"]}))
     with pytest.raises(ConfigError, match="no prompts for dog"):
         zeroshot_prompts(task)
+
+
+def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path):
+    """Ray Data writes its parquet files beside any already in a folder: a second embedding run into the same
+    --out (a rerun of jobs.evaluate, jobs.embed or jobs.adapt) must not double the rows."""
+    from pipelines.batch_inference import InferenceOptions, embed_texts, read_embeddings
+
+    _, result, _ = trained_clip
+    folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
+                                tracking_uri=result.mlflow_uri)
+    texts = ["a handwritten 1", "a handwritten 2", "a handwritten 3"]
+    for _ in range(2):
+        written = embed_texts(str(model_file(Path(folder))), texts, tmp_path / "out", InferenceOptions(concurrency=1))
+    columns, outputs = read_embeddings(written, "index")
+    assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3
