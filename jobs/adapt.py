@@ -5,7 +5,8 @@
 Writes {out}/model.safetensors (the adapted model: frozen source + adapter, a probabilistic model that
 `jobs.evaluate --model` scores like any other), {out}/baseline.safetensors (with adapter.baseline: pfe),
 {out}/embeddings (the source's embeddings of the training pairs), {out}/metrics.json and {out}/plots,
-and logs them to MLflow.
+and logs them to MLflow. The same command with the same `run.name` resumes an interrupted fit (or one stopped
+by `train.stop_at_step`) from its latest checkpoint; for a finished fit it re-scores the saved adapter.
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except AdaptError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if result.model_file is None:
+        print(f"stopped at step {int(result.train.get('step', 0))} of {cfg.train.steps} (train.stop_at_step); the same "
+              f"command with --set run.name={cfg.run.name} continues from there")
+        return 0
     print(f"adapted model: {result.model_file} (MLflow run {result.mlflow_run_id}, runs:/{result.mlflow_run_id}/model)")
     print(f"trained on {result.pairs} pairs of {result.source.name} embeddings: "
           f"{result.train.get('samples_per_s', float('nan')):.0f} samples/s, source weights unchanged")

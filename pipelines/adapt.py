@@ -7,6 +7,7 @@ embeddings, the adapted model file(s), evaluation from the source's task embeddi
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ EXAMPLE_CAPTION = "a photo of a dog"
 @dataclass
 class AdaptResult:
     out: Path
-    model_file: Path  # the adapted model (source + adapter)
+    model_file: Path | None  # the adapted model (source + adapter); None when stopped at train.stop_at_step
     baseline_file: Path | None
     metrics: dict[str, float]  # eval: {task}/{metric}, baseline/{task}/{metric}
     train: dict[str, Any]  # the workers' final report (steps, samples/s, ...)
@@ -87,6 +88,25 @@ def source_unchanged(source: Source, models: list) -> bool:
     return file_sha256(source.path) == source.sha256
 
 
+def run_exists(cfg: AdaptConfig) -> bool:
+    """Whether Ray Train storage already holds this run name (then the fit resumes from its checkpoint)."""
+    import pyarrow.fs
+
+    fs, base = pyarrow.fs.FileSystem.from_uri(cfg.run.storage_path)
+    return fs.get_file_info(f"{base.rstrip('/')}/{cfg.run.name}").type != pyarrow.fs.FileType.NotFound
+
+
+def mlflow_run(cfg: AdaptConfig, uri: str, params: dict[str, Any], tags: dict[str, str]) -> str:
+    """A new MLflow run, or, for a run name trained before, that run (its step history goes on)."""
+    from pipelines.tracking import find_run, reopen_run, start_run
+
+    existing = find_run(uri, cfg.run.experiment, cfg.run.name) if run_exists(cfg) else None
+    if existing:
+        reopen_run(uri, existing, cfg.to_yaml())
+        return existing
+    return start_run(uri, cfg.run.experiment, cfg.run.name, params, cfg.to_yaml(), tags)
+
+
 def check_before_ray(cfg: AdaptConfig, out: Path, uri: str) -> tuple[Source, Path, Pairs | None]:
     """Source, embeddings folder and (if they exist) the checked pairs; AdaptError on bad input."""
     from models.probvlm import embedding_width
@@ -104,7 +124,7 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
     from models.probvlm import embedding_width
     from pipelines.batch_inference import InferenceOptions
     from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.tracking import finish_run, git_commit, start_run, tracking_uri
+    from pipelines.tracking import finish_run, git_commit, tracking_uri
 
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
     if cfg.run.name is None:
@@ -144,7 +164,7 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
             "mlflow.source.git.commit": git_commit() or ""}
     params = {**cfg.flat(), "source.file": str(source.path), "source.sha256": source.sha256, "data.pairs": len(pairs.image),
               "data.images": pairs.n_images, "data.texts": pairs.n_texts, "embed_dim": width}
-    run_id = start_run(uri, cfg.run.experiment, cfg.run.name, params, cfg.to_yaml(), tags)
+    run_id = mlflow_run(cfg, uri, params, tags)
     try:
         import ray.data
 
@@ -156,11 +176,16 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
                                                    resources_per_worker=None if t.use_gpu else {"CPU": t.cpus_per_worker}),
             run_config=ray.train.RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
                                            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+                                           checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
                                            logging_config=ray.train.LoggingConfig(log_level="WARNING")),
             datasets={"train": dataset},
         )
         result = trainer.fit()
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
+        if int((result.metrics or {}).get("step", 0)) < t.steps:  # train.stop_at_step: resumable, not scored
+            finish_run(uri, run_id, "KILLED")
+            return AdaptResult(out, None, None, {}, dict(result.metrics or {}), uri, run_id, source, len(pairs.image),
+                               seconds=seconds)
         from safetensors.torch import load_file
 
         state = load_file(str(Path(result.checkpoint.path) / ADAPTER_FILE))
@@ -203,7 +228,9 @@ def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out:
     plots: list[Path] = []
     adapter_results = {}
     for task in tasks:
-        emb = embed_task(str(source.path), source.model, task, out / "eval" / task.name, opts)
+        folder = out / "eval" / task.name
+        shutil.rmtree(folder, ignore_errors=True)  # Ray Data appends to a folder: a rerun's would double the rows
+        emb = embed_task(str(source.path), source.model, task, folder, opts)
         results = score_adapted(models, task, emb, cfg.eval.calibration_bins)
         for name, res in results.items():
             metrics.update({(k if name == "adapter" else f"{name}/{k}"): v for k, v in prefixed(task, res).items()})

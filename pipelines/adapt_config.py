@@ -80,6 +80,11 @@ class AdaptTrainConfig(Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     log_every: int = Field(50, ge=1)
+    # A Ray Train checkpoint (adapters, optimizer, step) every this many steps and at the end; the same
+    # run.name again resumes from the latest.
+    checkpoint_every: int = Field(500, ge=1)
+    # Stop (checkpointed) at this step without evaluating; the same run.name again continues to train.steps.
+    stop_at_step: int | None = Field(None, ge=1)
 
 
 class EmbedConfig(Section):

@@ -1,11 +1,14 @@
 """What each Ray Train worker runs for `jobs.adapt`: the adapter (and the optional baseline) on embedding pairs.
 
 The frozen source model is not here at all: the workers see only its embeddings, so no gradient or
-optimizer can reach its weights. Rank 0 logs step metrics to MLflow and hands the adapter weights back
-through the final Ray Train checkpoint (safetensors).
+optimizer can reach its weights. Rank 0 logs step metrics to MLflow and reports a Ray Train checkpoint
+every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and the step / epoch
+counters (safetensors). A run started again under the same `run.name` gets that checkpoint back from Ray
+Train and continues from its step (a finished one trains no further unless `train.steps` was raised).
 """
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -50,10 +53,76 @@ def build_adapter_set(cfg, dim: int) -> AdapterSet:
     return AdapterSet(adapters, losses)
 
 
+class AdapterFit:
+    """The adapters, AdamW and the cosine learning rate, one `step` per batch, and the whole training state as
+    a flat dict of tensors (safetensors: no pickle) that `load` restores, so a fit resumes where it stopped."""
+
+    def __init__(self, net: AdapterSet, lr: float, weight_decay: float, steps: int, seed: int = 0, rank: int = 0,
+                 forward: nn.Module | None = None):
+        self.net, self.forward = net, forward or net  # forward: the DDP wrapper on Ray Train workers
+        self.base_lr, self.steps, self.seed, self.rank = lr, steps, seed, rank
+        self.optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+        self.step_count = self.epoch = self.batch_in_epoch = self.samples = 0
+
+    def lr(self) -> float:
+        # closed-form cosine annealing to 0 over train.steps (CosineAnnealingLR, eta_min 0), a function of the step
+        # alone, so a resumed fit (or one whose train.steps was raised) needs no scheduler state
+        return self.base_lr * 0.5 * (1.0 + math.cos(math.pi * min(self.step_count, self.steps) / self.steps))
+
+    def step(self, pairs: torch.Tensor, world: int = 1) -> dict[str, torch.Tensor]:
+        """One optimizer step on a (B, 2, D) batch of (image, caption) embedding pairs."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        # dropout masks from (seed, rank, step): a resumed fit draws the ones an uninterrupted fit would have
+        torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.step_count)
+        out = self.forward(pairs[:, 0], pairs[:, 1])
+        if not torch.isfinite(out["loss"]):
+            raise FloatingPointError(f"adapter loss is not finite at step {self.step_count} ({out['loss'].item()}); "
+                                     "lower train.lr or check the embeddings")
+        self.optimizer.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        self.optimizer.step()
+        self.step_count += 1
+        self.batch_in_epoch += 1
+        self.samples += pairs.shape[0] * world
+        return out
+
+    def end_epoch(self) -> None:
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        state = {f"adapters.{k}": v.detach().cpu().contiguous() for k, v in self.net.adapters.state_dict().items()}
+        params = list(self.net.parameters())
+        for i, p in enumerate(params):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                state[f"optimizer.{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+        for key in COUNTERS:
+            state[f"progress.{key}"] = torch.tensor(getattr(self, key), dtype=torch.int64)
+        return state
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        prefix = "adapters."
+        self.net.adapters.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        params = list(self.net.parameters())
+        device = params[0].device
+        for i, p in enumerate(params):
+            entries = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"optimizer.{i}.")}
+            if entries:
+                # AdamW keeps its step count on the CPU unless capturable / fused
+                self.optimizer.state[p] = {k: v.to(device) if v.dim() else v.clone() for k, v in entries.items()}
+        for key in COUNTERS:
+            setattr(self, key, int(state[f"progress.{key}"]))
+
+
+COUNTERS = ("step_count", "epoch", "batch_in_epoch", "samples")
+STATE_FILE = "state.safetensors"
+
+
 def adapt_loop(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from pipelines.adapt_config import adapt_config_from_dict
     from pipelines.tracking import StepLogger
@@ -67,44 +136,59 @@ def adapt_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.run.seed)  # the same initial adapters on every rank
     net = build_adapter_set(cfg, int(config["dim"]))
     model = ray.train.torch.prepare_model(net)  # DDP across workers; the device of this worker
-    device = next(net.parameters()).device
-    optimizer = torch.optim.AdamW(net.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t.steps)
+    fit = AdapterFit(net, t.lr, t.weight_decay, t.steps, cfg.run.seed, rank, forward=model)
+    checkpoint = ray.train.get_checkpoint()  # set when this run name was trained before (or a worker failed)
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            fit.load(load_file(str(Path(folder) / STATE_FILE)))
+    first_step, last_step = fit.step_count, min(t.steps, t.stop_at_step or t.steps)
     logger = StepLogger(config["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
 
-    step, epoch, samples, start = 0, 0, 0, time.perf_counter()
-    while step < t.steps:
-        for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=device,
-                                              local_shuffle_buffer_size=8 * t.batch_size,
-                                              local_shuffle_seed=cfg.run.seed + epoch):
-            pairs = batch["data"].float()
-            out = model(pairs[:, 0], pairs[:, 1])
-            if not torch.isfinite(out["loss"]):
-                raise FloatingPointError(f"adapter loss is not finite at step {step} ({out['loss'].item()}); "
-                                         "lower train.lr or check the embeddings")
-            optimizer.zero_grad(set_to_none=True)
-            out["loss"].backward()
-            optimizer.step()
-            schedule.step()
-            step += 1
-            samples += pairs.shape[0] * world
-            if logger and (step == 1 or step % t.log_every == 0 or step == t.steps):
-                rate = samples / (time.perf_counter() - start)
-                logger.log({**{k: v.item() for k, v in out.items()}, "lr": schedule.get_last_lr()[0],
-                            "samples_per_s": rate, "epoch": epoch}, step)
-            if step >= t.steps:
-                break
-        epoch += 1
-    seconds = time.perf_counter() - start
-    metrics = {"step": step, "epoch": epoch, "samples": samples, "train_seconds": seconds,
-               "samples_per_s": samples / seconds, "loss": out["loss"].item()}
-    if rank == 0:
-        logger.log({"train_seconds": seconds, "samples_per_s_overall": samples / seconds}, step)
+    def report(final: bool) -> None:
+        seconds = time.perf_counter() - start
+        done = fit.step_count - first_step
+        metrics = {"step": fit.step_count, "epoch": fit.epoch, "samples": fit.samples, "steps_this_run": done,
+                   "train_seconds": seconds, "samples_per_s": done * t.batch_size * world / seconds if done else 0.0,
+                   "loss": loss}
+        if rank != 0:
+            ray.train.report(metrics)
+            return
+        if final:
+            logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, fit.step_count)
         logger.flush()
         with tempfile.TemporaryDirectory() as tmp:
-            state = {k: v.detach().cpu().contiguous() for k, v in net.adapters.state_dict().items()}
-            save_file(state, str(Path(tmp) / ADAPTER_FILE))
+            state = fit.state()
+            save_file(state, str(Path(tmp) / STATE_FILE))
+            # the adapters alone, as the driver builds the adapted models from them
+            save_file({k.removeprefix("adapters."): v for k, v in state.items() if k.startswith("adapters.")},
+                      str(Path(tmp) / ADAPTER_FILE))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-    else:
-        ray.train.report(metrics)
+
+    start, loss = time.perf_counter(), float("nan")
+    while fit.step_count < last_step:
+        skip = fit.batch_in_epoch  # a resume in the middle of an epoch: that epoch's batches already trained on
+        for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=fit_device(net),
+                                              local_shuffle_buffer_size=8 * t.batch_size,
+                                              local_shuffle_seed=cfg.run.seed + fit.epoch):
+            if skip:
+                skip -= 1
+                continue
+            out = fit.step(batch["data"].float(), world)
+            loss = out["loss"].item()
+            step = fit.step_count
+            if logger and (step == first_step + 1 or step % t.log_every == 0 or step == last_step):
+                rate = (fit.step_count - first_step) * t.batch_size * world / (time.perf_counter() - start)
+                logger.log({**{k: v.item() for k, v in out.items()}, "lr": fit.lr(), "samples_per_s": rate,
+                            "epoch": fit.epoch}, step)
+            if step >= last_step:
+                break
+            if step % t.checkpoint_every == 0:
+                report(final=False)
+        else:
+            fit.end_epoch()
+    report(final=True)
+
+
+def fit_device(net: nn.Module) -> torch.device:
+    return next(net.parameters()).device

@@ -65,6 +65,52 @@ def test_adapter_uncertainty_is_ggd_variance_plus_mc_dropout_variance():
     assert not torch.equal(a, b)  # dropout is on in training
 
 
+def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
+    """The Ray Train loop's fit (adapter + baseline, AdamW, cosine lr, dropout): 2N steps straight equal N steps,
+    the state through a safetensors file into a freshly built fit, then N more (what a same-name rerun does)."""
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.adapt_loop import AdapterFit, build_adapter_set
+
+    cfg = load_adapt_config(CONFIG, ["adapter.hidden=16", "loss.lambda_cross=0.01"])
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.nn.functional.normalize(torch.randn(8, 2, 6, generator=g), dim=-1) for _ in range(8)]
+
+    def new_fit(seed):
+        torch.manual_seed(seed)
+        return AdapterFit(build_adapter_set(cfg, 6), lr=1e-2, weight_decay=0.01, steps=len(batches), seed=3)
+
+    straight = new_fit(0)
+    lrs = []
+    for b in batches:
+        lrs.append(straight.lr())
+        straight.step(b)
+    # the closed-form schedule is torch's CosineAnnealingLR (eta_min 0) over train.steps
+    ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    ref = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=len(batches))
+    expected = []
+    for _ in batches:
+        expected.append(ref_opt.param_groups[0]["lr"])
+        ref_opt.step()
+        ref.step()
+    np.testing.assert_allclose(lrs, expected, rtol=1e-12)
+
+    first = new_fit(0)
+    for b in batches[:4]:
+        first.step(b)
+    save_file(first.state(), str(tmp_path / "state.safetensors"))
+    resumed = new_fit(1)  # other initial weights: everything must come from the file
+    resumed.load(load_file(str(tmp_path / "state.safetensors")))
+    assert (resumed.step_count, resumed.batch_in_epoch, resumed.samples) == (4, 4, 32)
+    for b in batches[4:]:
+        resumed.step(b)
+    a, b = straight.net.state_dict(), resumed.net.state_dict()
+    assert a.keys() == b.keys() and any(k.startswith("adapters.baseline.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.state().keys() == resumed.state().keys()
+    assert all(torch.equal(v, resumed.state()[k]) for k, v in straight.state().items())
+
+
 def test_adapted_model_saves_and_reloads_without_pickle(tmp_path):
     torch.manual_seed(0)
     model = create_model("probvlm_adapter", source="clip_tiny", hidden=32, mc_samples=4).eval()
@@ -299,6 +345,54 @@ def test_jobs_evaluate_scores_the_adapted_model_like_any_other(adapted, tmp_path
     # ProbVLM keeps the frozen model's ranking (Sec. 4.1): the means alone rank the same
     assert got["digits_retrieval/i2t_R1"] == got["digits_retrieval/cos_i2t_R1"]
     assert res.metrics["baseline/digits_retrieval/i2t_R1"] == got["digits_retrieval/i2t_R1"]
+
+
+PYFUNC_SCRIPT = """
+import json, sys
+import mlflow, pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+images = [bytes.fromhex(h) for h in json.loads(sys.argv[2])]
+captions = json.loads(sys.argv[3])
+out = model.predict(pd.DataFrame({"image": images + [None] * len(captions), "caption": [None] * len(images) + captions}))
+import models
+n = len(images)
+print(json.dumps({"models_from": models.__file__, "columns": list(out.columns),
+                  **{c: out[c][:n].tolist() for c in ("image_mu", "image_sigma2")},
+                  **{c: out[c][n:].tolist() for c in ("text_mu", "text_sigma2")}}))
+"""
+
+
+def test_adapted_mlflow_model_loads_in_a_fresh_python(adapted, tmp_path):
+    """`mlflow.pyfunc.load_model("runs:/<adapt run>/model")` in another process, from another directory, gives
+    the mu and sigma^2 of the adapted model loaded here (frozen source + adapter, MC-dropout included)."""
+    import subprocess
+    import sys
+
+    from models.preprocess import encoded_to_model_input
+    from models.tokenizer import tokenize
+    from pipelines.eval_data import iter_tar_samples
+    from pipelines.reader import shard_paths
+
+    res, _, root, _ = adapted
+    samples = list(iter_tar_samples(shard_paths(f"{root}/eval/retrieval", "test"), limit=4))
+    images = [next(s[k] for k in ("png", "jpg", "jpeg", "webp") if k in s) for s in samples]
+    captions = ["the digit seven", "a bold wide seven, slanted right", "zero"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLFLOW_TRACKING_URI": res.mlflow_uri}
+    out = subprocess.run([sys.executable, "-c", PYFUNC_SCRIPT, f"runs:/{res.mlflow_run_id}/model",
+                          json.dumps([b.hex() for b in images]), json.dumps(captions)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "/code/models/" in got["models_from"] and str(ROOT) not in got["models_from"]
+    assert got["columns"] == ["image_mu", "text_mu", "image_sigma2", "text_sigma2"]
+    model = load_model(res.model_file)
+    with torch.no_grad():
+        here = {"image": model.encode_image(torch.from_numpy(encoded_to_model_input(images, model.img_size))),
+                "text": model.encode_text(tokenize(captions, model.context_length))}
+    for side, out_here in here.items():
+        torch.testing.assert_close(torch.tensor(got[f"{side}_mu"]), out_here["mu"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(got[f"{side}_sigma2"]), out_here["logvar"].exp(), atol=0, rtol=1e-5)
+    assert len({round(float(v), 12) for v in torch.tensor(got["text_sigma2"]).mean(dim=1)}) == len(captions)
 
 
 def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted):
