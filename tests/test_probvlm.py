@@ -252,7 +252,7 @@ LONG_STEPS = 1500
 LOG_EVERY = 100
 
 
-def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int):
+def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tuple[str, ...] = ()):
     """jobs.adapt on the session's trained CLIP (its MLflow run as the source): pairs embedded by Ray Data,
     the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
     import time
@@ -264,7 +264,7 @@ def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int):
         f"source.model=runs:/{result.mlflow_run_id}/model", f"data.root={digits_root}",
         f"tracking.uri={result.mlflow_uri}", f"run.storage_path={tmp}/ray", f"run.name={name}",
         f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
-        'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]'])
+        'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]', *extra])
     start = time.perf_counter()
     res = adapt(adapt_cfg, tmp / "out")
     print(f"jobs.adapt on the trained CLIP, {steps} steps: {time.perf_counter() - start:.1f} s {res.seconds}")
@@ -475,3 +475,25 @@ def test_epistemic_uncertainty_is_higher_off_the_training_data(held_out):
     others = {k: image_uncertainty(model, x)["epistemic"] for k, x in ood_images().items()}
     print(f"epistemic: held-out digits {digits:.3e}, " + ", ".join(f"{k} {v:.3e} ({v / digits:.2f}x)" for k, v in others.items()))
     assert all(v > digits for v in others.values()), (digits, others)
+
+
+@pytest.mark.long
+def test_same_run_name_resumes_a_stopped_fit(trained_clip, digits_root, tmp_path):
+    """Stopped at step 100 of 200 (train.stop_at_step), the same command resumes: one MLflow run, steps 101-200
+    trained from the checkpoint, then saved and scored; the pair embeddings are not recomputed."""
+    from mlflow import MlflowClient
+
+    first, *_ = run_adapt(trained_clip, digits_root, tmp_path, "test_resume", 200,
+                          ("train.stop_at_step=100", "train.checkpoint_every=40"))
+    assert first.model_file is None and first.metrics == {} and first.train["step"] == 100
+    client = MlflowClient(first.mlflow_uri)
+    assert client.get_run(first.mlflow_run_id).info.status == "KILLED"
+    again, *_ = run_adapt(trained_clip, digits_root, tmp_path, "test_resume", 200)
+    assert again.mlflow_run_id == first.mlflow_run_id
+    assert (again.train["step"], again.train["steps_this_run"]) == (200, 100)
+    assert again.seconds["embed_pairs"] < first.seconds["embed_pairs"]
+    run = client.get_run(again.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["probvlp.resumes"] == "1"
+    steps = [m.step for m in client.get_metric_history(again.mlflow_run_id, "adapter/loss")]
+    assert sorted(steps) == sorted(set(steps)) and min(steps) == 1 and max(steps) == 200 and 101 in steps
+    assert again.model_file.is_file() and "digits_retrieval/i2t_calib_score" in again.metrics
