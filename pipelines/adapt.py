@@ -7,7 +7,6 @@ embeddings, the adapted model file(s), evaluation from the source's task embeddi
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -228,9 +227,7 @@ def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out:
     plots: list[Path] = []
     adapter_results = {}
     for task in tasks:
-        folder = out / "eval" / task.name
-        shutil.rmtree(folder, ignore_errors=True)  # Ray Data appends to a folder: a rerun's would double the rows
-        emb = embed_task(str(source.path), source.model, task, folder, opts)
+        emb = embed_task(str(source.path), source.model, task, out / "eval" / task.name, opts)
         results = score_adapted(models, task, emb, cfg.eval.calibration_bins)
         for name, res in results.items():
             metrics.update({(k if name == "adapter" else f"{name}/{k}"): v for k, v in prefixed(task, res).items()})
