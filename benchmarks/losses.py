@@ -256,48 +256,24 @@ def pair_section(sizes: dict) -> tuple[str, list[str]]:
 
 
 def llip_section(sizes: dict) -> tuple[str, list[str]]:
-    b, b_small, d, rep = sizes["llip_b"], sizes["llip_b_small"], sizes["llip_d"], sizes["llip_repeats"]
-    rows, verdicts, res = [], [], {}
-    for mode, bb in (("fwd", b), ("fwd+bwd", b_small)):
-        g = run_group(["llip_chunked", "llip_naive"], bb, d, mode, rep)
+    b, d, rep = sizes["llip_b"], sizes["llip_d"], sizes["llip_repeats"]
+    rows, verdicts = [], []
+    bnd_mb = b * b * d * 4 / 2**20
+    for mode in ("fwd", "fwd+bwd"):
+        g = run_group(["llip_chunked", "llip_naive"], b, d, mode, rep)
         c, n = g["llip_chunked"], g["llip_naive"]
-        res[mode] = (c, n)
         rows.append(
-            f"| {bb} x {bb} | {mode} | {_t(c)} | {_fmt_mb(c['peak_mb'])} | {_t(n)} | {_fmt_mb(n['peak_mb'])} "
+            f"| {b} x {b} | {mode} | {_t(c)} | {_fmt_mb(c['peak_mb'])} | {_t(n)} | {_fmt_mb(n['peak_mb'])} "
             f"| {c['seconds'] / n['seconds']:.2f}x / {c['cpu'] / n['cpu']:.2f}x | {n['peak_mb'] / c['peak_mb']:,.0f}x |"
         )
-    c = run_group(["llip_chunked"], b, d, "fwd+bwd", max(1, rep - 1))["llip_chunked"]
-    scale = (b / b_small) ** 2
-    n_small = res["fwd+bwd"][1]
-    n_x = {"seconds": n_small["seconds"] * scale, "cpu": n_small["cpu"] * scale, "peak_mb": n_small["peak_mb"] * scale}
-    rows.append(
-        f"| {b} x {b} | fwd+bwd | {_t(c)} | {_fmt_mb(c['peak_mb'])} | ~{_t(n_x)} (extrapolated x{scale:.0f}) "
-        f"| ~{_fmt_mb(n_x['peak_mb'])} (extrapolated) | ~{c['seconds'] / n_x['seconds']:.2f}x / {c['cpu'] / n_x['cpu']:.2f}x "
-        f"| ~{n_x['peak_mb'] / c['peak_mb']:,.0f}x |"
-    )
-    cf, nf = res["fwd"]
-    cb, nb = res["fwd+bwd"]
-    bnd_mb = b * b * d * 4 / 2**20
-    ok_f = "met" if cf["seconds"] <= nf["seconds"] else "MISSED"
-    verdicts.append(
-        f"- Llip cosines (forward) at B = N = {b}: chunked {cf['seconds'] / nf['seconds']:.2f}x the naive wall time "
-        f"({cf['cpu'] / nf['cpu']:.2f}x its CPU time); target no slower: **{ok_f}**. Peak {_fmt_mb(cf['peak_mb'])} MB vs "
-        f"{_fmt_mb(nf['peak_mb'])} MB; one B x N x D float32 tensor is {_fmt_mb(bnd_mb)} MB, so none is resident: "
-        f"**{'met' if cf['peak_mb'] < bnd_mb else 'MISSED'}**."
-    )
-    ok_b = "met" if cb["seconds"] <= nb["seconds"] else "MISSED"
-    why = ""
-    if ok_b == "MISSED":
-        why = (
-            " Why: both forms do the same three (rows N, D) x (D, D) products, but the chunked backward also"
-            " recomputes the attention weights and mixtures of each chunk and makes more elementwise passes;"
-            " that is the price of never storing them."
+        ok = "met" if c["seconds"] <= n["seconds"] else "MISSED"
+        resident = "met" if c["peak_mb"] < bnd_mb else "MISSED"
+        verdicts.append(
+            f"- Llip {mode} at B = N = {b}: chunked {c['seconds'] / n['seconds']:.2f}x the naive wall time "
+            f"({c['cpu'] / n['cpu']:.2f}x its CPU time); target no slower: **{ok}**. Peak {_fmt_mb(c['peak_mb'])} MB "
+            f"vs {_fmt_mb(n['peak_mb'])} MB; one B x N x D float32 tensor is {_fmt_mb(bnd_mb)} MB, so none is "
+            f"resident: **{resident}**."
         )
-    verdicts.append(
-        f"- Llip forward+backward at B = N = {b_small}: chunked {cb['seconds'] / nb['seconds']:.2f}x the naive wall time "
-        f"({cb['cpu'] / nb['cpu']:.2f}x its CPU time); target no slower: **{ok_b}**, with "
-        f"{nb['peak_mb'] / cb['peak_mb']:,.0f}x less peak memory.{why}"
-    )
     header = (
         "| B x N | mode | chunked ms (wall / cpu) | chunked peak MB | naive ms (wall / cpu) | naive peak MB "
         "| chunked / naive time (wall / cpu) | naive / chunked memory |\n|---|---|---|---|---|---|---|---|"
@@ -305,8 +281,8 @@ def llip_section(sizes: dict) -> tuple[str, list[str]]:
     return header + "\n" + "\n".join(rows), verdicts
 
 
-FULL = dict(pair_big=4096, pair_small=1024, pair_d=768, repeats=6, llip_b=1024, llip_b_small=512, llip_d=512, llip_repeats=2)
-QUICK = dict(pair_big=512, pair_small=128, pair_d=64, repeats=3, llip_b=64, llip_b_small=32, llip_d=64, llip_repeats=2)
+FULL = dict(pair_big=4096, pair_small=1024, pair_d=768, repeats=6, llip_b=1024, llip_d=512, llip_repeats=3)
+QUICK = dict(pair_big=512, pair_small=128, pair_d=64, repeats=3, llip_b=64, llip_d=64, llip_repeats=2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -318,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--d", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="fwd", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["pairs", "llip"], help="run one of the two sections")
     args = ap.parse_args(argv)
     if args.time:
         print(json.dumps(measure_time(args.time.split(","), args.b, args.d, args.mode, args.repeats)))
@@ -326,22 +303,33 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure_memory(args.memory, args.b, args.d, args.mode)))
         return
 
-    from benchmarks.report import machine, write_section
-
     sizes = QUICK if args.quick else FULL
-    print("PPCL / PML logits", flush=True)
-    pair_table, pair_verdicts = pair_section(sizes)
-    print("Llip cosines", flush=True)
-    llip_table, llip_verdicts = llip_section(sizes)
-    md = f"""## Losses: pairwise logits (`python -m benchmarks.losses`)
+    if args.only != "llip":
+        print("PPCL / PML logits", flush=True)
+        table, verdicts = pair_section(sizes)
+        publish("losses", pair_markdown(sizes, table, verdicts), args.quick)
+    if args.only != "pairs":
+        print("Llip cosines", flush=True)
+        table, verdicts = llip_section(sizes)
+        publish("llip", llip_markdown(sizes, table, verdicts), args.quick)
+
+
+def publish(section: str, md: str, quick: bool) -> None:
+    from benchmarks.report import write_section
+
+    print(md)
+    if not quick:
+        write_section(section, md)
+        print(f"wrote the {section!r} section of docs/BENCHMARKS.md")
+
+
+def pair_markdown(sizes: dict, table: str, verdicts: list[str]) -> str:
+    from benchmarks.report import machine
+
+    return f"""## Losses: pairwise logits (`python -m benchmarks.losses --only pairs`)
 
 Machine: {machine()}; CPU, float32, measured side by side in one run ({time.strftime('%Y-%m-%d')}).
-**Peak MB** is the extra resident memory one call needed, output included, measured in a fresh
-subprocess per cell: the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` = 5) just
-before the call and read back after it (VmHWM - VmRSS), with `MALLOC_MMAP_THRESHOLD_=131072` so
-freed tensors leave the process at once. **ms** is the minimum wall time over repeated calls, the
-forms of one row group timed round-robin in one subprocess. The machine is shared with other
-jobs, so absolute times are noisy; the side-by-side ratios are what matter.
+{MEASURED}
 
 ### PPCL / PML logits (`models.distributions.ppcl_logits`, `pml_logits`)
 
@@ -352,28 +340,40 @@ At B = {sizes['pair_big']}, D = {sizes['pair_d']} one (B, B, D) float32 tensor i
 {sizes['pair_big'] ** 2 * sizes['pair_d'] * 4 / 1e9:.0f} GB, more than this machine has, so the broadcast form is measured at
 B = {sizes['pair_small']} and extrapolated by (B / {sizes['pair_small']})^2 (it is exactly quadratic in B).
 
-{pair_table}
+{table}
 
-{chr(10).join(pair_verdicts)}
+{chr(10).join(verdicts)}
+"""
 
-### Llip contextualised cosines (`models.llip_mixer.LlipMixer`), K = 64 mixture tokens, 8 heads, D = {sizes['llip_d']}
+
+def llip_markdown(sizes: dict, table: str, verdicts: list[str]) -> str:
+    from benchmarks.report import machine
+
+    return f"""## Llip contextualised cosines (`python -m benchmarks.losses --only llip`)
+
+`models.llip_mixer.LlipMixer`, K = 64 mixture tokens, 8 heads, D = {sizes['llip_d']}. Machine: {machine()};
+CPU, float32, measured side by side in one run ({time.strftime('%Y-%m-%d')}).
+{MEASURED}
 
 Chunked (ours): image rows in chunks (~64 MiB per intermediate) inside a custom autograd
 function; the forward forms z one chunk at a time and keeps only the (B, N) cosines and norms;
 the backward recomputes each chunk's attention and mixture c and uses z.t = c.(T W_o) and
-||z||^2 = c (W_o^T W_o) c^T, so it needs no z either. Naive: `LlipMixer.naive_pair_cos`, the same formulas with the (B, N, D)
-features and (heads, B, N, K) attention weights materialised (what autograd would store).
-Forward+backward of the naive form at B = N = {sizes['llip_b']} would need about 16 GB, so it is measured
-at B = N = {sizes['llip_b_small']} and extrapolated by (B / {sizes['llip_b_small']})^2.
+||z||^2 = c (W_o^T W_o) c^T, so it needs no z either. Naive: `LlipMixer.naive_pair_cos`, the same
+formulas with the (B, N, D) features and (heads, B, N, K) attention weights materialised (what
+autograd stores). Both are measured at the same B = N, forward and forward+backward.
 
-{llip_table}
+{table}
 
-{chr(10).join(llip_verdicts)}
+{chr(10).join(verdicts)}
 """
-    print(md)
-    if not args.quick:
-        write_section("losses", md)
-        print("wrote the 'losses' section of docs/BENCHMARKS.md")
+
+
+MEASURED = """**Peak MB** is the extra resident memory one call needed, output included, measured in a fresh
+subprocess per cell: the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` = 5) just
+before the call and read back after it (VmHWM - VmRSS), with `MALLOC_MMAP_THRESHOLD_=131072` so
+freed tensors leave the process at once. **ms** is the minimum wall time over repeated calls, the
+forms of one row group timed round-robin in one subprocess. Ratios are what to compare: absolute
+times move with other load on the machine."""
 
 
 if __name__ == "__main__":

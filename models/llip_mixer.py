@@ -105,14 +105,16 @@ class _ChunkedCosine(torch.autograd.Function):
                 vc = v[:, sl].detach().requires_grad_(need_v)
                 c = llip_heads(llip_attention(qq, kc, ctx.tau), vc)
             cd = c.detach()
-            y = torch.matmul(cd, gram)
             g_over_n = grad[sl] / norm[sl]
             w_y = g_over_n * cos[sl] / norm[sl]
-            d_c = g_over_n.unsqueeze(-1) * r.unsqueeze(0) - w_y.unsqueeze(-1) * y
+            flat = cd.reshape(-1, cd.shape[-1])
+            # (w_y c) feeds both D x D products; d_c = g/n r - (w_y c) G, built in place on that product
+            weighted = (cd * w_y.unsqueeze(-1)).reshape(-1, cd.shape[-1])
             if need_t or need_w:
-                d_r += (g_over_n.unsqueeze(-1) * cd).sum(0)
-                flat = cd.reshape(-1, cd.shape[-1])
-                d_gram -= 0.5 * (flat * w_y.reshape(-1, 1)).T @ flat
+                d_gram.addmm_(weighted.T, flat, alpha=-0.5)
+                d_r += torch.einsum("in,ind->nd", g_over_n, cd)
+            d_c = torch.mm(weighted, gram).view_as(cd).neg_()
+            d_c.addcmul_(g_over_n.unsqueeze(-1), r.unsqueeze(0))
             inputs = [t for t, need in ((qq, need_q), (kc, need_k), (vc, need_v)) if need]
             if inputs:
                 grads = torch.autograd.grad(c, inputs, d_c)
