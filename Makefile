@@ -18,7 +18,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jobs.pretrain --config configs/demo.yaml
 
-# Two pytest workers: much of a Ray test is waiting (process starts, polls), so two overlap on 2 cores.
+# Two pytest workers, one per core: the long Ray runs go to one while the other takes the short tests.
 # Modules sharing a trained fixture run in one worker, longest first (tests/conftest.py; xdist would
 # otherwise start the groups with the most tests first).
 TEST_WORKERS ?= 2
@@ -41,6 +41,8 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.adapter
 	$(PY) -m benchmarks.retrieval_index
+	$(PY) -m benchmarks.peers
+	$(PY) -m benchmarks.peers --data
 
 clean:
 	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

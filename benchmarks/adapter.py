@@ -18,7 +18,6 @@ Ratios are the median over rounds of the back-to-back per-sample times.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.quick:
         return
-    from benchmarks.report import machine, write_section
+    from benchmarks.report import load, machine, write_section
 
     write_section("adapter", "## ProbVLM adapter vs its source model (`benchmarks/adapter.py`)\n\n"
                   "Training samples (image-caption pairs) per second, single process, measured side by side "
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                   "`ProbVLMLoss`) against a training step of the CLIP it adapts and against that CLIP's "
                   "no-gradient embedding pass (the one-off cost of embedding the pairs). The paper's claim: the "
                   "adapter is cheap next to training the model (ProbVLM Sec. 1, 5).\n\n"
-                  f"Machine: {machine()}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
+                  f"Machine: {machine()}; {load()} "
                   f"(other jobs share the 2 cores; the side-by-side ratios are what matter); {args.repeats} rounds after {args.warmup} warm-up, "
                   f"{args.adapter_steps} adapter steps per round. Command: `python -m benchmarks.adapter "
                   f"{' '.join(argv if argv is not None else sys.argv[1:])}`.\n\n" + text + "\n")

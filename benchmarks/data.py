@@ -197,16 +197,15 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
 
 
 def markdown(d: dict, r: dict) -> str:
-    from benchmarks.report import machine
+    from benchmarks.report import load, machine
 
     med = statistics.median
     ratios = [o / c for o, c in zip(d["ours"], d["cli"])]
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     consumption = r["worker"] * r["workers"]
     lines = [
         "## Data pipeline (benchmarks/data.py)",
         "",
-        f"Machine: {machine()}; {os.cpu_count()} cores; load average at the end {load} (other jobs share "
+        f"Machine: {machine()}; {os.cpu_count()} cores; {load()} (other jobs share "
         "the machine, so every comparison alternates its two sides and reports the median of per-round ratios).",
         "",
         "| comparison | ours | alternative | ratio (median) | target |",

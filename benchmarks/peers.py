@@ -232,13 +232,13 @@ def data_main(args, argv) -> None:
     print(table_md + "\n\n" + verdict)
     if args.quick:
         return
-    from benchmarks.report import machine, write_section
+    from benchmarks.report import load, machine, write_section
 
     write_section("peers_data",
                   "## Data loader against open_clip's (`benchmarks/peers.py --data`)\n\n"
                   f"{n} JPEGs of 256x256 in shards of {per_shard}, output 224x224 float32 images and 32-token captions, "
                   f"batches of {args.batch}, two CPUs for each loader, {rounds} alternating rounds of one epoch each "
-                  f"after a warm-up epoch. Machine: {machine()}. Command: `python -m benchmarks.peers "
+                  f"after a warm-up epoch. Machine: {machine()}; {load()}. Command: `python -m benchmarks.peers "
                   f"{' '.join(argv if argv is not None else sys.argv[1:])}`. Target: ours >= 1.0x.\n\n"
                   + table_md + "\n\n" + verdict + "\n")
 
@@ -270,14 +270,14 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.quick:
         return
-    from benchmarks.report import machine, write_section
+    from benchmarks.report import load, machine, write_section
 
     size = SIZES[args.size]
     setup = (f"Backbone `{args.size}`: image {size.img_size}px, patch {size.patch_size}, ViT width "
              f"{size.vision_width} x {size.vision_depth} blocks; text width {size.text_width} x "
              f"{size.text_depth} blocks, context {size.context_length}; embedding {size.embed_dim}; batch {args.batch}; "
              f"{args.device}, {'bf16 autocast' if args.bf16 else 'fp32'}; {args.repeats} round-robin repeats after "
-             f"{args.warmup} warm-up steps. Machine: {machine()}. Command: `python -m benchmarks.peers "
+             f"{args.warmup} warm-up steps. Machine: {machine()}; {load()}. Command: `python -m benchmarks.peers "
              f"{' '.join(argv if argv is not None else sys.argv[1:])}`.")
     write_section(f"peers_{args.size}",
                   f"## Training step against open_clip, `{args.size}` backbone (`benchmarks/peers.py`)\n\n"

@@ -1,6 +1,7 @@
 """Write one benchmark's section of docs/BENCHMARKS.md, leaving the other sections as they are."""
 from __future__ import annotations
 
+import os
 import platform
 import re
 from pathlib import Path
@@ -13,6 +14,11 @@ HEADER = "# Benchmarks\n\nEach section is written by the script it names; ratios
 
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def load() -> str:
+    """The 1 / 5 / 15-minute load averages now: how much else ran beside a measurement."""
+    return "load average at the end " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def write_section(name: str, markdown: str, doc: Path = DOC) -> None:
