@@ -7,13 +7,16 @@ Run (each size writes its own section of docs/BENCHMARKS.md):
     .venv/bin/python -m benchmarks.peers --size b16 --device cuda --batch 256 --bf16   # on a GPU
     .venv/bin/python -m benchmarks.peers --quick                      # tiny size, prints only
     .venv/bin/python -m benchmarks.peers --data                       # the loaders (section peers_data)
+    .venv/bin/python -m benchmarks.peers --size b16 --batch 8 --towers  # each tower alone (prints only)
     .venv/bin/python -m benchmarks.peers --data --quick
 
 What is timed: one full step (forward, InfoNCE loss, backward, AdamW) of our `clip` objective
 (``build_objective``) and of an open_clip ``CLIP`` built from a model config of the same shape (vision
 and text widths, depths, heads, patch, image size, context, embedding width) with open_clip's
 ``ClipLoss``, both randomly initialised, stepped round-robin in one process after a warm-up on the
-same images and tokens (open_clip's tokenizer, which this project uses). Two caption sets: "short"
+same images and tokens (open_clip's tokenizer, which this project uses). Each side steps the optimizer its
+trainer uses: ours the fused AdamW of `pipelines.optim.adamw`, open_clip's `torch.optim.AdamW` as its
+`open_clip_train` creates it (the per-tensor loop on CPU, foreach on GPU). Two caption sets: "short"
 (digit captions; our text tower drops the padding after the batch's longest caption, open_clip's
 runs the whole context) and "full" (every caption fills the context: the same text work for both).
 The verdict uses the median over rounds of the two back-to-back steps' ratio.
@@ -92,6 +95,26 @@ def measure(size_name: str, batch: int, repeats: int, warmup: int, device: str, 
                     torch.cuda.synchronize()
                 if r >= warmup:
                     times[n, k].append(time.perf_counter() - t0)
+    return times
+
+
+def measure_towers(size_name: str, batch: int, repeats: int, device: str) -> dict:
+    """{(name, tower): [seconds]}: forward + backward of each tower alone (full captions), round-robin."""
+    size = SIZES[size_name]
+    ours, theirs = build("clip_tiny", size, 0, device)[0].model, build_open_clip(size, device)[0].model
+    images = torch.randn(batch, 3, size.img_size, size.img_size).to(device)
+    tokens = tokenize(captions("full", batch), size.context_length).to(device)
+    calls = {("ours", "image"): lambda: ours.encode_image(images)["mu"],
+             ("open_clip", "image"): lambda: theirs.encode_image(images),
+             ("ours", "text"): lambda: ours.encode_text(tokens)["mu"],
+             ("open_clip", "text"): lambda: theirs.encode_text(tokens)}
+    times: dict = {k: [] for k in calls}
+    for r in range(repeats + 1):
+        for k, call in calls.items():
+            t0 = time.perf_counter()
+            call().sum().backward()
+            if r:  # round 0 warms up
+                times[k].append(time.perf_counter() - t0)
     return times
 
 
@@ -254,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--captions", choices=["short", "full", "both"], default="both")
     parser.add_argument("--quick", action="store_true", help="tiny size, few repeats, print only")
     parser.add_argument("--data", action="store_true", help="compare the data loaders instead of the steps")
+    parser.add_argument("--towers", action="store_true", help="time each tower alone (forward + backward), print only")
     parser.add_argument("--samples", type=int, default=4000, help="--data: images in the shards")
     parser.add_argument("--rounds", type=int, default=3, help="--data: alternating epochs per loader")
     args = parser.parse_args(argv)
@@ -261,6 +285,13 @@ def main(argv: list[str] | None = None) -> None:
         if "--batch" not in (argv if argv is not None else sys.argv[1:]):
             args.batch = 128
         return data_main(args, argv)
+    if args.towers:
+        times = measure_towers(args.size, args.batch, args.repeats, args.device)
+        for tower in ("image", "text"):
+            a, b = times["ours", tower], times["open_clip", tower]
+            print(f"{tower}: ours {1e3 * min(a):.0f} ms, open_clip {1e3 * min(b):.0f} ms (minima); ours / open_clip "
+                  f"{round_ratio(a, b):.3f}x (median of per-round ratios)")
+        return
     if args.quick:
         args.size, args.batch, args.repeats, args.warmup = "tiny", 16, 3, 1
     kinds = ["short", "full"] if args.captions == "both" else [args.captions]

@@ -33,6 +33,7 @@ from models.registry import TINY, VIT_B16
 from models.tokenizer import tokenize
 from models.towers import TowerConfig
 from pipelines.config import Config, ModelConfig
+from pipelines.optim import adamw, param_groups
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).
 SMALL = TowerConfig(img_size=96, patch_size=16, vision_width=384, vision_depth=6, vision_heads=6, vision_pre_norm=False,
@@ -61,7 +62,7 @@ def build(name: str, size: TowerConfig, mixture_tokens: int, device: str):
         overrides["mixture_tokens"] = mixture_tokens
     torch.manual_seed(0)
     objective = build_objective(Config(model=ModelConfig(name=name, overrides=overrides))).to(device).train()
-    opt = torch.optim.AdamW(objective.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.2)
+    opt = adamw(param_groups(objective, 0.2), lr=1e-4, betas=(0.9, 0.95))  # the trainer's optimizer
     return objective, opt
 
 

@@ -23,7 +23,7 @@ from pipelines import train_state
 from pipelines.train_state import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluation import TaskResult, embed_task_locally, held_out_loss, prefixed, score_task, write_plots
-from pipelines.optim import param_groups, warmup_cosine
+from pipelines.optim import adamw, param_groups, warmup_cosine
 from pipelines.progress import ProgressLine
 from pipelines.tracking import StepLogger, save_mlflow_model
 
@@ -131,8 +131,7 @@ class TrainWorker:
             if self.rank == 0:
                 print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
                       "own initialisation", flush=True)
-        optimizer = torch.optim.AdamW(param_groups(objective, t.weight_decay), lr=t.lr,
-                                      betas=(t.beta1, t.beta2), eps=t.eps)
+        optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         skip_inference_comm_op()
         engine, _, _, scheduler = deepspeed.initialize(
             model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
