@@ -46,10 +46,16 @@ def stats_actor():
     """The cluster's `ReaderStats` actor (created on first use).
 
     Detached: a non-detached actor dies once the last handle to it is dropped (when a dataset is
-    freed), and a later run in the same driver would get the dying actor by name.
+    freed), and a later run in the same driver would get the dying actor by name. Created on the caller's
+    node (the driver's: the head on a cluster): an actor on a worker node keeps that node busy, so the
+    autoscaler would never remove it.
     """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return _stats_actor_class().options(name=STATS_ACTOR, namespace=STATS_NAMESPACE, get_if_exists=True,
-                                        lifetime="detached").remote()
+                                        lifetime="detached", scheduling_strategy=here).remote()
 
 
 def reader_stats(name: str) -> dict:
