@@ -164,7 +164,8 @@ def start(folder: Path, config: dict | None = None, timeout_s: float = 180, **co
                  f"--num-cpus={head_cpus:g}", "--node-ip-address=127.0.0.1", f"--port={gcs}",
                  "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
                  f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=folder, check=True, timeout=timeout_s,
+                # in the project folder: a job submitted without --working-dir runs there (relative paths as locally)
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, check=True, timeout=timeout_s,
             )
     _wait_jobs_api(cluster, timeout_s)
     return cluster
