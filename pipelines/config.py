@@ -81,7 +81,7 @@ class LossConfig(Section):
 class TrainConfig(Section):
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go
-    # (ZeRO stage 0-2; per-worker batch and learning rate kept: docs/SCALING.md "Elastic training").
+    # (ZeRO stage 0; per-worker batch and learning rate kept: docs/SCALING.md "Elastic training").
     num_workers: int | tuple[int, int] = 2
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
@@ -122,9 +122,12 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _elastic_stage(self) -> "TrainConfig":
-        if self.elastic and self.zero_stage == 3:
-            raise ValueError("elastic training (num_workers: [min, max]) needs zero_stage 0-2 "
-                             "(a ZeRO-3 checkpoint does not load at another world size)")
+        if self.elastic and self.zero_stage != 0:
+            # DeepSpeed refuses to load ZeRO-partitioned optimizer state at another data-parallel world size
+            # ("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported")
+            # unless the checkpoint is first converted to its universal format; stage 0 keeps it whole.
+            raise ValueError("elastic training (num_workers: [min, max]) needs zero_stage 0: a ZeRO-1/2/3 "
+                             "checkpoint does not load at another world size")
         return self
 
     @property

@@ -50,9 +50,7 @@ def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
-        # elastic_checkpoint: ZeRO-1/2 optimizer partitions saved so that they load at another world size
-        # (DeepSpeed merges every rank's file and re-partitions), which elastic training needs.
-        "zero_optimization": {"stage": t.zero_stage, "elastic_checkpoint": t.elastic and t.zero_stage in (1, 2)},
+        "zero_optimization": {"stage": t.zero_stage},
         "torch_autocast": {"enabled": use_bf16, "dtype": "bfloat16"},
         # torch's AdamW is a client optimizer: DeepSpeed's fused/CPU Adam would JIT-compile C++ first.
         "zero_allow_untested_optimizer": True,

@@ -74,6 +74,11 @@ def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
     return raylets
 
 
+def saved(run_folder: Path) -> list[Path]:
+    """Ray Train's checkpoint folders of a run, oldest first."""
+    return sorted(p for p in run_folder.glob("checkpoint_*") if p.is_dir())
+
+
 def submit(cluster: LocalCluster, args: list[str], log: Path, *options: str) -> subprocess.Popen:
     """`ray job submit`, the CLI streaming the job's log. No --working-dir: the fake nodes share one runtime-env
     folder, and a lost node's cleanup deletes the unpacked working dir under the other nodes' workers; the
@@ -103,7 +108,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
         scale_up_s = time.monotonic() - t0
         checkpoints = tmp_path / "ray" / "lost-node"
         target = wait_for("a checkpoint, and a train worker's raylet",
-                          lambda: list(checkpoints.glob("checkpoint_*")) and train_worker_raylets(cluster), 300, 0.2)
+                          lambda: saved(checkpoints) and train_worker_raylets(cluster), 300, 0.2)
         before = alive_workers(cluster)
         raylet, lost = next(iter(target.items()))
         os.kill(raylet, signal.SIGKILL)
@@ -130,7 +135,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     # The same run, uninterrupted, on the plain local Ray: the node loss changed nothing, bit for bit.
     (tmp_path / "straight").mkdir()
     straight = fit(config(tmp_path / "straight", digits_root, "straight", *RUN))
-    final = sorted(checkpoints.glob("checkpoint_*"))[-1]
+    final = saved(checkpoints)[-1]
     assert assert_identical(load_state(str(final)), load_state(straight.checkpoint_path)) > 20
 
 

