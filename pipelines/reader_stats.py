@@ -54,8 +54,10 @@ def stats_actor():
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    # Hard affinity: a soft one was seen to land (or restart) the actor on a worker node of the local cluster.
     heads = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
-    here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(), soft=True)
+    here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(),
+                                          soft=not heads)
     return _stats_actor_class().options(name=STATS_ACTOR, namespace=STATS_NAMESPACE, get_if_exists=True,
                                         lifetime="detached", scheduling_strategy=here, max_restarts=-1,
                                         max_task_retries=-1).remote()
