@@ -26,18 +26,12 @@ def autoscaler_node_types() -> dict[str, dict[str, float]] | None:
     return {group.name: dict(group.resources) for group in config.node_group_configs if group.max_count != 0}
 
 
-def autoscaler_running() -> bool:
-    """Whether an autoscaler (v1: Ray's default) reports its status for this cluster."""
-    from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    return bool(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))
-
-
-def check_cluster_holds_a_worker(need: dict[str, float], log=print) -> None:
-    """A ConfigError (one line) when no node can ever hold one worker needing `need`; a warning line when no
-    node can now and an autoscaler whose node types Ray does not expose may add one (then Ray's autoscaler
-    reports an infeasible request in the job's log, and Ray Train's start times out every minute, retrying)."""
+def check_cluster_holds_a_worker(need: dict[str, float], joined: bool, log=print) -> None:
+    """A ConfigError (one line) when no node can ever hold one worker needing `need`: on the local Ray this
+    process started (`joined` False: nothing will be added), or on a cluster whose autoscaler reports node types
+    of which none fits. A warning line when no node can now and a joined cluster's autoscaler, whose node types
+    Ray does not expose (v1, Ray's default), may add one: then Ray's autoscaler reports an infeasible request
+    in the job's log, and Ray Train's start times out every minute, retrying."""
     import ray
 
     nodes = {f"node {n['NodeManagerAddress']} {n['NodeID'][:8]}": n["Resources"] for n in ray.nodes() if n["Alive"]}
@@ -47,7 +41,7 @@ def check_cluster_holds_a_worker(need: dict[str, float], log=print) -> None:
     if types and any(_fits(need, have) for have in types.values()):
         return
     worker = f"one training worker needs {_shape(need)}"
-    if types is None and autoscaler_running():
+    if types is None and joined:
         log(f"warning: {worker} and no node of this cluster has that yet "
             f"({'; '.join(f'{k}: {_shape(v)}' for k, v in nodes.items())}): waiting for the autoscaler to add one; "
             "if its node types cannot (e.g. GPUs asked on a CPU-only cluster) the job waits until stopped "

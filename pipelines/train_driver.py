@@ -1,6 +1,7 @@
 """Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train_worker`)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,8 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
-    check_cluster_holds_a_worker({"GPU": 1} if t.use_gpu else {"CPU": t.cpus_per_worker})  # as Ray Train asks
+    check_cluster_holds_a_worker({"GPU": 1} if t.use_gpu else {"CPU": t.cpus_per_worker},  # as Ray Train asks
+                                 joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
     from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)

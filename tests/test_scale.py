@@ -1,4 +1,5 @@
-"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), a failure that ends a run.
+"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), a failure that ends a run,
+an elastic run resumed at another world size, a worker no node can hold.
 ZeRO-2, the default, trains the demo model in tests/test_pretrain.py; ZeRO-3 trains on user shards in
 tests/test_evaluation.py."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from mlflow import MlflowClient
 
 from pipelines.train_state import _safe_globals
-from pipelines.config import load_config
+from pipelines.config import ConfigError, load_config
 from pipelines.tracking import LOCAL_DIR
 from pipelines.train_driver import fit
 
@@ -107,3 +108,10 @@ def test_elastic_run_continues_at_another_world_size(ray_local, digits_root, tmp
     assert steps_logged(second) == list(range(1, 11)) and run.info.status == "FINISHED"
     losses = [m.value for m in MlflowClient(second.mlflow_uri).get_metric_history(second.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses)))
+
+
+def test_a_worker_that_no_node_can_hold_is_a_one_line_error(ray_local, digits_root, tmp_path):
+    """GPUs asked on a Ray without any and without an autoscaler: said before training, not waited on forever."""
+    with pytest.raises(ConfigError, match=r"^train: one training worker needs GPU 1, which no node of this "
+                                          r"cluster offers \(node 127\.0\.0\.1 \w+: CPU \d+\)$"):
+        fit(config(tmp_path, digits_root, "gpu", "train.use_gpu=true"))
