@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-long install clean bench
+.PHONY: demo test test-fast test-long install clean bench cluster-up cluster-down
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.retrieval_index
 	$(PY) -m benchmarks.peers
 	$(PY) -m benchmarks.peers --data
+
+# A local autoscaling Ray cluster with ray_cluster.yaml's node types (Ray's fake multi-node provider; 127.0.0.1,
+# token auth): `cluster-up` prints the RAY_ADDRESS to `ray job submit` to; worker nodes come and go with demand.
+cluster-up: $(STAMP)
+	$(PY) -m pipelines.local_cluster up
+
+cluster-down: $(STAMP)
+	$(PY) -m pipelines.local_cluster down
 
 clean:
 	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

@@ -79,7 +79,10 @@ class LossConfig(Section):
 
 
 class TrainConfig(Section):
-    num_workers: int = Field(2, ge=1)
+    # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
+    # min, at most max, and restarts at another size from the last checkpoint when nodes come or go
+    # (ZeRO stage 0; per-worker batch and learning rate kept: docs/SCALING.md "Elastic training").
+    num_workers: int | tuple[int, int] = 2
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     batch_size: int = Field(64, ge=1, description="per worker")
@@ -106,6 +109,34 @@ class TrainConfig(Section):
     stop_at_step: int | None = Field(None, ge=1)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.
     fail_once_at_step: int | None = Field(None, ge=1)
+
+    @field_validator("num_workers")
+    @classmethod
+    def _worker_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (v, v) if isinstance(v, int) else v
+        if low < 1:
+            raise ValueError(f"needs at least 1 worker (got {list(v) if isinstance(v, tuple) else v})")
+        if low > high:
+            raise ValueError(f"[min, max] with min > max (got {list(v)})")
+        return v
+
+    @model_validator(mode="after")
+    def _elastic_stage(self) -> "TrainConfig":
+        if self.elastic and self.zero_stage != 0:
+            # DeepSpeed refuses to load ZeRO-partitioned optimizer state at another data-parallel world size
+            # ("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported")
+            # unless the checkpoint is first converted to its universal format; stage 0 keeps it whole.
+            raise ValueError("elastic training (num_workers: [min, max]) needs zero_stage 0: a ZeRO-1/2/3 "
+                             "checkpoint does not load at another world size")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
 TASK_NAME = r"^[A-Za-z0-9_.-]+$"

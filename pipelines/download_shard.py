@@ -39,6 +39,7 @@ class PartResult:
     stats: dict = field(default_factory=dict)
     error: str | None = None
     seconds: float = 0.0
+    node: str | None = None  # the Ray node that ran it (the summary says which node did which part)
 
 
 def _resizer(cfg: DownloadConfig):
@@ -59,7 +60,10 @@ def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: 
     from img2dataset.downloader import Downloader
     from img2dataset.writer import WebDatasetSampleWriter
 
+    import ray
+
     cfg = DownloadConfig.model_validate(settings)
+    node = ray.get_runtime_context().get_node_id()
     t0 = time.perf_counter()
     shard = part["shard"]
     name = shard_name(shard, shard_digits)
@@ -85,10 +89,10 @@ def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: 
     ok, _ = downloader((shard, uri(fs, feather)))
     if not ok:
         return asdict(PartResult(shard, part["rows"], False, error="img2dataset shard error (see worker log)",
-                                 seconds=time.perf_counter() - t0))
+                                 seconds=time.perf_counter() - t0, node=node))
     # The stats file last: a shard is finished once its _stats.json sits next to its .tar.
     for suffix in (".tar", ".parquet", "_stats.json"):
         fs.mv(f"{tmp}/{name}{suffix}", f"{out}/{name}{suffix}")
     fs.rm(tmp, recursive=True)
     stats = read_json(fs, f"{out}/{name}_stats.json")
-    return asdict(PartResult(shard, part["rows"], True, stats=stats, seconds=time.perf_counter() - t0))
+    return asdict(PartResult(shard, part["rows"], True, stats=stats, seconds=time.perf_counter() - t0, node=node))

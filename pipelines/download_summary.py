@@ -53,9 +53,19 @@ def summarize(cfg: DownloadConfig, manifest: dict, results: list[PartResult], sk
         "shards_failed": len(failed_parts),
         "urls_fetched_this_run": this_run,
         "written_this_run": written_this_run,
+        # node id -> the shards its tasks downloaded this run (a cluster spreads the parts over its nodes)
+        "parts_by_node": _parts_by_node(results, manifest["shard_digits"]),
         "seconds": round(seconds, 3),
         "images_per_s": round(written_this_run / seconds, 2) if seconds > 0 else 0.0,
     }
+
+
+def _parts_by_node(results: list[PartResult], digits: int) -> dict[str, list[str]]:
+    by_node: dict[str, list[str]] = {}
+    for r in sorted(results, key=lambda r: r.shard):
+        if r.node:
+            by_node.setdefault(r.node, []).append(shard_name(r.shard, digits))
+    return by_node
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -68,6 +78,9 @@ def format_summary(s: dict[str, Any]) -> str:
     lines += [f"    {n:>8}  {reason}" for reason, n in s["failed_by_reason"].items()]
     lines.append(f"  shards {s['shards_complete']}/{s['shards']} complete (this run: {s['shards_downloaded']} "
                  f"downloaded, {s['shards_skipped']} already finished, {s['shards_failed']} failed)")
+    if s.get("parts_by_node"):
+        lines.append(f"  downloaded this run by {len(s['parts_by_node'])} node(s):")
+        lines += [f"    node {node}: shards {', '.join(shards)}" for node, shards in s["parts_by_node"].items()]
     lines.append(f"  captions repaired (not UTF-8) {s['captions_repaired']}, empty captions {s['empty_captions']}")
     lines.append(f"  {s['written_this_run']} images written this run in {s['seconds']:.1f}s "
                  f"({s['images_per_s']:.1f} images/s)")

@@ -27,6 +27,9 @@ def _task(cfg: DownloadConfig, local_only: bool):
     if local_only:  # URLs on this machine's loopback: keep the tasks on this node
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        # and ask for no CPU: the driver's node may offer none (a cluster head runs no work), and a task pinned
+        # there would never start
+        options["num_cpus"] = 0
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                         soft=False)
     return ray.remote(download_part).options(**options)

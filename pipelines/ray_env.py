@@ -113,7 +113,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     # The port is checked free, then bound by the dashboard Ray starts: two local runs starting at once (two
     # pytest workers, two jobs on a workstation) would both see 8265 free, so they take turns.
     with _machine_lock("probvlp-ray-dashboard.lock"):
-        port = _dashboard_port(dashboard_port)
+        port = local_port(dashboard_port)
         api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
         ray.init(
             address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
@@ -139,16 +139,16 @@ class _machine_lock:
         self.file.close()
 
 
-def _dashboard_port(default: int = 8265) -> int:
-    """Ray's default dashboard port if free on 127.0.0.1, else any free one."""
-    for port in (default, 0):
+def local_port(preferred: int = 0) -> int:
+    """`preferred` (e.g. Ray's default dashboard port 8265) if free on 127.0.0.1, else any free port."""
+    for port in (preferred, 0):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return s.getsockname()[1]
-    raise RuntimeError("no free TCP port on 127.0.0.1 for the Ray dashboard")
+    raise RuntimeError("no free TCP port on 127.0.0.1")
 
 
 def local_cpus(num_workers: int, cpus_per_worker: float) -> int:

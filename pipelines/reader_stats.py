@@ -46,10 +46,21 @@ def stats_actor():
     """The cluster's `ReaderStats` actor (created on first use).
 
     Detached: a non-detached actor dies once the last handle to it is dropped (when a dataset is
-    freed), and a later run in the same driver would get the dying actor by name.
+    freed), and a later run in the same driver would get the dying actor by name. Created on the head node
+    (whoever asks first, a driver or a Ray Train worker): an actor on a worker node keeps that node busy, so
+    the autoscaler would never remove it, and dies with it. Restarted (empty) if its node is lost anyway, and
+    its calls retried: losing a node must not fail the readers with it.
     """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # Hard affinity: a soft one was seen to land (or restart) the actor on a worker node of the local cluster.
+    heads = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
+    here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(),
+                                          soft=not heads)
     return _stats_actor_class().options(name=STATS_ACTOR, namespace=STATS_NAMESPACE, get_if_exists=True,
-                                        lifetime="detached").remote()
+                                        lifetime="detached", scheduling_strategy=here, max_restarts=-1,
+                                        max_task_retries=-1).remote()
 
 
 def reader_stats(name: str) -> dict:

@@ -179,7 +179,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
-    init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.num_workers * s.max_concurrent, t.cpus_per_worker))
+    init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.max_workers * s.max_concurrent, t.cpus_per_worker))
     prepare_data(base)  # once, before concurrent trials could race on it
     check_eval_tasks(base)
     uri = tracking_uri(base.tracking.uri)

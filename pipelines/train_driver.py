@@ -1,6 +1,7 @@
 """Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train_worker`)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -99,13 +100,16 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     import torch
 
     from models.objective import build_objective
+    from pipelines.cluster_check import check_cluster_holds_a_worker
     from pipelines.ray_env import init_ray, local_cpus
 
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
-    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.num_workers, t.cpus_per_worker))
+    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
+    check_cluster_holds_a_worker({"GPU": 1} if t.use_gpu else {"CPU": t.cpus_per_worker},  # as Ray Train asks
+                                 joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
     from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
@@ -119,6 +123,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id, "mlflow_uri": uri,
                            # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
                            "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run_id}.done")},
+        # [min, max]: Ray Train's elastic scaling; it reconsiders the size every 60 s while the workers run.
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(

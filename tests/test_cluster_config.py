@@ -36,3 +36,29 @@ def test_unknown_key_is_rejected(where):
         config["available_node_types"]["gpu_worker"]["min_worker"] = 1
     with pytest.raises(Exception, match="Additional properties are not allowed"):
         validate_config(prepare_config(config))
+
+
+def test_local_cluster_config_is_derived_from_the_cloud_one():
+    """pipelines.local_cluster's config (Ray's fake multi-node provider) passes Ray's schema and keeps the cloud
+    config's worker node types by name, min_workers and CPU-side resources, scaled to this machine."""
+    from pipelines.local_cluster import local_config
+
+    cloud = load()
+    local = local_config(gcs_port=6379, cpus_per_node=2, max_nodes_per_type=3, idle_timeout_minutes=0.2)
+    validate_config(local)  # the schema (prepare_config needs the provider's example file, absent from the wheel)
+    assert local["provider"]["type"] == "fake_multinode" and local["idle_timeout_minutes"] == 0.2
+    for name, node in cloud["available_node_types"].items():
+        if name == cloud["head_node_type"]:
+            continue
+        mine = local["available_node_types"][name]
+        assert mine["resources"] == {"CPU": 2}  # the cloud's CPUs scaled down, its GPUs dropped (none here)
+        assert mine["min_workers"] == node["min_workers"] and mine["max_workers"] == min(3, node["max_workers"])
+    assert cloud["available_node_types"]["gpu_worker"]["resources"]["GPU"] == 8  # what p5.48xlarge has
+
+
+def test_a_local_node_type_that_cannot_hold_a_worker_is_a_config_error():
+    from pipelines.config import ConfigError
+    from pipelines.local_cluster import local_config
+
+    with pytest.raises(ConfigError, match=r"^local cluster: node type 'cpu_worker' with 0.5 CPU cannot hold one worker"):
+        local_config(gcs_port=6379, cpus_per_node={"cpu_worker": 0.5})

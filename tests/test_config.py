@@ -22,7 +22,9 @@ def write(tmp_path, data) -> Path:
 def test_demo_config_loads_and_overrides():
     cfg = load_config(ROOT / "configs" / "demo.yaml", ["train.steps=7", "model.overrides.embed_dim=32"])
     assert cfg.train.steps == 7 and cfg.model.overrides == {"embed_dim": 32}
-    assert cfg.train.zero_stage == 2 and cfg.train.num_workers == 2
+    assert cfg.train.zero_stage == 2 and cfg.train.num_workers == 2 and not cfg.train.elastic
+    elastic = load_config(ROOT / "configs" / "demo.yaml", ["train.num_workers=[1, 4]", "train.zero_stage=0"]).train
+    assert elastic.num_workers == (1, 4) and elastic.elastic and elastic.max_workers == 4
     again = Config.from_dict(cfg.to_dict())
     assert again == cfg
     assert cfg.flat()["train.steps"] == 7
@@ -41,6 +43,11 @@ def test_demo_config_loads_and_overrides():
         ({"loss": {"name": "infonce", "params": {"init_temperature": "hot"}}}, "loss.params.init_temperature:"),
         ({"data": {"mid_caption_prob": 0.7, "general_caption_prob": 0.7}}, "mid_caption_prob + data.general"),
         ({"model": {"init_from_openclip": "/no/such/clip.safetensors"}}, "model.init_from_openclip: no such file"),
+        ({"train": {"num_workers": [3, 2]}}, "train.num_workers: [min, max] with min > max (got [3, 2])"),
+        ({"train": {"num_workers": [0, 2]}}, "train.num_workers: needs at least 1 worker (got [0, 2])"),
+        ({"train": {"num_workers": 0}}, "train.num_workers: needs at least 1 worker (got 0)"),
+        ({"train": {"num_workers": [1, 2], "zero_stage": 2}}, "train: elastic training (num_workers: [min, max]) "
+                                                              "needs zero_stage 0"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, data, expected):
