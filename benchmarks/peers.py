@@ -42,7 +42,7 @@ import time
 import torch
 import torch.nn as nn
 
-from benchmarks.train_step import SIZES, build, captions, round_ratio, step
+from benchmarks.train_step import SIZES, build, captions, round_ratio, setup_text, step_arguments, step_times
 from models.tokenizer import VOCAB_SIZE, tokenize
 from models.towers import TowerConfig
 
@@ -80,22 +80,7 @@ def measure(size_name: str, batch: int, repeats: int, warmup: int, device: str, 
     """{(name, caption kind): [seconds per step]} for "ours" and "open_clip", stepped round-robin."""
     size = SIZES[size_name]
     runs = {"ours": build("clip_tiny", size, 0, device), "open_clip": build_open_clip(size, device)}
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 3, size.img_size, size.img_size, generator=g).to(device)
-    tokens = {k: tokenize(captions(k, batch), size.context_length).to(device) for k in caption_kinds}
-    times: dict = {(n, k): [] for n in runs for k in caption_kinds}
-    for r in range(warmup + repeats):
-        for k in caption_kinds:
-            for n in runs:
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step(*runs[n], images, tokens[k], dtype)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                if r >= warmup:
-                    times[n, k].append(time.perf_counter() - t0)
-    return times
+    return step_times(runs, size, batch, repeats, warmup, device, dtype, caption_kinds)
 
 
 def measure_towers(size_name: str, batch: int, repeats: int, device: str) -> dict:
@@ -268,13 +253,7 @@ def data_main(args, argv) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--captions", choices=["short", "full", "both"], default="both")
+    step_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="tiny size, few repeats, print only")
     parser.add_argument("--data", action="store_true", help="compare the data loaders instead of the steps")
     parser.add_argument("--towers", action="store_true", help="time each tower alone (forward + backward), print only")
@@ -301,15 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.quick:
         return
-    from benchmarks.report import load, machine, write_section
+    from benchmarks.report import write_section
 
-    size = SIZES[args.size]
-    setup = (f"Backbone `{args.size}`: image {size.img_size}px, patch {size.patch_size}, ViT width "
-             f"{size.vision_width} x {size.vision_depth} blocks; text width {size.text_width} x "
-             f"{size.text_depth} blocks, context {size.context_length}; embedding {size.embed_dim}; batch {args.batch}; "
-             f"{args.device}, {'bf16 autocast' if args.bf16 else 'fp32'}; {args.repeats} round-robin repeats after "
-             f"{args.warmup} warm-up steps. Machine: {machine()}; {load()}. Command: `python -m benchmarks.peers "
-             f"{' '.join(argv if argv is not None else sys.argv[1:])}`.")
+    setup = setup_text(args, argv, "peers")
     write_section(f"peers_{args.size}",
                   f"## Training step against open_clip, `{args.size}` backbone (`benchmarks/peers.py`)\n\n"
                   "One full CLIP step (forward, InfoNCE, backward, AdamW) of ours and of open_clip's `CLIP` with a "

@@ -80,13 +80,20 @@ def measure(size_name: str, batch: int, repeats: int, warmup: int, mixture_token
     size = SIZES[size_name]
     names = sorted({n for pair in pairs for n in pair})
     runs = {n: build(n, size, mixture_tokens, device) for n in names}
+    return step_times(runs, size, batch, repeats, warmup, device, dtype, caption_kinds)
+
+
+def step_times(runs: dict, size: TowerConfig, batch: int, repeats: int, warmup: int, device: str, dtype: torch.dtype,
+               caption_kinds: list[str]) -> dict:
+    """{(name, caption kind): [seconds per step]}: every (objective, optimizer) of `runs` stepped round-robin on
+    the same images and tokens, the first `warmup` rounds untimed."""
     g = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 3, size.img_size, size.img_size, generator=g).to(device)
     tokens = {k: tokenize(captions(k, batch), size.context_length).to(device) for k in caption_kinds}
-    times: dict = {(n, k): [] for n in names for k in caption_kinds}
+    times: dict = {(n, k): [] for n in runs for k in caption_kinds}
     for r in range(warmup + repeats):
         for k in caption_kinds:
-            for n in names:
+            for n in runs:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -125,16 +132,34 @@ def verdicts(times: dict, pairs: list[tuple[str, str]], caption_kinds: list[str]
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a step comparison (this module's and benchmarks.peers')."""
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--mixture-tokens", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--captions", choices=["short", "full", "both"], default="both")
+
+
+def setup_text(args: argparse.Namespace, argv: list[str] | None, module: str, extra: str = "") -> str:
+    """What a step comparison ran: backbone shape, batch, device, precision, repeats, machine and the command."""
+    from benchmarks.report import load, machine
+
+    size = SIZES[args.size]
+    return (f"Backbone `{args.size}`: image {size.img_size}px, patch {size.patch_size}, ViT width "
+            f"{size.vision_width} x {size.vision_depth} blocks; text width {size.text_width} x "
+            f"{size.text_depth} blocks, context {size.context_length}; embedding {size.embed_dim}; {extra}"
+            f"batch {args.batch}; {args.device}, {'bf16 autocast' if args.bf16 else 'fp32'}; {args.repeats} "
+            f"round-robin repeats after {args.warmup} warm-up steps. Machine: {machine()}; {load()}. Command: "
+            f"`python -m benchmarks.{module} {' '.join(argv if argv is not None else sys.argv[1:])}`.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    step_arguments(parser)
+    parser.add_argument("--mixture-tokens", type=int, default=16)
     parser.add_argument("--pairs", default=",".join(LABEL[m] for m, _ in PAIRS),
                         help="comma-separated methods to compare with their baselines, e.g. ProLIP,Llip")
     parser.add_argument("--quick", action="store_true", help="tiny size, few repeats, print only")
@@ -153,16 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.quick:
         return
-    from benchmarks.report import machine, write_section
+    from benchmarks.report import write_section
 
-    size = SIZES[args.size]
-    setup = (f"Backbone `{args.size}`: image {size.img_size}px, patch {size.patch_size}, ViT width "
-             f"{size.vision_width} x {size.vision_depth} blocks; text width {size.text_width} x "
-             f"{size.text_depth} blocks, context {size.context_length}; embedding {size.embed_dim}; "
-             f"Llip mixture tokens {args.mixture_tokens}; batch {args.batch}; {args.device}, "
-             f"{'bf16 autocast' if args.bf16 else 'fp32'}; {args.repeats} round-robin repeats after {args.warmup} "
-             f"warm-up steps. Machine: {machine()}. Command: `python -m benchmarks.train_step "
-             f"{' '.join(argv if argv is not None else sys.argv[1:])}`.")
+    setup = setup_text(args, argv, "train_step", f"Llip mixture tokens {args.mixture_tokens}; ")
     write_section(f"train_step_{args.size}",
                   f"## Training step, `{args.size}` backbone: each method vs its baseline (`benchmarks/train_step.py`)\n\n"
                   "One full step (forward incl. ProLIP's masked copies of 12.5% of the pairs / PCME++'s MSDA, "
