@@ -42,12 +42,15 @@ def resize(arr: np.ndarray, size: int, box: tuple[int, int, int, int] | None = N
 def to_model_input(images) -> np.ndarray:
     """(B, H, W, 3) uint8 images (or a list of them) or floats in [0, 1] -> (B, 3, H, W) float32 in [-1, 1]."""
     batch = np.stack(images) if isinstance(images, (list, tuple)) else images
-    scale = np.float32(1.0 / STD / (255.0 if batch.dtype == np.uint8 else 1.0))
-    # one pass per channel straight into the channels-first output (no float HWC temporaries)
+    # written channel by channel into the channels-first output (no float HWC temporaries), with the same
+    # float32 operations in the same order as ((x / 255 - MEAN) / STD): bit for bit the same values
     out = np.empty((batch.shape[0], batch.shape[3], batch.shape[1], batch.shape[2]), np.float32)
     for c in range(batch.shape[3]):
-        np.multiply(batch[..., c], scale, out=out[:, c], casting="unsafe")
-    out -= np.float32(MEAN / STD)
+        out[:, c] = batch[..., c]
+    if batch.dtype == np.uint8:
+        out /= np.float32(255.0)
+    out -= np.float32(MEAN)
+    out /= np.float32(STD)
     return out
 
 
