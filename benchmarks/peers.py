@@ -261,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="--data: alternating epochs per loader")
     args = parser.parse_args(argv)
     if args.data:
-        if "--batch" not in (argv if argv is not None else sys.argv[1:]):
-            args.batch = 128
+        args.batch = args.batch or 128
         return data_main(args, argv)
+    args.batch = args.batch or 64
     if args.towers:
         times = measure_towers(args.size, args.batch, args.repeats, args.device)
         for tower in ("image", "text"):

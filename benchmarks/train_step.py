@@ -135,7 +135,7 @@ def verdicts(times: dict, pairs: list[tuple[str, str]], caption_kinds: list[str]
 def step_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a step comparison (this module's and benchmarks.peers')."""
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, help="default 64 (benchmarks.peers --data: 128)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated methods to compare with their baselines, e.g. ProLIP,Llip")
     parser.add_argument("--quick", action="store_true", help="tiny size, few repeats, print only")
     args = parser.parse_args(argv)
+    args.batch = args.batch or 64
     if args.quick:
         args.size, args.batch, args.repeats, args.warmup = "tiny", 16, 3, 1
     wanted = {w.strip() for w in args.pairs.split(",")}

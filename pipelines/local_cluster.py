@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.config import PROJECT_ROOT, ConfigError
-from pipelines.ray_env import _machine_lock, local_port
+from pipelines.ray_env import local_port, port_lock
 
 CLUSTER_YAML = PROJECT_ROOT / "ray_cluster.yaml"
 STATE_DIR = PROJECT_ROOT / ".probvlp" / "local_cluster"
@@ -71,7 +71,7 @@ def local_config(source: Path = CLUSTER_YAML, *, gcs_port: int, cpus_per_node: f
         # No updaters: the fake provider's nodes are started as they are and it refuses the updaters' tags.
         # use_node_id_as_ip: every node here is 127.0.0.1; the provider names its nodes by node id instead.
         "provider": {"type": "fake_multinode", "gcs_address": f"127.0.0.1:{gcs_port}", "use_node_id_as_ip": True,
-                     "disable_node_updaters": True, "disable_launch_config_check": True,},
+                     "disable_node_updaters": True, "disable_launch_config_check": True},
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": types,
         "head_node_type": FAKE_HEAD_TYPE,
@@ -147,7 +147,7 @@ def start(folder: Path, config: dict | None = None, timeout_s: float = 180, **co
         token_path.chmod(0o600)
     temp_dir = f"/tmp/probvlp_lc_{secrets.token_hex(3)}"  # short: Ray's socket paths must fit
     # Every port explicit and free: other Ray instances on this machine hold the defaults.
-    with _machine_lock("probvlp-ray-dashboard.lock"):
+    with port_lock():
         gcs, dash, agent, client = local_port(), local_port(8265), local_port(), local_port()
         config = config or local_config(gcs_port=gcs, **config_options)
         config["provider"]["gcs_address"] = f"127.0.0.1:{gcs}"

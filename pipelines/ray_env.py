@@ -112,7 +112,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     # workstation); naming this instance's dashboard in its processes' environment avoids the lookup.
     # The port is checked free, then bound by the dashboard Ray starts: two local runs starting at once (two
     # pytest workers, two jobs on a workstation) would both see 8265 free, so they take turns.
-    with _machine_lock("probvlp-ray-dashboard.lock"):
+    with port_lock():
         port = local_port(dashboard_port)
         api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
         ray.init(
@@ -121,6 +121,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
             runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV, **api_env},
                          "worker_process_setup_hook": hook},
         )
+
+
+def port_lock() -> "_machine_lock":
+    """Held while a local Ray (or local cluster) picks its ports and binds them: processes starting Ray at
+    the same time on this machine take turns instead of both taking a port they each saw free."""
+    return _machine_lock("probvlp-ray-dashboard.lock")
 
 
 class _machine_lock:
