@@ -83,6 +83,8 @@ class TrainConfig(Section):
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go
     # (ZeRO stage 0; per-worker batch and learning rate kept: docs/SCALING.md "Elastic training").
     num_workers: int | tuple[int, int] = 2
+    # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
+    elastic_resize_interval_s: float = Field(60.0, gt=0)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     batch_size: int = Field(64, ge=1, description="per worker")

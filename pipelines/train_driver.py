@@ -123,9 +123,10 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id, "mlflow_uri": uri,
                            # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
                            "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run_id}.done")},
-        # [min, max]: Ray Train's elastic scaling; it reconsiders the size every 60 s while the workers run.
+        # [min, max]: Ray Train's elastic scaling; it reconsiders the size every elastic_resize_interval_s.
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                                               resources_per_worker=resources),
+                                               resources_per_worker=resources,
+                                               elastic_resize_monitor_interval_s=t.elastic_resize_interval_s),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),

@@ -200,7 +200,7 @@ class TrainWorker:
                 metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
                 rate = (p.samples - samples0) / (time.perf_counter() - t0)
                 metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
-                               skipped_batches=p.skipped_batches)
+                               skipped_batches=p.skipped_batches, world_size=self.world.size)
                 self.logger.log(metrics, p.step)
                 self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"})
             self._maybe_fail(p.step)

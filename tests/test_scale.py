@@ -96,7 +96,8 @@ def test_elastic_run_continues_at_another_world_size(ray_local, digits_root, tmp
     """train.num_workers [min, max] (ZeRO stage 0: every worker holds the whole optimizer state): a run
     checkpointed by 2 workers continues from that checkpoint with 1, as after a node loss on a cluster left with
     room for one."""
-    common = ["train.steps=10", "train.checkpoint_every=5", "train.log_every=1", "train.zero_stage=0"]
+    common = ["train.steps=10", "train.checkpoint_every=5", "train.log_every=1", "train.zero_stage=0",
+              "train.elastic_resize_interval_s=5"]
     first = fit(config(tmp_path, digits_root, "elastic", *common, "train.num_workers=[1,2]", "train.stop_at_step=5"))
     assert first.metrics["step"] == 5
     run = MlflowClient(first.mlflow_uri).get_run(first.mlflow_run_id)
@@ -106,6 +107,8 @@ def test_elastic_run_continues_at_another_world_size(ray_local, digits_root, tmp
     run = MlflowClient(second.mlflow_uri).get_run(second.mlflow_run_id)
     assert run.data.tags["probvlp.world_size"] == "1" and run.data.tags["probvlp.resumed_from_step"] == "5"
     assert steps_logged(second) == list(range(1, 11)) and run.info.status == "FINISHED"
+    sizes = MlflowClient(second.mlflow_uri).get_metric_history(second.mlflow_run_id, "world_size")
+    assert [int(m.value) for m in sorted(sizes, key=lambda m: m.step)] == [2] * 5 + [1] * 5  # each step's size
     losses = [m.value for m in MlflowClient(second.mlflow_uri).get_metric_history(second.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses)))
 
