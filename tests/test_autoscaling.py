@@ -74,6 +74,16 @@ def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
     return raylets
 
 
+def registered(run_folder: Path) -> list[str]:
+    """Checkpoints Ray Train has registered (listed in its snapshot file), which a restart resumes from. A
+    checkpoint folder appears while it is still being written, before that."""
+    try:
+        snapshot = json.loads((run_folder / "checkpoint_manager_snapshot.json").read_text())
+        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
+        return []
+
+
 def saved(run_folder: Path) -> list[Path]:
     """Ray Train's checkpoint folders of a run, oldest first."""
     return sorted(p for p in run_folder.glob("checkpoint_*") if p.is_dir())
@@ -107,8 +117,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
         wait_for("a worker node", lambda: alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
         checkpoints = tmp_path / "ray" / "lost-node"
-        target = wait_for("a checkpoint, and a train worker's raylet",
-                          lambda: saved(checkpoints) and train_worker_raylets(cluster), 300, 0.2)
+        target = wait_for("a registered checkpoint, and a train worker's raylet",
+                          lambda: registered(checkpoints) and train_worker_raylets(cluster), 300, 0.2)
         before = alive_workers(cluster)
         raylet, lost = next(iter(target.items()))
         os.kill(raylet, signal.SIGKILL)
