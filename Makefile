@@ -26,7 +26,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 tests
 
-# No Ray, no training, no servers: formulas, models, metrics, configs, readers (~2.5 minutes on 2 cores).
+# No Ray, no training, no servers: formulas, models, metrics, configs, readers (~1 minute on 2 cores).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not pending and not long" tests
 
