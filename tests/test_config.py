@@ -48,6 +48,7 @@ def test_demo_config_loads_and_overrides():
         ({"train": {"num_workers": 0}}, "train.num_workers: needs at least 1 worker (got 0)"),
         ({"train": {"num_workers": [1, 2], "zero_stage": 2}}, "train: elastic training (num_workers: [min, max]) "
                                                               "needs zero_stage 0"),
+        ({"train": {"elastic_resize_interval_s": 0}}, "train.elastic_resize_interval_s: Input should be greater than 0"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, data, expected):
