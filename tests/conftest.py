@@ -102,7 +102,7 @@ PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 
 # Fixtures that start Ray, a Ray head or a server, or train: a test using one is `slow` (not in `make test-fast`).
-SLOW_FIXTURES = {"ray_local", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded", "site",
+SLOW_FIXTURES = {"ray_local", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded", "site", "two_node_ray",
                  "local_cluster"}
 
 
@@ -110,7 +110,7 @@ SLOW_FIXTURES = {"ray_local", "trained_clip", "user_shards", "ray_head", "mlflow
 # runs in the same worker, so the model trains once per pytest run, not once per worker.
 TRAINED_FIXTURES = ("trained_clip",)
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end.
-LONGEST_FIRST = ("trained_clip", "test_tune", "test_autoscaling", "test_scale", "test_job_submit")
+LONGEST_FIRST = ("trained_clip", "test_tune", "test_autoscaling", "test_elastic", "test_scale", "test_job_submit")
 
 
 def _module(item) -> str:

@@ -1,0 +1,118 @@
+"""Elastic training observed on a multi-node Ray on this machine (ray.cluster_utils.Cluster: every node a raylet
+with its own CPUs, added and removed by the test, as an autoscaler and a lost machine would): a run with
+train.num_workers [1, 2] and one worker per node shrinks to one worker when a node is lost and grows back to two
+when a node is added again, from the last checkpoint each time."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from pipelines.local_cluster import processes
+from pipelines.optim import warmup_cosine
+from pipelines.ray_env import local_port, port_lock
+from tests.test_autoscaling import registered, wait_for
+from tests.test_scale import SMALL
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 600
+# A worker takes 2 of a node's 3 CPUs (one worker per node; the third reads data); Ray Train looks for room to grow
+# every 2 s.
+ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=0",
+           "train.num_workers=[1,2]", "train.cpus_per_worker=2", "train.elastic_resize_interval_s=2",
+           "run.max_failures=4"]
+
+
+@pytest.fixture
+def two_node_ray(tmp_path, monkeypatch):
+    """A head with no CPUs (its dashboard on 127.0.0.1) and two 3-CPU nodes."""
+    from ray.cluster_utils import Cluster
+
+    # Right after a node loss Ray Train still counts the lost node for ~20 s and asks for 2 workers; on a cloud
+    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 5 s here (the raylets started
+    # below pass it to the Train controller) keeps the test short.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
+    local = {"node_ip_address": "127.0.0.1", "num_cpus": 3}
+    temp_dir = f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
+    with port_lock():  # the dashboard's port is taken by the head before another local Ray looks
+        dashboard = local_port()
+        cluster = Cluster(initialize_head=True, head_node_args={
+            **local, "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard, "temp_dir": temp_dir})
+    for _ in range(2):
+        cluster.add_node(**local)
+    try:
+        yield cluster, local, f"http://127.0.0.1:{dashboard}"
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def train_workers(node) -> set[int]:
+    """Pids of the Ray Train workers that a node's raylet runs."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    return {pid for pid, ppid, cmd in processes() if ppid == raylet and cmd.startswith("ray::RayTrainWorker")}
+
+
+def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, digits_root, tmp_path):
+    """Two workers on the two nodes checkpoint; one node is lost (every process of it killed); Ray Train restarts
+    from the checkpoint with the one worker that fits, then with two once a node is added. The run finishes with
+    every step logged once, its loss still falling, and the learning rate on its schedule whatever the size
+    (docs/SCALING.md, "Elastic training")."""
+    cluster, local, dashboard = two_node_ray
+    first, second = list(cluster.worker_nodes)
+    cfg = [f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"run.storage_path={tmp_path}/ray",
+           "run.name=elastic", "run.experiment=test-elastic", *SMALL, *ELASTIC]
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard}
+    log = tmp_path / "job.log"
+    with log.open("w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
+                                *(a for kv in cfg for a in ("--set", kv))], cwd=ROOT, env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+    try:
+        checkpoints = tmp_path / "ray" / "elastic"
+        wait_for("a worker on each node", lambda: train_workers(first) and train_workers(second), 300, 0.2)
+        before = set(registered(checkpoints))
+        wait_for("a checkpoint registered by the two workers", lambda: set(registered(checkpoints)) - before, 300, 0.2)
+        old = train_workers(first)
+        cluster.remove_node(second, allow_graceful=False)  # the machine is gone, its processes with it
+        wait_for("one worker restarted on the node left", lambda: train_workers(first) - old, 300, 0.5)
+        cluster.add_node(**local)  # what the autoscaler does for a run that asks for more
+        assert job.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert f"[train] step {STEPS}/{STEPS}" in log.read_text()
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    assert int(run.data.tags["probvlp.resumed_from_step"]) % 10 == 0  # each restart from a checkpoint
+    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+               for key in ("world_size", "loss", "lr")}
+    steps = range(1, STEPS + 1)
+    assert sorted(history["loss"]) == list(steps)  # every step once, across the restarts
+    sizes = [int(history["world_size"][s]) for s in steps]
+    changes = [(s + 1, a, b) for s, (a, b) in enumerate(zip(sizes, sizes[1:]), start=1) if a != b]
+    runs = f"{sizes[0]} workers from step 1" + "".join(f", {b} from step {step}" for step, _, b in changes)
+    shrink = next((step for step, a, b in changes if (a, b) == (2, 1)), None)
+    assert shrink is not None, f"no shrink from 2 workers to 1: {runs}"
+    assert any(step > shrink and (a, b) == (1, 2) for step, a, b in changes), f"no growth back to 2: {runs}"
+    losses = [history["loss"][s] for s in steps]
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10  # still learning after the resizes
+    # The schedule is per optimizer step whatever the size: configs/demo.yaml's lr, tests/test_scale.py's warmup.
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3)
+    schedule = warmup_cosine(optimizer, warmup=2, total=STEPS)
+    expected = []
+    for _ in steps:
+        optimizer.step()
+        schedule.step()
+        expected.append(schedule.get_last_lr()[0])
+    assert [history["lr"][s] for s in steps] == pytest.approx(expected, rel=1e-6)
+    print(runs)
