@@ -110,7 +110,7 @@ SLOW_FIXTURES = {"ray_local", "trained_clip", "user_shards", "ray_head", "mlflow
 # runs in the same worker, so the model trains once per pytest run, not once per worker.
 TRAINED_FIXTURES = ("trained_clip",)
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end.
-LONGEST_FIRST = ("trained_clip", "test_tune", "test_autoscaling", "test_elastic", "test_scale", "test_job_submit")
+LONGEST_FIRST = ("trained_clip", "test_elastic", "test_tune", "test_autoscaling", "test_scale", "test_job_submit")
 
 
 def _module(item) -> str:

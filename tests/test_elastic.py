@@ -35,9 +35,9 @@ def two_node_ray(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
     # Right after a node loss Ray Train still counts the lost node for ~20 s and asks for 2 workers; on a cloud
-    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 5 s here (the raylets started
+    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 3 s here (the raylets started
     # below pass it to the Train controller) keeps the test short.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")
     local = {"node_ip_address": "127.0.0.1", "num_cpus": 3}
     temp_dir = f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
     with port_lock():  # the dashboard's port is taken by the head before another local Ray looks
