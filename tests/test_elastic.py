@@ -45,9 +45,9 @@ def two_node_ray(tmp_path, monkeypatch):
         cluster = Cluster(initialize_head=True, head_node_args={
             **local, "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": dashboard, "temp_dir": temp_dir})
-    for _ in range(2):
-        cluster.add_node(**local)
     try:
+        for _ in range(2):
+            cluster.add_node(**local)
         yield cluster, local, f"http://127.0.0.1:{dashboard}"
     finally:
         cluster.shutdown()
