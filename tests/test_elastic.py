@@ -115,9 +115,10 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, digits_ro
     assert any(step > shrink and (a, b) == (1, 2) for step, a, b in changes), f"no growth back to 2: {runs}"
     losses = [history["loss"][s] for s in steps]
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10  # still learning after the resizes
-    # The schedule is per optimizer step whatever the size: configs/demo.yaml's lr, tests/test_scale.py's warmup.
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3)
-    schedule = warmup_cosine(optimizer, warmup=2, total=STEPS)
+    # The schedule is per optimizer step whatever the size, from the run's own logged lr and warmup.
+    params = run.data.params
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(params["train.lr"]))
+    schedule = warmup_cosine(optimizer, warmup=int(params["train.warmup_steps"]), total=STEPS)
     expected = []
     for _ in steps:
         optimizer.step()
