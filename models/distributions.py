@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 _LN2 = math.log(2.0)
 

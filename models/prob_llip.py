@@ -11,7 +11,6 @@ variance from the prompt ensemble, the class mean being the query.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from models.distributions import sigma_sq_sum

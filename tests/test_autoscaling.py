@@ -20,7 +20,8 @@ from mlflow import MlflowClient
 from pipelines.local_cluster import LocalCluster, processes, start
 from pipelines.loopback import LoopbackServer
 from pipelines.train_driver import fit
-from tests.test_scale import SMALL, assert_identical, config, load_state
+from tests.helpers import registered, saved, wait_for
+from tests.small_runs import SMALL, assert_identical, config, load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -52,17 +53,6 @@ def alive_workers(cluster: LocalCluster) -> set[str]:
     return {n["node_id"] for n in nodes(cluster) if n["state"] == "ALIVE" and not n["is_head_node"]}
 
 
-def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):
-    """Poll `probe` until it returns something truthy (returned), or fail after a generous deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"not within {timeout_s:g}s: {what}")
-
-
 def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
     """raylet pid -> node id, for the nodes whose raylet runs a Ray Train worker (its child process)."""
     ours = set(cluster.pids())
@@ -72,21 +62,6 @@ def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
         if cmd.startswith("ray::RayTrainWorker") and ppid in table and "--node_id=" in table[ppid][1]:
             raylets[ppid] = table[ppid][1].split("--node_id=")[1].split()[0]
     return raylets
-
-
-def registered(run_folder: Path) -> list[str]:
-    """Checkpoints Ray Train has registered (listed in its snapshot file), which a restart resumes from. A
-    checkpoint folder appears while it is still being written, before that."""
-    try:
-        snapshot = json.loads((run_folder / "checkpoint_manager_snapshot.json").read_text())
-        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
-    except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
-        return []
-
-
-def saved(run_folder: Path) -> list[Path]:
-    """Ray Train's checkpoint folders of a run, oldest first."""
-    return sorted(p for p in run_folder.glob("checkpoint_*") if p.is_dir())
 
 
 def submit(cluster: LocalCluster, args: list[str], log: Path, *options: str) -> subprocess.Popen:

@@ -17,8 +17,8 @@ from mlflow import MlflowClient
 from pipelines.local_cluster import processes
 from pipelines.optim import warmup_cosine
 from pipelines.ray_env import local_port, port_lock
-from tests.test_autoscaling import registered, wait_for
-from tests.test_scale import SMALL
+from tests.helpers import registered, wait_for
+from tests.small_runs import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 600

@@ -4,7 +4,6 @@ calibration against the PFE-style baseline, corruption and out-of-distribution b
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 from scipy import stats
 
 import jobs.adapt
@@ -20,7 +18,7 @@ from models import create_model
 from models.model_file import load_model, save_model
 from models.distributions import ggd_variance, negative_mls
 from models.losses import create_loss
-from models.probvlm import AdaptedModel, ProbVLMAdapter
+from models.probvlm import ProbVLMAdapter
 from pipelines.adapt_config import load_adapt_config
 from pipelines.config import ConfigError
 

@@ -13,7 +13,6 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-import jobs.tune
 from pipelines.config import ConfigError, load_config
 from pipelines.sweep import load_sweep
 

@@ -1,0 +1,43 @@
+"""The small demo-model runs that the scale, autoscaling and elastic tests share, and bit-exact comparison of
+their DeepSpeed checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipelines.config import load_config
+from pipelines.train_state import _safe_globals
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",
+         "train.warmup_steps=2", "eval.batch_size=512", "data.mid_caption_prob=0", "data.general_caption_prob=0", "data.augment=false"]
+
+
+def config(tmp, digits_root, name, *extra):
+    return load_config(ROOT / "configs" / "demo.yaml", [
+        f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
+        f"run.name={name}", "run.experiment=test-scale", *SMALL, *extra,
+    ])
+
+
+def load_state(checkpoint_dir: str) -> dict[str, object]:
+    """Every tensor-bearing file of a DeepSpeed checkpoint, loaded weights-only."""
+    files = sorted(Path(checkpoint_dir).rglob("*.pt"))
+    assert files, f"no DeepSpeed files in {checkpoint_dir}"
+    with torch.serialization.safe_globals(_safe_globals()):
+        return {f.name: torch.load(f, weights_only=True) for f in files}
+
+
+def assert_identical(a, b, path="") -> int:
+    """Recursive bit-exact comparison; returns how many tensors were compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+        return 1
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        return sum(assert_identical(a[k], b[k], f"{path}.{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        return sum(assert_identical(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    return 0
