@@ -1,10 +1,14 @@
 """Helpers shared by test modules (fixtures live in conftest.py)."""
 from __future__ import annotations
 
+import io
 import json
 import socket
 import time
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
 DEMO_STEPS = 600
@@ -41,3 +45,11 @@ def registered(run_folder: Path) -> list[str]:
 def saved(run_folder: Path) -> list[Path]:
     """Ray Train's checkpoint folders of a run, oldest first."""
     return sorted(p for p in run_folder.glob("checkpoint_*") if p.is_dir())
+
+
+def jpeg(seed: int, size=(48, 40)) -> bytes:
+    """A JPEG of random pixels, the same for the same seed."""
+    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from pipelines.local_cluster import LocalCluster, processes, start
 from pipelines.loopback import LoopbackServer
 from pipelines.train_driver import fit
-from tests.helpers import registered, saved, wait_for
+from tests.helpers import jpeg, registered, saved, wait_for
 from tests.small_runs import SMALL, assert_identical, config, load_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,6 @@ def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_ro
 def test_download_spreads_its_parts_over_the_nodes(local_cluster, tmp_path):
     """jobs.download submitted to the cluster: its parts run as Ray tasks on the worker nodes the autoscaler starts
     (the URLs are on this machine's loopback, which every fake node shares), and the summary says which did which."""
-    from tests.test_download import jpeg
 
     site = tmp_path / "site"
     site.mkdir()

@@ -16,7 +16,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -27,18 +26,12 @@ from pipelines.download import run_download, shard_tars
 from pipelines.download_plan import plan
 from pipelines.loopback import LoopbackServer
 from pipelines.url_table import DownloadError
+from tests.helpers import jpeg
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_SIZE = 32
 REASON_404 = "HTTP Error 404: File not found"
 REASON_DECODE = "Image decoding error"
-
-
-def jpeg(seed: int, size=(48, 40)) -> bytes:
-    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def read_samples(output: Path) -> dict[str, dict]:
