@@ -206,7 +206,8 @@ def test_prolip_bprw_beats_the_plain_ensemble_with_wrong_templates(fits):
     "not reproduced on the digits: the tiny ProLIP gives the off-domain prompts ('a photo of a car') a SMALLER "
     "sigma^2 than the digit templates (0.0025 vs 0.0097 in an in-process 900-step fit), as it does the universal "
     "caption (see test_prolip_universal_caption_is_more_uncertain_than_class_captions), so the filter keeps the "
-    "wrong prompts (top-1 0.10 vs 0.86). strict: a fit that reproduces PCME++ C.6 fails this marker."))
+    "wrong prompts (top-1 0.10 vs 0.86); PCME++ fits rank them the same way (README 'Evaluation'). strict: a fit "
+    "that reproduces PCME++ C.6 fails this marker."))
 def test_prolip_filter_beats_the_plain_ensemble_with_wrong_templates(fits):
     # PCME++ C.6 / ProLIP 3.4: keeping the 5 most certain prompts per class drops the wrong ones
     top1 = wrong_template_top1(fits, "filter", filter_keep=5)
