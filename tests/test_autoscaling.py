@@ -150,7 +150,6 @@ def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_ro
 def test_download_spreads_its_parts_over_the_nodes(local_cluster, tmp_path):
     """jobs.download submitted to the cluster: its parts run as Ray tasks on the worker nodes the autoscaler starts
     (the URLs are on this machine's loopback, which every fake node shares), and the summary says which did which."""
-
     site = tmp_path / "site"
     site.mkdir()
     for i in range(16):
