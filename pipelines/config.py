@@ -49,6 +49,9 @@ class DataConfig(Section):
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
     deterministic: bool = False
     shard_size: int = Field(500, ge=1)
+    # Digits only: which images are train / val / test. Not run.seed: runs, sweep trials and evaluations
+    # with other seeds must hold out the same images (a rewritten split would score a model on its training data).
+    split_seed: int = Field(0, ge=0)
     # Probability of drawing a mid-level / general / instance-level caption instead of the class-level
     # ("specific") one (digits only; see pipelines.digits for the levels).
     mid_caption_prob: float = Field(0.15, ge=0.0, le=1.0)

@@ -27,7 +27,7 @@ def prepare_data(cfg: Config) -> None:
         from pipelines.digits import write_digit_eval_sets, write_digit_shards
 
         write_digit_shards(cfg.data.root, image_size=cfg.data.image_size, shard_size=cfg.data.shard_size,
-                           seed=cfg.run.seed)
+                           seed=cfg.data.split_seed)
         write_digit_eval_sets(cfg.data.root)
 
 
