@@ -102,8 +102,8 @@ PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 
 # Fixtures that start Ray, a Ray head or a server, or train: a test using one is `slow` (not in `make test-fast`).
-SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded", "site",
-                 "local_cluster", "two_node_ray"}
+SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded",
+                 "site", "local_cluster", "two_node_ray"}
 
 
 # Session fixtures that train: under pytest-xdist (`make test` runs two workers) every module using one

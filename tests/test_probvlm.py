@@ -408,7 +408,6 @@ def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted):
     assert (res.out / "plots" / "digits_retrieval_calibration_vs_baseline.png").stat().st_size > 10_000
 
 
-
 @pytest.fixture(scope="module")
 def demo_clip(ray_local, digits_root, tmp_path_factory):
     """The CLIP exactly as `make demo` trains it (configs/demo.yaml, 1,200 steps): (config, FitResult, folder)."""
