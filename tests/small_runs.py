@@ -11,7 +11,8 @@ from pipelines.train_state import _safe_globals
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",
-         "train.warmup_steps=2", "eval.batch_size=512", "data.mid_caption_prob=0", "data.general_caption_prob=0", "data.augment=false"]
+         "train.warmup_steps=2", "eval.batch_size=512", "data.mid_caption_prob=0", "data.general_caption_prob=0",
+         "data.augment=false"]
 
 
 def config(tmp, digits_root, name, *extra):
