@@ -52,11 +52,11 @@ def pair_shards(cfg: AdaptConfig) -> list[str]:
 
 
 def prepare_digits(cfg: AdaptConfig) -> None:
-    from pipelines.digits import write_digit_eval_sets, write_digit_shards
+    from pipelines.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
 
     # Digits already written (by the source's pretraining) stay as they are: rewriting them with other parameters
     # could move the source's training images into the held-out split the adapter is scored on.
-    if not (Path(cfg.data.root) / "_SUCCESS.json").exists():
+    if not digit_shards_written(cfg.data.root):
         write_digit_shards(cfg.data.root, image_size=32, shard_size=500, seed=0)  # the demo's
     write_digit_eval_sets(cfg.data.root)
 

@@ -153,6 +153,11 @@ def write_url_tables(root: str | Path, image_size: int, seed: int, base_url: str
     return tables
 
 
+def digit_shards_written(root: str | Path) -> bool:
+    """Whether `write_digit_shards` has finished writing under `root` (whatever its parameters were)."""
+    return (Path(root) / "_SUCCESS.json").exists()
+
+
 def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int = 500, seed: int = 0) -> dict[str, int]:
     """Serve the digits on 127.0.0.1 and download them into {root}/{split}/NNNNN.tar. Idempotent.
 
