@@ -21,13 +21,15 @@ def digit_arrays(split: str):
     return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
 
 
-def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0):
+def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sampler=None):
     """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
-    on the train split with cfg.data's caption mix; returns the model in eval mode."""
+    on the train split with cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw);
+    returns the model in eval mode."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     images, _, metas = digit_arrays("train")
-    sampler = CaptionSampler(cfg.data.mid_caption_prob, cfg.data.general_caption_prob, cfg.data.instance_caption_prob)
+    sampler = sampler or CaptionSampler(cfg.data.mid_caption_prob, cfg.data.general_caption_prob,
+                                        cfg.data.instance_caption_prob)
     objective = build_objective(cfg).train()
     t = cfg.train
     opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,

@@ -6,6 +6,9 @@ the study behind README "Using the uncertainty". Not collected by pytest; run it
     .venv/bin/python -m tests.prompt_study --source clip_adapter --seed 0
       # configs/demo.yaml's CLIP (600 steps), then configs/probvlm_demo.yaml's ProbVLM adapter and PFE-style
       # baseline (1,500 steps) on its embeddings of the digits' training pairs
+    .venv/bin/python -m tests.prompt_study --source prolip --unrelated 0.2
+      # 20% of the training captions replaced by unrelated alt-text ("my new guitar"), as web data has: does
+      # the model learn a larger sigma^2 for captions that match no image? (its words are not the test's)
 
 For each model: held-out (test split) top-1 of the plain prompt ensemble, `filter` (the 5 most certain of
 each class's prompts) and `bprw`, with each class's five templates plus five off-domain prompts ("a photo of
@@ -33,6 +36,23 @@ OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "
               "a mountain at sunset"]
 IN_DOMAIN = GENERAL_CAPTIONS + mid_captions(1)  # fits every digit, or half of them: names no class
 STEPS = {"prolip": 900, "pcmepp": 600, "clip": 600}
+# Web-style alt-text that says nothing about the image; none of OFF_DOMAIN's content words
+UNRELATED = [t.format(o) for t in ("a photo of a {}", "my new {}", "a {} for sale", "a picture of the {} we saw",
+                                   "a close-up of a {}", "the best {} in town", "an old {} near the road", "{}")
+             for o in ("dog", "tree", "house", "chair", "boat", "flower", "guitar", "pizza", "lamp", "horse", "beach",
+                       "bridge", "shoe", "clock", "river", "train", "garden", "kitchen", "window", "coffee")]
+
+
+class WithUnrelated:
+    """A caption sampler that draws one of UNRELATED instead, with probability `share`."""
+
+    def __init__(self, base, share: float):
+        self.base, self.share = base, share
+
+    def draw(self, meta: dict, fallback: str, rng: np.random.Generator) -> str:
+        if rng.random() < self.share:
+            return UNRELATED[rng.integers(len(UNRELATED))]
+        return self.base.draw(meta, fallback, rng)
 ADAPTER_STEPS = 1500
 
 
@@ -80,7 +100,8 @@ def prompt_weighting(model, images: torch.Tensor, labels: torch.Tensor, added: l
     out = {how: score_task(model, EvalTask(name="z", kind="zeroshot", **o), emb).metrics["top1"] for how, o in options.items()}
     sigma2 = text["logvar"].exp().mean(-1).view(len(NAMES), -1)
     out.update(templates_sigma2=sigma2[:, :5].mean().item(), added_sigma2=sigma2[:, 5:].mean().item(),
-               classes_added_below=int((sigma2[:, 5:].min(1).values < sigma2[:, :5].max(1).values).sum()))
+               classes_added_below=int((sigma2[:, 5:].min(1).values < sigma2[:, :5].max(1).values).sum()),
+               unrelated_sigma2=embed_texts(model, UNRELATED)["logvar"].exp().mean().item())
     if hasattr(model, "adapter") and hasattr(model.adapter, "uncertainty"):
         from models.tokenizer import tokenize
 
@@ -93,11 +114,16 @@ def prompt_weighting(model, images: torch.Tensor, labels: torch.Tensor, added: l
     return out
 
 
-def study(source: str, seed: int) -> dict[str, dict]:
+def study(source: str, seed: int, unrelated: float = 0.0) -> dict[str, dict]:
+    from pipelines.caption_sampling import CaptionSampler
+
     start = time.perf_counter()
     config = {"prolip": "prolip_tiny.yaml", "pcmepp": "pcmepp_tiny.yaml", "clip_adapter": "demo.yaml"}[source]
     cfg = load_config(ROOT / "configs" / config)
-    trained = fit_in_process(cfg, STEPS[source.removesuffix("_adapter")], seed=seed)
+    d = cfg.data
+    sampler = (WithUnrelated(CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob), unrelated)
+               if unrelated else None)  # None: cfg.data's own mix, the same draws as without the option
+    trained = fit_in_process(cfg, STEPS[source.removesuffix("_adapter")], seed=seed, sampler=sampler)
     models = fit_adapters(trained, seed=seed) if source == "clip_adapter" else {source: trained}
     images, labels, _ = digit_arrays("test")
     results = {name: {kind: prompt_weighting(model, images, labels, added)
@@ -111,8 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", choices=["prolip", "pcmepp", "clip_adapter"], required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unrelated", type=float, default=0.0, help="share of training captions replaced by UNRELATED")
     args = parser.parse_args()
-    for name, kinds in study(args.source, args.seed).items():
+    for name, kinds in study(args.source, args.seed, args.unrelated).items():
         for kind, r in kinds.items():
             print(f"{name} {kind}: " + json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()}))
 
