@@ -19,13 +19,13 @@ from pipelines.adapt_source import AdaptError
 def write_digit_pairs(root: str | Path, split: str) -> Path:
     """{root}/pairs/{split}/0.tar: each digit image of `split` with the digits retrieval task's two captions
     (a class template and its instance caption). Redone only when the digit shards changed."""
-    from pipelines.digits import retrieval_captions, write_tar
+    from pipelines.digits import digit_shards_marker, retrieval_captions, write_tar
     from pipelines.eval_data import iter_tar_samples
     from pipelines.reader import shard_paths
 
     root = Path(root)
     folder = root / "pairs" / split
-    marker, source = folder / "_SOURCE.json", (root / "_SUCCESS.json").read_text()
+    marker, source = folder / "_SOURCE.json", digit_shards_marker(root).read_text()
     if marker.exists() and marker.read_text() == source:
         return folder
     samples = [{"__key__": s["__key__"], "jpg": s["jpg"],

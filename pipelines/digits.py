@@ -153,9 +153,15 @@ def write_url_tables(root: str | Path, image_size: int, seed: int, base_url: str
     return tables
 
 
+def digit_shards_marker(root: str | Path) -> Path:
+    """The file `write_digit_shards` writes last under `root`: its parameters and counts. What is derived from
+    the shards (eval sets, adapter pairs) keeps a copy of its text to know when to redo itself."""
+    return Path(root) / "_SUCCESS.json"
+
+
 def digit_shards_written(root: str | Path) -> bool:
     """Whether `write_digit_shards` has finished writing under `root` (whatever its parameters were)."""
-    return (Path(root) / "_SUCCESS.json").exists()
+    return digit_shards_marker(root).exists()
 
 
 def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int = 500, seed: int = 0) -> dict[str, int]:
@@ -176,7 +182,7 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
     from pipelines.ray_env import init_ray
 
     root = Path(root)
-    marker = root / "_SUCCESS.json"
+    marker = digit_shards_marker(root)
     wanted = {"image_size": image_size, "shard_size": shard_size, "seed": seed, "via": "img2dataset", "captions": 2}
     if marker.exists() and json.loads(marker.read_text()).get("params") == wanted:
         return json.loads(marker.read_text())["counts"]
@@ -248,7 +254,7 @@ def write_digit_eval_sets(root: str | Path, splits=("val", "test")) -> dict[str,
 
     root = Path(root)
     out = {"zeroshot": root / "eval" / "zeroshot", "retrieval": root / "eval" / "retrieval"}
-    source = (root / "_SUCCESS.json").read_text()
+    source = digit_shards_marker(root).read_text()
     marker = root / "eval" / "_SUCCESS.json"
     if marker.exists() and marker.read_text() == source:
         return out

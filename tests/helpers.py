@@ -53,3 +53,8 @@ def jpeg(seed: int, size=(48, 40)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="JPEG", quality=90)
     return buf.getvalue()
+
+
+# Deliberately wrong zero-shot prompts: off the digits' domain, no class named (README "Using the uncertainty")
+OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
+              "a mountain at sunset"]

@@ -30,10 +30,9 @@ from pipelines.config import EvalTask, load_config
 from pipelines.digits import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
 from pipelines.evaluation import TaskEmbeddings, embed_texts, score_task
 from tests.digit_fit import digit_arrays, fit_in_process
+from tests.helpers import OFF_DOMAIN
 
 ROOT = Path(__file__).resolve().parent.parent
-OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
-              "a mountain at sunset"]
 IN_DOMAIN = GENERAL_CAPTIONS + mid_captions(1)  # fits every digit, or half of them: names no class
 STEPS = {"prolip": 900, "pcmepp": 600, "clip": 600}
 # Web-style alt-text that says nothing about the image; none of OFF_DOMAIN's content words

@@ -22,6 +22,7 @@ from pipelines.config import load_config
 from pipelines.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
 from pipelines.train_driver import fit
 from pipelines.tracking import model_file
+from tests.helpers import OFF_DOMAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.long  # ~28 min on 2 cores for the paper configs, plus the official recipes: `make test-long`
@@ -169,10 +170,6 @@ def test_prolip_uncertainty_analyses_are_in_its_mlflow_run(fits):
     assert heldout["metrics"]["unc_caption_wider_frac"] > 0.5
 
 
-WRONG_TEMPLATES = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
-                   "a mountain at sunset"]
-
-
 def wrong_template_top1(fits, how: str, **options) -> dict[str, float]:
     """Held-out zero-shot top-1 of the ProLIP fit with deliberately wrong prompts added to every class's
     five templates: the plain ensemble and `how`."""
@@ -184,13 +181,13 @@ def wrong_template_top1(fits, how: str, **options) -> dict[str, float]:
     labels = torch.tensor([s.label for s in iter_digits(8) if s.split == "test"])
     with torch.no_grad():
         image = {k: v.float() for k, v in model.encode_image(images).items()}
-    prompts = [specific_captions(c) + WRONG_TEMPLATES for c in range(len(NAMES))]
+    prompts = [specific_captions(c) + OFF_DOMAIN for c in range(len(NAMES))]
     flat = [p for per_class in prompts for p in per_class]
     emb = TaskEmbeddings([f"{i:04d}" for i in range(len(labels))], image, [[] for _ in labels], labels, flat,
                          embed_texts(model, flat), [len(p) for p in prompts], NAMES)
     top1 = {"mean": score_task(model, EvalTask(name="z", kind="zeroshot"), emb).metrics["top1"],
             how: score_task(model, EvalTask(name="z", kind="zeroshot", prompts=how, **options), emb).metrics["top1"]}
-    print(f"\nzero-shot top-1 with {len(WRONG_TEMPLATES)} wrong templates per class: {top1}")
+    print(f"\nzero-shot top-1 with {len(OFF_DOMAIN)} wrong templates per class: {top1}")
     return top1
 
 
