@@ -35,6 +35,7 @@ from tests.helpers import OFF_DOMAIN
 ROOT = Path(__file__).resolve().parent.parent
 IN_DOMAIN = GENERAL_CAPTIONS + mid_captions(1)  # fits every digit, or half of them: names no class
 STEPS = {"prolip": 900, "pcmepp": 600, "clip": 600}
+ADAPTER_STEPS = 1500
 # Web-style alt-text that says nothing about the image; none of OFF_DOMAIN's content words
 UNRELATED = [t.format(o) for t in ("a photo of a {}", "my new {}", "a {} for sale", "a picture of the {} we saw",
                                    "a close-up of a {}", "the best {} in town", "an old {} near the road", "{}")
@@ -52,7 +53,6 @@ class WithUnrelated:
         if rng.random() < self.share:
             return UNRELATED[rng.integers(len(UNRELATED))]
         return self.base.draw(meta, fallback, rng)
-ADAPTER_STEPS = 1500
 
 
 def fit_adapters(clip, steps: int = ADAPTER_STEPS, seed: int = 0) -> dict[str, torch.nn.Module]:
