@@ -21,6 +21,12 @@ def digit_arrays(split: str):
     return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
 
 
+def config_sampler(cfg: Config) -> CaptionSampler:
+    """The caption mix of cfg.data, as a Ray Train fit of cfg draws it."""
+    d = cfg.data
+    return CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob)
+
+
 def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sampler=None):
     """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
     on the train split with cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw);
@@ -28,8 +34,7 @@ def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sam
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     images, _, metas = digit_arrays("train")
-    sampler = sampler or CaptionSampler(cfg.data.mid_caption_prob, cfg.data.general_caption_prob,
-                                        cfg.data.instance_caption_prob)
+    sampler = sampler or config_sampler(cfg)
     objective = build_objective(cfg).train()
     t = cfg.train
     opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,

@@ -29,7 +29,7 @@ from models.registry import create_model
 from pipelines.config import EvalTask, load_config
 from pipelines.digits import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
 from pipelines.evaluation import TaskEmbeddings, embed_texts, score_task
-from tests.digit_fit import digit_arrays, fit_in_process
+from tests.digit_fit import config_sampler, digit_arrays, fit_in_process
 from tests.helpers import OFF_DOMAIN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,14 +114,10 @@ def prompt_weighting(model, images: torch.Tensor, labels: torch.Tensor, added: l
 
 
 def study(source: str, seed: int, unrelated: float = 0.0) -> dict[str, dict]:
-    from pipelines.caption_sampling import CaptionSampler
-
     start = time.perf_counter()
     config = {"prolip": "prolip_tiny.yaml", "pcmepp": "pcmepp_tiny.yaml", "clip_adapter": "demo.yaml"}[source]
     cfg = load_config(ROOT / "configs" / config)
-    d = cfg.data
-    sampler = (WithUnrelated(CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob), unrelated)
-               if unrelated else None)  # None: cfg.data's own mix, the same draws as without the option
+    sampler = WithUnrelated(config_sampler(cfg), unrelated) if unrelated else None  # None: cfg.data's mix, the same draws as without --unrelated
     trained = fit_in_process(cfg, STEPS[source.removesuffix("_adapter")], seed=seed, sampler=sampler)
     models = fit_adapters(trained, seed=seed) if source == "clip_adapter" else {source: trained}
     images, labels, _ = digit_arrays("test")
