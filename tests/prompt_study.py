@@ -117,7 +117,8 @@ def study(source: str, seed: int, unrelated: float = 0.0) -> dict[str, dict]:
     start = time.perf_counter()
     config = {"prolip": "prolip_tiny.yaml", "pcmepp": "pcmepp_tiny.yaml", "clip_adapter": "demo.yaml"}[source]
     cfg = load_config(ROOT / "configs" / config)
-    sampler = WithUnrelated(config_sampler(cfg), unrelated) if unrelated else None  # None: cfg.data's mix, the same draws as without --unrelated
+    # None: cfg.data's own mix, drawn exactly as without --unrelated
+    sampler = WithUnrelated(config_sampler(cfg), unrelated) if unrelated else None
     trained = fit_in_process(cfg, STEPS[source.removesuffix("_adapter")], seed=seed, sampler=sampler)
     models = fit_adapters(trained, seed=seed) if source == "clip_adapter" else {source: trained}
     images, labels, _ = digit_arrays("test")
