@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.adapt import adapt
     from pipelines.adapt_eval import summary_lines
     from pipelines.adapt_source import AdaptError
+    from pipelines.evaluation import EvaluationError
     from pipelines.tracking import LOCAL_DIR
 
     if cfg.run.name is None:
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except AdaptError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except EvaluationError as err:  # the adapter is saved; the message says where
+        print(f"evaluation error: {err}", file=sys.stderr)
+        return 1
     if result.model_file is None:
         print(f"stopped at step {int(result.train.get('step', 0))} of {cfg.train.steps} (train.stop_at_step); the same "
               f"command with --set run.name={cfg.run.name} continues from there")

@@ -7,6 +7,7 @@ import sys
 from typing import Callable
 
 from pipelines.config import ConfigError
+from pipelines.evaluation import EvaluationError
 
 
 def config_parser(prog: str, doc: str, config_help: str, set_example: str) -> argparse.ArgumentParser:
@@ -20,7 +21,8 @@ def config_parser(prog: str, doc: str, config_help: str, set_example: str) -> ar
 
 def exits_2_on_config_error(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """Wrap a job's main: a ConfigError anywhere (loading, or data checked later) prints `config error: ...`
-    to stderr and returns exit status 2."""
+    to stderr and returns exit status 2; an EvaluationError (the model trained and saved, a task failed)
+    prints `evaluation error: ...` and returns 1."""
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
         try:
@@ -28,5 +30,8 @@ def exits_2_on_config_error(main: Callable[[list[str] | None], int]) -> Callable
         except ConfigError as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2
+        except EvaluationError as err:  # the model is saved; the message says where
+            print(f"evaluation error: {err}", file=sys.stderr)
+            return 1
 
     return wrapped

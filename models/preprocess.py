@@ -4,7 +4,12 @@ Shared by the training reader, evaluation and the MLflow model, so a served mode
 inputs it was trained and evaluated on."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 MEAN, STD = 0.5, 0.5
 
@@ -68,3 +73,10 @@ def encode_png(image: np.ndarray) -> bytes:
     if not ok:
         raise ValueError(f"could not encode an image of shape {image.shape} as PNG")
     return data.tobytes()
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor to `device`: a pinned, non_blocking copy to a GPU (the copy overlaps the host's next work)."""
+    if device.type == "cpu" or x.device == device:
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

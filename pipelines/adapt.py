@@ -18,6 +18,8 @@ import numpy as np
 from pipelines.adapt_config import AdaptConfig
 from pipelines.adapt_data import Pairs, compute_embeddings, has_embeddings, load_pairs, write_digit_pairs
 from pipelines.adapt_source import AdaptError, Source, file_sha256, resolve_source
+from pipelines.evaluation import EvaluationError
+from pipelines.tracking import StepLogger
 
 REGISTRY_NAMES = {"probvlm": "probvlm_adapter", "pfe": "pfe_adapter"}
 EXAMPLE_CAPTION = "a photo of a dog"
@@ -175,7 +177,7 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
             adapt_loop,
             train_loop_config={"config": cfg.to_dict(), "dim": width, "mlflow_uri": uri, "mlflow_run_id": run_id},
             scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                                                   resources_per_worker=None if t.use_gpu else {"CPU": t.cpus_per_worker}),
+                                                   resources_per_worker=t.worker_resources),
             run_config=ray.train.RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
                                            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
                                            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
@@ -198,10 +200,17 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
         if not source_unchanged(source, list(models.values())):
             raise RuntimeError("the source model's weights changed during adaptation")
         files = save_models(cfg, source, heads, models, out)
-        metrics, plots = evaluate_adapted(cfg, source, models, tasks, out, opts)
+        log_models(uri, run_id, files, paths)  # save before judging: the adapter is in MLflow whatever evaluation does
+        try:
+            metrics, plots = evaluate_adapted(cfg, source, models, tasks, out, opts)
+        except Exception as err:  # noqa: BLE001 - reported by task, the models stay
+            failure = err if isinstance(err, EvaluationError) else EvaluationError.of("adapter evaluation", err)
+            StepLogger(uri, run_id, flush_every=None).tag("probvlp.failure", str(failure))
+            raise EvaluationError(f"{failure} (the adapter is saved: runs:/{run_id}/model and {files['adapter']})") \
+                from err
         seconds["evaluate"] = time.perf_counter() - clock
-        log_results(cfg, uri, run_id, files, metrics, plots, paths, {**dict(result.metrics or {}),
-                                                                     **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
+        log_results(uri, run_id, metrics, plots, {**dict(result.metrics or {}),
+                                                  **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
     except BaseException:
         finish_run(uri, run_id, "FAILED")
         raise
@@ -230,8 +239,11 @@ def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out:
     plots: list[Path] = []
     adapter_results = {}
     for task in tasks:
-        emb = embed_task(str(source.path), source.model, task, out / "eval" / task.name, opts)
-        results = score_adapted(models, task, emb, cfg.eval.calibration_bins)
+        try:
+            emb = embed_task(str(source.path), source.model, task, out / "eval" / task.name, opts)
+            results = score_adapted(models, task, emb, cfg.eval.calibration_bins)
+        except Exception as err:  # noqa: BLE001 - any failure of a task is reported by its name
+            raise EvaluationError.of(task.name, err) from err
         for name, res in results.items():
             metrics.update({(k if name == "adapter" else f"{name}/{k}"): v for k, v in prefixed(task, res).items()})
         adapter_results[task.name] = results["adapter"]
@@ -247,18 +259,12 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def log_results(cfg: AdaptConfig, uri: str, run_id: str, files: dict[str, Path], metrics: dict[str, float],
-                plots: list[Path], paths: list[str], train: dict[str, Any], out: Path) -> None:
-    """Eval metrics, the MLflow model of the adapted model, the baseline's file, results and plots."""
+def log_models(uri: str, run_id: str, files: dict[str, Path], paths: list[str]) -> None:
+    """The MLflow model of the adapted model and the baseline's file."""
     from pipelines.eval_data import iter_tar_samples
-    from pipelines.tracking import StepLogger, save_mlflow_model
+    from pipelines.tracking import save_mlflow_model
 
     logger = StepLogger(uri, run_id, flush_every=None)
-    logger.log({**metrics, **{k: v for k, v in train.items() if k.startswith("seconds_")}}, int(train.get("step", 0)))
-    logger.tag("probvlp.source_unchanged", "true")
-    logger.flush()
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    logger.artifact(out / "metrics.json", "eval")
     example = next(iter_tar_samples(paths, limit=1))
     image = next(example[k] for k in ("jpg", "jpeg", "png", "webp") if k in example)
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,5 +273,16 @@ def log_results(cfg: AdaptConfig, uri: str, run_id: str, files: dict[str, Path],
     for name, path in files.items():
         if name != "adapter":
             logger.artifact(path, name)
+
+
+def log_results(uri: str, run_id: str, metrics: dict[str, float], plots: list[Path], train: dict[str, Any],
+                out: Path) -> None:
+    """Eval metrics, results and plots."""
+    logger = StepLogger(uri, run_id, flush_every=None)
+    logger.log({**metrics, **{k: v for k, v in train.items() if k.startswith("seconds_")}}, int(train.get("step", 0)))
+    logger.tag("probvlp.source_unchanged", "true")
+    logger.flush()
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    logger.artifact(out / "metrics.json", "eval")
     for png in plots:
         logger.artifact(png, "plots")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from pipelines.config import (ConfigError, Document, EvalConfig, RayConfig, RunConfig, Section, TrackingConfig,
-                              _format_error, absolute_local, read_config_file)
+                              WorkerResources, _format_error, absolute_local, read_config_file)
 
 
 class SourceConfig(Section):
@@ -71,10 +71,8 @@ class AdaptLossConfig(Section):
     l1_cross: bool = False
 
 
-class AdaptTrainConfig(Section):
+class AdaptTrainConfig(WorkerResources):
     num_workers: int = Field(1, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0)
     batch_size: int = Field(128, ge=2, description="per worker")
     steps: int = Field(500, ge=1)
     lr: float = Field(1e-3, gt=0)

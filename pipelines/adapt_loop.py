@@ -169,6 +169,7 @@ def adapt_loop(config: dict[str, Any]) -> None:
     while fit.step_count < last_step:
         skip = fit.batch_in_epoch  # a resume in the middle of an epoch: that epoch's batches already trained on
         for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=fit_device(net),
+                                              pin_memory=t.use_gpu,
                                               local_shuffle_buffer_size=8 * t.batch_size,
                                               local_shuffle_seed=cfg.run.seed + fit.epoch):
             if skip:

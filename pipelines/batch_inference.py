@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.preprocess import to_model_input
+from models.preprocess import to_device, to_model_input
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
 
@@ -61,7 +61,7 @@ class ImageEmbedder(_Embedder):
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
 
-        out = self.model.encode_image(torch.from_numpy(to_model_input(batch["image"])).to(self.device))
+        out = self.model.encode_image(to_device(torch.from_numpy(to_model_input(batch["image"])), self.device))
         return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
                          "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
                          "cls": pa.array(np.asarray(batch["cls"], np.int64)), **_fixed_lists(out)})
@@ -77,7 +77,7 @@ class TextEmbedder(_Embedder):
         from models.tokenizer import tokenize
 
         texts = [str(t) for t in batch["text"]]
-        out = self.model.encode_text(tokenize(texts, self.model.context_length).to(self.device))
+        out = self.model.encode_text(to_device(tokenize(texts, self.model.context_length), self.device))
         return pa.table({"index": pa.array(np.asarray(batch["index"], np.int64)), "text": pa.array(texts, pa.string()),
                          **_fixed_lists(out)})
 

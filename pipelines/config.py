@@ -81,15 +81,34 @@ class LossConfig(Section):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class TrainConfig(Section):
+class WorkerResources(Section):
+    """What each Ray Train worker asks of Ray (the pretraining and the adapter's train sections)."""
+
+    use_gpu: bool = False
+    # CPUs per worker, GPU workers too: their data path runs on them
+    cpus_per_worker: float = Field(1.0, gt=0)
+    # GPUs per worker with use_gpu: a fraction (e.g. 0.25) packs tiny models or Tune trials onto one GPU
+    gpus_per_worker: float = Field(1.0, gt=0)
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _whole_or_fraction(cls, v: float) -> float:
+        if v > 1 and v != int(v):
+            raise ValueError(f"a fraction of one GPU or a whole number of GPUs (got {v})")  # as Ray schedules them
+        return v
+
+    @property
+    def worker_resources(self) -> dict[str, float]:
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.use_gpu else {})}
+
+
+class TrainConfig(WorkerResources):
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go
     # (ZeRO stage 0; per-worker batch and learning rate kept: docs/SCALING.md "Elastic training").
     num_workers: int | tuple[int, int] = 2
     # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
     elastic_resize_interval_s: float = Field(60.0, gt=0)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0)
     batch_size: int = Field(64, ge=1, description="per worker")
     steps: int = Field(1000, ge=1)
     lr: float = Field(1e-3, gt=0)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from models.metrics import Calibration, Ranked, calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
+from models.preprocess import to_device
 from models.tokenizer import tokenize
 from pipelines.config import Config, EvalTask
 
@@ -40,6 +41,15 @@ DIRECTIONS = ("i2t", "t2i")
 RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
 CALIBRATION_METRICS = ("calib_rho", "calib_r2", "calib_score")
 SCORE_ELEMENTS = 2**24  # queries x gallery scores held at once
+
+
+class EvaluationError(RuntimeError):
+    """An eval task that could not be computed; the message is one line naming the task."""
+
+    @classmethod
+    def of(cls, task: str, err: BaseException) -> "EvaluationError":
+        first = (str(err).strip().splitlines() or [""])[0]
+        return cls(f"evaluation task {task!r} failed: {type(err).__name__}: {first}"[:500])
 
 
 # ------------------------------------------------------------------------------------ names
@@ -106,16 +116,33 @@ def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[
     return _embed_images(model, batches)[:4]
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
+def _on(out: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def autocast(device: torch.device, bf16: bool):
+    """The training run's autocast (bf16 matmuls in the towers), or none."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
 @torch.no_grad()
-def _embed_images(model: torch.nn.Module, batches: Iterable[dict]):
-    """embed_images, plus each image's caption levels (None when no sample has any)."""
+def _embed_images(model: torch.nn.Module, batches: Iterable[dict], bf16: bool = False):
+    """embed_images, plus each image's caption levels (None when no sample has any). The model runs on its own
+    device (under bf16 autocast if asked); the outputs come back to the CPU as float32."""
     from pipelines.eval_data import parse_levels
 
+    device = model_device(model)
     keys, outs, captions, classes, levels = [], [], [], [], []
     for batch in batches:
         if len(batch["key"]) == 0:
             continue
-        outs.append({k: v.float() for k, v in model.encode_image(torch.as_tensor(batch["image"])).items()})
+        with autocast(device, bf16):
+            out = model.encode_image(to_device(torch.as_tensor(batch["image"]), device))
+        outs.append({k: v.float().cpu() for k, v in out.items()})
         keys += [str(k) for k in batch["key"]]
         captions += split_captions(batch["captions"])
         classes.append(torch.as_tensor(np.asarray(batch["cls"], dtype=np.int64)))
@@ -131,9 +158,13 @@ def _embed_images(model: torch.nn.Module, batches: Iterable[dict]):
 
 
 @torch.no_grad()
-def embed_texts(model: torch.nn.Module, texts: list[str], batch_size: int = 256) -> dict[str, torch.Tensor]:
-    outs = [{k: v.float() for k, v in model.encode_text(tokenize(texts[i : i + batch_size], model.context_length)).items()}
-            for i in range(0, len(texts), batch_size)]
+def embed_texts(model: torch.nn.Module, texts: list[str], batch_size: int = 256, bf16: bool = False) -> dict[str, torch.Tensor]:
+    device = model_device(model)
+    outs = []
+    for i in range(0, len(texts), batch_size):
+        with autocast(device, bf16):
+            out = model.encode_text(to_device(tokenize(texts[i : i + batch_size], model.context_length), device))
+        outs.append({k: v.float().cpu() for k, v in out.items()})
     return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
 
@@ -151,13 +182,13 @@ def task_texts(task: EvalTask, captions: list[list[str]]) -> tuple[list[str], li
 
 
 def embed_task_locally(model: torch.nn.Module, task: EvalTask, batches: Iterable[dict],
-                       batch_size: int = 256) -> TaskEmbeddings:
+                       batch_size: int = 256, bf16: bool = False) -> TaskEmbeddings:
     """In-process embeddings of a task's decoded batches (the training run's evaluation, and the
-    single-process reference for Ray Data batch inference)."""
-    keys, image, captions, cls, levels = _embed_images(model, batches)
+    single-process reference for Ray Data batch inference), on the model's device; the embeddings on the CPU."""
+    keys, image, captions, cls, levels = _embed_images(model, batches, bf16)
     texts, counts, classnames = task_texts(task, captions)
-    return TaskEmbeddings(keys, image, captions, cls, texts, embed_texts(model, texts, batch_size), counts, classnames,
-                          levels)
+    return TaskEmbeddings(keys, image, captions, cls, texts, embed_texts(model, texts, batch_size, bf16), counts,
+                          classnames, levels)
 
 
 # ------------------------------------------------------------------------------------ scoring
@@ -195,14 +226,16 @@ def rank_retrieval(model, image: dict, text: dict, image_pos: list[list[int]]) -
     for i, p in enumerate(image_pos):
         pos[i, p] = True
     i2t, t2i = [], []
+    device = model_device(model)  # scores on the model's device, ranks on the CPU
+    image, text = _on(image, device), _on(text, device)
     step = max(1, SCORE_ELEMENTS // max(n_txt, 1))
     for a in range(0, len(queries), step):
         q = queries[a : a + step]
-        i2t.append(rank_queries(model.class_scores(_rows(image, q), text), pos[q]))
+        i2t.append(rank_queries(model.class_scores(_rows(image, q.to(device)), text).float().cpu(), pos[q]))
     step = max(1, SCORE_ELEMENTS // max(n_img, 1))
     for a in range(0, n_txt, step):
         s = slice(a, a + step)
-        t2i.append(rank_queries(model.class_scores(image, _rows(text, s)).T, pos[:, s].T))
+        t2i.append(rank_queries(model.class_scores(image, _rows(text, s)).float().cpu().T, pos[:, s].T))
     return Ranked.cat(i2t), Ranked.cat(t2i), queries
 
 
@@ -299,8 +332,10 @@ def zeroshot_scores(model, image: dict[str, torch.Tensor], classes: dict[str, to
         import torch.nn.functional as F
 
         return F.normalize(image["mu"].float(), dim=-1) @ F.normalize(classes["mu"].float(), dim=-1).T
-    n = next(iter(image.values())).shape[0]
-    return torch.cat([model.class_scores(_rows(image, slice(a, a + 1024)), classes) for a in range(0, n, 1024)])
+    n, device = next(iter(image.values())).shape[0], model_device(model)
+    classes = _on(classes, device)
+    return torch.cat([model.class_scores(_on(_rows(image, slice(a, a + 1024)), device), classes).float().cpu()
+                      for a in range(0, n, 1024)])
 
 
 def per_class_prompts(text: dict[str, torch.Tensor], counts: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -335,14 +370,17 @@ def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[s
 
 
 def class_embeddings(model, text: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
-    """Flat prompt outputs -> one embedding per class through the model's prompt ensemble."""
+    """Flat prompt outputs -> one embedding per class through the model's prompt ensemble (on the CPU)."""
+    device = model_device(model)
+    text = _on(text, device)
     if len(set(counts)) == 1:  # one call on (C, T, D)
-        return model.class_embeddings({k: v.reshape(len(counts), counts[0], *v.shape[1:]) for k, v in text.items()})
+        out = model.class_embeddings({k: v.reshape(len(counts), counts[0], *v.shape[1:]) for k, v in text.items()})
+        return _on(out, torch.device("cpu"))
     parts, start = [], 0
     for n in counts:
         parts.append(model.class_embeddings({k: v[start : start + n][None] for k, v in text.items()}))
         start += n
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return {k: torch.cat([p[k] for p in parts]).cpu() for k in parts[0]}
 
 
 def _calibrate(task: EvalTask, what: str, uncertainty: np.ndarray, correct: torch.Tensor, bins: int) -> Calibration:
@@ -372,17 +410,21 @@ def score_task(model, task: EvalTask, emb: TaskEmbeddings, bins: int = 10) -> Ta
 
 
 @torch.no_grad()
-def held_out_loss(objective: torch.nn.Module, batches: Iterable[dict]) -> float:
-    """Mean training loss over held-out batches (single process: each batch is its own negatives)."""
+def held_out_loss(objective: torch.nn.Module, batches: Iterable[dict], bf16: bool = False) -> float:
+    """Mean training loss over held-out batches (single process: each batch is its own negatives), on the
+    objective's device."""
     from models.gather import World
 
     objective.eval()
+    device = model_device(objective)
     total, count = 0.0, 0
     for batch in batches:
         n = batch["image"].shape[0]
         if n == 0:
             continue
-        total += objective(batch["image"], batch["text"], World())["loss"].item() * n
+        with autocast(device, bf16):
+            loss = objective(to_device(batch["image"], device).float(), to_device(batch["text"], device), World())["loss"]
+        total += loss.item() * n
         count += n
     if count == 0:
         raise ValueError("held-out loss: no batches")

@@ -108,8 +108,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
-    check_cluster_holds_a_worker({"GPU": 1} if t.use_gpu else {"CPU": t.cpus_per_worker},  # as Ray Train asks
-                                 joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
+    check_cluster_holds_a_worker(t.worker_resources, joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
     from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
@@ -117,7 +116,6 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         context_length = build_objective(cfg).model.context_length
     uri = tracking_uri(cfg.tracking.uri)
     run_id = mlflow_run(cfg, uri, extra_tags)
-    resources = {"CPU": t.cpus_per_worker} if not t.use_gpu else None
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id, "mlflow_uri": uri,
@@ -125,7 +123,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
                            "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run_id}.done")},
         # [min, max]: Ray Train's elastic scaling; it reconsiders the size every elastic_resize_interval_s.
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                                               resources_per_worker=resources,
+                                               resources_per_worker=t.worker_resources,
                                                elastic_resize_monitor_interval_s=t.elastic_resize_interval_s),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=storage_path(cfg),
@@ -148,6 +146,12 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         finish_run(uri, run_id, "FAILED")
         raise
     metrics = dict(result.metrics or {})
+    if metrics.get("eval_error"):
+        finish_run(uri, run_id, "FAILED")
+        from pipelines.evaluation import EvaluationError
+
+        raise EvaluationError(f"{metrics['eval_error']} (the trained model is saved: runs:/{run_id}/model, "
+                              f"MLflow run {run_id} FAILED)")
     finished = metrics.get("step", 0) >= t.steps
     finish_run(uri, run_id, "FINISHED" if finished else "KILLED")
     checkpoint = result.checkpoint.path if result.checkpoint else None

@@ -2,6 +2,7 @@
 rank-0 MLflow logging. The driver side is `pipelines.train_driver`."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.openclip_weights import load_openclip_weights, read_openclip_state
-from models.preprocess import encode_png
+from models.preprocess import encode_png, to_device
 from models.model_file import save_model
 from models.gather import World
 from models.objective import build_objective
@@ -22,7 +23,8 @@ from models.tokenizer import tokenize
 from pipelines import train_state
 from pipelines.train_state import Progress
 from pipelines.config import Config, EvalTask
-from pipelines.evaluation import TaskResult, embed_task_locally, held_out_loss, prefixed, score_task, write_plots
+from pipelines.evaluation import (EvaluationError, TaskResult, embed_task_locally, held_out_loss, prefixed, score_task,
+                                  write_plots)
 from pipelines.optim import adamw, param_groups, warmup_cosine
 from pipelines.progress import ProgressLine
 from pipelines.tracking import StepLogger, save_mlflow_model
@@ -59,12 +61,21 @@ def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
     }
 
 
-def full_state_dict(engine, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Complete fp32 weights of `module` on every rank (collective: all ranks call it, any ZeRO stage)."""
+def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Complete fp32 weights of `module`, copied to `device` (default: where the parameters live). Collective: all
+    ranks call it, any ZeRO stage (ZeRO-3 gathers the partitions for the copy and releases them after)."""
+    def copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}
+
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+            return copy(module.state_dict())
+    return copy(module.state_dict())
+
+
+def device_name(device: torch.device) -> str:
+    """e.g. `cuda:0 (NVIDIA H200)` or `cpu`: where the run trained and evaluated."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def eval_dataset_name(task: EvalTask) -> str:
@@ -80,8 +91,9 @@ def eval_batches(task: EvalTask, batch_size: int):
 
 
 @torch.no_grad()
-def embedding_probe(model: torch.nn.Module, task: EvalTask, batch_size: int, n: int = 8) -> dict[str, torch.Tensor]:
-    """A few inputs and the embeddings the trained model gives them, to check that saved models reload exactly."""
+def embedding_probe(model: torch.nn.Module, task: EvalTask, n: int = 8) -> dict[str, torch.Tensor]:
+    """A few inputs and the float32 embeddings the trained model gives them on its device (no autocast), to check
+    that saved models reload exactly."""
     batch = next(iter(eval_batches(task, n)))
     images = torch.as_tensor(batch["image"])[:n].contiguous()
     if task.kind == "loss":
@@ -90,9 +102,11 @@ def embedding_probe(model: torch.nn.Module, task: EvalTask, batch_size: int, n: 
         captions = [c.split("\n")[0] or "a photo" for c in batch["captions"][:n]]
         tokens = tokenize(captions, model.context_length)
     tokens = tokens.contiguous()
+    device = next(model.parameters()).device
+    image_out, text_out = model.encode_image(to_device(images, device)), model.encode_text(to_device(tokens, device))
     return {"images": images, "tokens": tokens,
-            **{f"image_{k}": v.contiguous() for k, v in model.encode_image(images).items()},
-            **{f"text_{k}": v.contiguous() for k, v in model.encode_text(tokens).items()}}
+            **{f"image_{k}": v.float().cpu().contiguous() for k, v in image_out.items()},
+            **{f"text_{k}": v.float().cpu().contiguous() for k, v in text_out.items()}}
 
 
 class TrainWorker:
@@ -119,6 +133,7 @@ class TrainWorker:
             # Where torch.distributed traffic goes (local runs must stay on loopback).
             self.logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
             self.logger.tag("probvlp.world_size", str(self.world.size))
+            self.logger.tag("probvlp.device", device_name(self.device))
             if self.progress.step:
                 self.logger.tag("probvlp.resumed_from_step", str(self.progress.step))
 
@@ -159,7 +174,7 @@ class TrainWorker:
         while True:
             p = self.progress
             stream = shard.iter_torch_batches(
-                batch_size=self.t.batch_size, drop_last=True, device=self.device,
+                batch_size=self.t.batch_size, drop_last=True, device=self.device, pin_memory=self.use_gpu,
                 local_shuffle_buffer_size=4 * self.t.batch_size, local_shuffle_seed=self.cfg.run.seed + p.epoch,
             )
             for i, batch in enumerate(stream):
@@ -241,42 +256,70 @@ class TrainWorker:
             # replays steps after the last checkpoint, and MLflow must not see them twice.
             self.logger.flush()
 
+    def _final_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+        """The model's and the loss's complete weights on rank 0's device (collective; None on other ranks). ZeRO-0/1/2
+        ranks hold whole parameters, so only rank 0 copies them; ZeRO-3 gathers on every rank."""
+        if self.rank != 0 and self.engine.zero_optimization_stage() != 3:
+            return None, None
+        module = self.engine.module
+        weights = full_state_dict(self.engine, module.model, self.device)
+        loss_weights = full_state_dict(self.engine, module.loss, self.device)
+        return (weights, loss_weights) if self.rank == 0 else (None, None)
+
     def validate(self) -> dict[str, float]:
-        """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them)."""
-        weights = full_state_dict(self.engine, self.engine.module.model)
-        loss_weights = full_state_dict(self.engine, self.engine.module.loss)
-        result = [self.evaluate(weights, loss_weights)[1] if self.rank == 0 else None]
+        """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them). A task that
+        fails is reported (printed, MLflow tag `probvlp.eval_error`) and training goes on: the final evaluation
+        decides the run's status."""
+        weights, loss_weights = self._final_weights()
+        result: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                result = [self.evaluate(self.eval_objective(weights, loss_weights))[0]]
+            except EvaluationError as err:
+                print(f"[probvlp] step {self.progress.step}: {err}", flush=True)
+                self.logger.tag("probvlp.eval_error", f"step {self.progress.step}: {err}")
+                result = [{}]
+            del weights, loss_weights
         torch.distributed.broadcast_object_list(result, src=0)
         return result[0]
 
-    def evaluate(self, weights, loss_weights) -> tuple[torch.nn.Module, dict[str, float], dict[str, TaskResult]]:
-        """Rank 0: a fresh model with these weights, its `{task}/{metric}` numbers (logged) and per-task results."""
-        cfg = self.cfg
-        objective = build_objective(cfg)
+    def eval_objective(self, weights, loss_weights) -> torch.nn.Module:
+        """A fresh objective (model + loss) built on this worker's device with these weights, in eval mode."""
+        with torch.device(self.device):
+            objective = build_objective(self.cfg)
         objective.model.load_state_dict(weights)
         objective.loss.load_state_dict(loss_weights)
-        model = objective.eval().model
+        return objective.eval()
+
+    def evaluate(self, objective: torch.nn.Module) -> tuple[dict[str, float], dict[str, TaskResult]]:
+        """Rank 0: the `{task}/{metric}` numbers (logged) and per-task results of the objective's model, on its
+        device under the training autocast. EvaluationError names the task that failed."""
+        cfg, model = self.cfg, objective.model
         metrics: dict[str, float] = {}
         results: dict[str, TaskResult] = {}
         for task in self.tasks:
-            batches = eval_batches(task, cfg.eval.batch_size)
-            if task.kind == "loss":
-                metrics[f"{task.name}/loss"] = held_out_loss(objective, batches)
-                continue
-            results[task.name] = score_task(model, task, embed_task_locally(model, task, batches, cfg.eval.batch_size),
-                                            cfg.eval.calibration_bins)
+            try:
+                batches = eval_batches(task, cfg.eval.batch_size)
+                if task.kind == "loss":
+                    metrics[f"{task.name}/loss"] = held_out_loss(objective, batches, self.use_bf16)
+                    continue
+                embeddings = embed_task_locally(model, task, batches, cfg.eval.batch_size, self.use_bf16)
+                results[task.name] = score_task(model, task, embeddings, cfg.eval.calibration_bins)
+            except Exception as err:  # noqa: BLE001 - any failure of a task is reported by its name
+                raise EvaluationError.of(task.name, err) from err
             metrics.update(prefixed(task, results[task.name]))
         self.logger.log(metrics, self.progress.step)
-        return model, metrics, results
+        return metrics, results
 
     def finish(self) -> None:
-        """Final weights, evaluation and artifacts (rank 0), final checkpoint and report (all ranks)."""
+        """Final weights, saved model and evaluation (rank 0), final checkpoint and report (all ranks)."""
         p = self.progress
-        weights = full_state_dict(self.engine, self.engine.module.model)
-        loss_weights = full_state_dict(self.engine, self.engine.module.loss)
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
-        if self.rank == 0 and p.step >= self.t.steps:
-            report.update(self._final_artifacts(weights, loss_weights))
+        if p.step >= self.t.steps:
+            weights, loss_weights = self._final_weights()
+            if self.rank == 0:
+                report.update(self._final_artifacts(weights, loss_weights))
+            del weights, loss_weights
         shared = [report]  # every rank reports the same metrics
         torch.distributed.broadcast_object_list(shared, src=0)
         self.checkpoint(shared[0])
@@ -284,26 +327,38 @@ class TrainWorker:
             self.logger.flush()
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
-        import json
-
+        """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
+        the final evaluation. A failing evaluation returns {"eval_error": one line naming the task}."""
         from pipelines.model_card import model_card, summary_table
 
         cfg = self.cfg
-        model, metrics, results = self.evaluate(weights, loss_weights)
+        objective = self.eval_objective(weights, loss_weights)
+        model = objective.model
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            save_model(weights, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
-            probe = embedding_probe(model, self.tasks[0], cfg.eval.batch_size)
+            host = {k: v.cpu() for k, v in weights.items()}
+            save_model(host, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
+            probe = embedding_probe(model, self.tasks[0])
             # The MLflow model (MLmodel, code/, data/model.safetensors) is the `model` folder; the loss weights,
             # the probe and the model card sit beside it.
             save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(probe["images"][0].numpy()),
                               EXAMPLE_CAPTION, model.probabilistic)
             self.logger.artifacts(tmp / "mlflow_model", "model")
-            save_file({k: v.contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
+            save_file({k: v.cpu().contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
             save_file(probe, str(tmp / "probe.safetensors"))
-            (tmp / "README.md").write_text(model_card(cfg, metrics, self.progress.step))
-            for name in ("loss.safetensors", "probe.safetensors", "README.md"):
+            for name in ("loss.safetensors", "probe.safetensors"):
                 self.logger.artifact(tmp / name, "model")
+            try:
+                metrics, results = self.evaluate(objective)
+            except EvaluationError as err:
+                reason = str(err)
+                print(f"[probvlp] {reason}; the trained model is saved: runs:/{self.logger.run_id}/model", flush=True)
+                self.logger.tag("probvlp.failure", reason)
+                (tmp / "README.md").write_text(model_card(cfg, {}, self.progress.step))
+                self.logger.artifact(tmp / "README.md", "model")
+                return {"eval_error": reason}
+            (tmp / "README.md").write_text(model_card(cfg, metrics, self.progress.step))
+            self.logger.artifact(tmp / "README.md", "model")
             (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
             (tmp / "summary.md").write_text(summary_table(metrics))
             for name in ("metrics.json", "summary.md"):

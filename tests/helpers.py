@@ -58,3 +58,47 @@ def jpeg(seed: int, size=(48, 40)) -> bytes:
 # Deliberately wrong zero-shot prompts: off the digits' domain, no class named (README "Using the uncertainty")
 OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
               "a mountain at sunset"]
+
+
+def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> None:
+    """`cfg` trains to the end and its final evaluation fails (eval.calibration_bins above the eval sets' query
+    count): the run raises EvaluationError naming the task, the MLflow run is FAILED with that one-line reason,
+    and the model saved before the evaluation loads from MLflow (model file strictly, pyfunc predicts)."""
+    import mlflow
+    import mlflow.pyfunc
+    import pandas as pd
+    import pytest
+    import torch
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+    from safetensors.torch import load_file
+
+    from models.model_file import load_model
+    from models.preprocess import encode_png
+    from pipelines.evaluation import EvaluationError
+    from pipelines.tracking import find_run, model_file
+    from pipelines.train_driver import fit
+
+    uri = cfg.tracking.uri
+    with pytest.raises(EvaluationError, match=r"evaluation task 'digits_zeroshot' failed: ValueError: .*calibration"):
+        fit(cfg)
+    run_id = find_run(uri, cfg.run.experiment, cfg.run.name)
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FAILED"
+    reason = run.data.tags["probvlp.failure"]
+    assert "\n" not in reason and "digits_zeroshot" in reason and "calibration_bins" in reason, reason
+    assert run.data.tags["probvlp.device"].startswith(device)
+    folder = Path(download_artifacts(run_id=run_id, artifact_path="model", dst_path=str(tmp / "dl"), tracking_uri=uri))
+    model = load_model(model_file(folder)).to(device)  # strict: every tensor of the architecture, no unpickling
+    probe = load_file(str(folder / "probe.safetensors"))
+    with torch.no_grad():
+        image = model.encode_image(probe["images"].to(device))
+    assert torch.allclose(image["mu"].cpu(), probe["image_mu"], atol=1e-5)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        pyfunc = mlflow.pyfunc.load_model(f"runs:/{run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    out = pyfunc.predict(pd.DataFrame({"image": [encode_png(probe["images"][0].numpy())], "caption": ["a photo"]}))
+    assert len(out["image_mu"][0]) == probe["image_mu"].shape[1]
