@@ -177,14 +177,15 @@ VIB_FORMS = ("standard", "half_logvar")
 def vib_kl(mu: torch.Tensor, logvar: torch.Tensor, form: str = "standard") -> torch.Tensor:
     """KL(N(mu, sigma^2) || N(0, I)), mean over batch and dimensions (scalar).
 
-    ``form="half_logvar"``: official ProLIP's variant, l / 2 in place of the log sigma^2 term
-    (the e^l term unchanged); its minimum is at sigma^2 = 1/2, not 1.
+    ``form="half_logvar"``: official ProLIP's ``kl_divergence``, which halves l and then uses the half in
+    both places, -1/2 mean(1 + l/2 - mu^2 - e^(l/2)): the standard formula at l/2, smallest at sigma^2 = 1
+    like the standard one, with half the slope in l.
     """
     if form not in VIB_FORMS:
         raise ValueError(f"vib form must be one of {VIB_FORMS}, got {form!r}")
-    log_term = logvar if form == "standard" else 0.5 * logvar
+    lv = logvar if form == "standard" else 0.5 * logvar
     # PCME++ Sec. 2.2 / ProLIP Eq. 6 (VIB): KL = -1/2 mean(1 + l - mu^2 - e^l)
-    return -0.5 * (1.0 + log_term - mu.pow(2) - logvar.exp()).mean()
+    return -0.5 * (1.0 + lv - mu.pow(2) - lv.exp()).mean()
 
 
 GGD_APPROX_FORMS = ("eq16", "linear")

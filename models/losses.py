@@ -264,7 +264,7 @@ def guarded(value: torch.Tensor, limit: float) -> torch.Tensor:
 class VIBLoss(nn.Module):
     """Variational information bottleneck, beta * (KL_image + KL_text) against N(0, I).
 
-    Params: beta (1e-4); form ("standard" | "half_logvar": official ProLIP's l/2 in place of log sigma^2);
+    Params: beta (1e-4); form ("standard" | "half_logvar": official ProLIP's KL at l/2, see ``vib_kl``);
     guard (inf: none; official ProLIP / PCME++: 1e4, each modality's KL counts 0 while it exceeds it).
     Reads image_mu, image_logvar, text_mu, text_logvar. Returns loss, vib (unweighted).
     """
@@ -544,17 +544,20 @@ class ProbLlipLoss(ProLIPLoss):
 class ProbVLMLoss(nn.Module):
     """ProbVLM adapter objective (Eq. 3, 7, 8): L_rec^V + L_rec^T + lambda_cross * L_cross,
     each a generalized-Gaussian NLL averaged over rows and dimensions, plus an optional L1
-    reconstruction term l1 * (|z_hat_V - z_V| + |z_hat_T - z_T|).mean().
+    reconstruction term l1 * (|z_hat_V - z_V|.mean() + |z_hat_T - z_T|.mean()).
 
     Params: lambda_cross (1e-4, ProbVLM's released training script), l1 (0.0; that script uses
     1.0 with ggd 0.05), ggd (1.0, weight of the three GGD terms), approx (False; True uses Eq. 16).
     The official code's choices (paper defaults first): approx_form ("eq16" | "linear": beta r / alpha
     without 1 - beta), stabilise (False | True: +1e-4 on 1/alpha and beta, power term clamped to
     [1e-4, 1e3]; see ``models.distributions.ggd_nll``), l1_cross (False | True: the L1 term also on
-    the cross-modal pairs |z_hat_V - z_T| + |z_hat_T - z_V|).
+    the cross-modal pairs, weighted like the cross-modal GGD terms: official ProbVLM's criterion is
+    T1 L1 + T2 GGD per call and its cross-modal calls are multiplied by lambda_cross, so with l1 = T1 and
+    ggd = T2 the loss is T2 (L_rec^V + L_rec^T + lambda L_cross) + T1 (L1^V + L1^T + lambda L1_cross)).
     Reads image_hat, image_alpha, image_beta, image_target, text_hat, text_alpha, text_beta,
     text_target, all (B, D): z_hat, alpha_hat > 0, beta_hat > 0 predicted by the adapter, and the
-    frozen encoder's embedding z. Returns loss, rec_image, rec_text, cross, l1 (unweighted).
+    frozen encoder's embedding z. Returns loss, rec_image, rec_text, cross, l1 (own-modality pairs),
+    l1_cross (cross-modal pairs |z_hat_V - z_T|.mean() + |z_hat_T - z_V|.mean()), all unweighted.
     """
 
     def __init__(self, lambda_cross: float = 1e-4, l1: float = 0.0, ggd: float = 1.0, approx: bool = False,
@@ -577,16 +580,17 @@ class ProbVLMLoss(nn.Module):
             # ProbVLM Eq. 7: L_cross = GGD NLL of z_T under (z_hat_V, alpha_V, beta_V) + z_V under the text's
             cross = self.nll(t_z, i_hat, i_alpha, i_beta) + self.nll(i_z, t_hat, t_alpha, t_beta)
             l1 = (i_hat - i_z).abs().mean() + (t_hat - t_z).abs().mean()
-            if self.l1_cross:
-                l1 = l1 + (i_hat - t_z).abs().mean() + (t_hat - i_z).abs().mean()
-            # ProbVLM Eq. 8: L = L_rec^V + L_rec^T + lambda_cross L_cross (+ optional L1 term)
-            loss = self.ggd * (rec_i + rec_t + self.lambda_cross * cross) + self.l1 * l1
+            l1_cross = (i_hat - t_z).abs().mean() + (t_hat - i_z).abs().mean()
+            l1_total = l1 + self.lambda_cross * l1_cross if self.l1_cross else l1
+            # ProbVLM Eq. 8: L = L_rec^V + L_rec^T + lambda_cross L_cross (+ optional L1 term, its cross part alike)
+            loss = self.ggd * (rec_i + rec_t + self.lambda_cross * cross) + self.l1 * l1_total
         return {
             "loss": loss,
             "rec_image": rec_i.detach(),
             "rec_text": rec_t.detach(),
             "cross": cross.detach(),
             "l1": l1.detach(),
+            "l1_cross": l1_cross.detach(),
         }
 
 

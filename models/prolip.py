@@ -5,7 +5,8 @@ the end (CLIP's text encoder pools at the end, not at a leading [CLS]). Both out
 projected; the [UNC] projection's bias starts at -10. In training mode the forward also encodes
 masked copies of a random ``mask_fraction`` of the pairs (``mask_ratio`` of the patch tokens dropped,
 of the words replaced by [MASK]) for the inclusion loss inc(x in masked x) (ProLIP Eq. 6).
-``image_mask_ratio`` and ``text_mask`` select official ProLIP's masking instead (docs/FIDELITY.md).
+``image_mask_ratio``, ``text_mask``, ``mask_counts`` and ``image_mask`` select official ProLIP's masking
+instead, ``text_unc_from`` its text variance (docs/FIDELITY.md).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from models.distributions import csd, sigma_sq_sum
 from models.gather import World
 from models.heads import unc_projection
-from models.towers import TEXT_MASK_MODES, TowerConfig, random_keep, random_text_mask
+from models.towers import MASK_COUNTS, TEXT_MASK_MODES, TowerConfig, masked_count, random_keep, random_text_mask
 
 
 def prompt_ensemble(template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -37,35 +38,53 @@ def negative_csd(image_out: dict[str, torch.Tensor], class_out: dict[str, torch.
                 class_out["logvar"].float())
 
 
-def masked_rows(batch: int, fraction: float, device=None) -> torch.Tensor:
-    """Random rows (sorted) for the masked copies: round(fraction * batch), at least 1 when fraction > 0."""
-    n = 0 if fraction <= 0 else max(1, int(round(fraction * batch)))
+def masked_rows(batch: int, fraction: float, device=None, counts: str = "round") -> torch.Tensor:
+    """Random rows (sorted) for the masked copies: round(fraction * batch), at least 1 when fraction > 0
+    (``counts="floor"``: official ProLIP's int(fraction * batch), which may be 0)."""
+    n = masked_count(batch, fraction, counts)
     return torch.randperm(batch, device=device)[:n].sort().values
 
 
 class ProLIP(nn.Module):
+    """Options (paper defaults first; official ProLIP's second, docs/FIDELITY.md):
+    image_mask_ratio (None: = mask_ratio | 0.25); text_mask "exact" | "bernoulli" (each word with
+    probability mask_ratio); mask_counts "round" (round(share n), at least 1, for the masked rows and the
+    kept patches) | "floor" (int(share n)); image_mask "per_row" (a random patch subset per masked image) |
+    "batch" (one subset for all masked images); text_unc_from "unc" (the text [UNC] output) | "pooled"
+    (the uncertainty projection of the projected [CLS] output, before normalisation).
+    """
+
     # encode_* return log sigma^2 ("logvar") beside mu: scored by CSD, calibrated in evaluation
     probabilistic = True
 
     def __init__(self, towers: TowerConfig = TowerConfig(), *, unc_bias_init: float = -10.0,
                  mask_fraction: float = 0.125, mask_ratio: float = 0.75, image_mask_ratio: float | None = None,
-                 text_mask: Literal["exact", "bernoulli"] = "exact"):
+                 text_mask: Literal["exact", "bernoulli"] = "exact", mask_counts: Literal["round", "floor"] = "round",
+                 image_mask: Literal["per_row", "batch"] = "per_row",
+                 text_unc_from: Literal["unc", "pooled"] = "unc"):
         super().__init__()
         image_mask_ratio = mask_ratio if image_mask_ratio is None else image_mask_ratio
         if not 0.0 <= mask_fraction <= 1.0 or not 0.0 <= mask_ratio < 1.0 or not 0.0 <= image_mask_ratio < 1.0:
             raise ValueError("mask_fraction must be in [0, 1], mask_ratio and image_mask_ratio in [0, 1)")
         if text_mask not in TEXT_MASK_MODES:
             raise ValueError(f"text_mask must be one of {TEXT_MASK_MODES}, got {text_mask!r}")
+        if mask_counts not in MASK_COUNTS or image_mask not in ("per_row", "batch") \
+                or text_unc_from not in ("unc", "pooled"):
+            raise ValueError(f"mask_counts: {' | '.join(MASK_COUNTS)}, image_mask: per_row | batch, "
+                             f"text_unc_from: unc | pooled; got {mask_counts!r}, {image_mask!r}, {text_unc_from!r}")
         t = towers
         self.visual = t.image_tower(**self.image_prefix())
         self.text = t.text_tower(append_tokens=2, mask_token=True)
         self.image_proj = nn.Linear(t.vision_width, t.embed_dim, bias=False)
         self.image_unc_proj = unc_projection(t.vision_width, t.embed_dim, unc_bias_init)
         self.text_proj = nn.Linear(t.text_width, t.embed_dim, bias=False)
-        self.text_unc_proj = unc_projection(t.text_width, t.embed_dim, unc_bias_init)
+        # text sigma^2 from the [UNC] output (text_width wide), or official ProLIP's from the projected [CLS] output
+        unc_in = t.embed_dim if text_unc_from == "pooled" else t.text_width
+        self.text_unc_proj = unc_projection(unc_in, t.embed_dim, unc_bias_init)
         self.context_length, self.img_size = t.context_length, t.img_size
         self.mask_fraction, self.mask_ratio = mask_fraction, mask_ratio
         self.image_mask_ratio, self.text_mask = image_mask_ratio, text_mask
+        self.mask_counts, self.image_mask, self.text_unc_from = mask_counts, image_mask, text_unc_from
 
     def image_prefix(self) -> dict:
         """ImageTower prefix layout: [CLS] then [UNC]."""
@@ -77,12 +96,16 @@ class ProLIP(nn.Module):
 
     def encode_text(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = self.text(tokens, mask)  # ..., [UNC], [CLS]
-        return {"mu": F.normalize(self.text_proj(x[:, -1]), dim=-1), "logvar": self.text_unc_proj(x[:, -2])}
+        pooled = self.text_proj(x[:, -1])
+        # ProLIP Sec. 3.1: log sigma^2 from the [UNC] output (official code: from the projected [CLS] output)
+        logvar = self.text_unc_proj(pooled if self.text_unc_from == "pooled" else x[:, -2])
+        return {"mu": F.normalize(pooled, dim=-1), "logvar": logvar}
 
     def masked_inputs(self, images: torch.Tensor, tokens: torch.Tensor):
         """Rows with masked copies, kept patch indices for them, and their text [MASK] positions."""
-        rows = masked_rows(images.shape[0], self.mask_fraction, images.device)
-        keep = random_keep(len(rows), self.visual.num_patches, self.image_mask_ratio, images.device)
+        rows = masked_rows(images.shape[0], self.mask_fraction, images.device, self.mask_counts)
+        keep = random_keep(len(rows), self.visual.num_patches, self.image_mask_ratio, images.device,
+                           self.mask_counts, shared=self.image_mask == "batch")
         return rows, keep, random_text_mask(tokens[rows], self.mask_ratio, self.text_mask)
 
     def extra_out(self, img: dict, txt: dict, world: World) -> dict[str, torch.Tensor]:

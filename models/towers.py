@@ -10,7 +10,8 @@ Both towers are laid out like OpenAI/open_clip CLIP (pre-norm ViT, LayerNorm eps
   replaces chosen token embeddings by a learned [MASK] embedding (``mask_token=True``). Padding
   after the batch's longest caption is cut before the blocks: no position up to a caption's EOT
   sees it (causal attention, or the key mask of ``causal=False``), so the result is the same and
-  short captions cost less.
+  short captions cost less. ``text_pad_attention=True`` (official ProLIP) keeps the whole padded
+  context and lets every token attend to it.
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ class TowerConfig:
     embed_dim: int = 768
     # CLIP's causal text attention; False: every token sees the whole caption (official ProLIP's no_causal_mask)
     text_causal: bool = True
+    # False: no token attends to the padding after EOT; True: every token sees the whole padded context
+    # (official ProLIP's text tower runs its blocks with attn_mask=None on the padded context)
+    text_pad_attention: bool = False
 
     def image_tower(self, extra_tokens: int = 0, class_token: bool = True) -> "ImageTower":
         return ImageTower(self.img_size, self.patch_size, self.vision_width, self.vision_depth, self.vision_heads,
@@ -56,7 +60,8 @@ class TowerConfig:
 
     def text_tower(self, append_tokens: int = 0, mask_token: bool = False) -> "TextTower":
         return TextTower(self.context_length, self.text_width, self.text_depth, self.text_heads,
-                         append_tokens=append_tokens, mask_token=mask_token, causal=self.text_causal)
+                         append_tokens=append_tokens, mask_token=mask_token, causal=self.text_causal,
+                         pad_attention=self.text_pad_attention)
 
     def projections(self, bias: bool = False) -> tuple[nn.Linear, nn.Linear]:
         """Image and text linear maps from the towers' widths to the embedding."""
@@ -101,10 +106,28 @@ class ImageTower(nn.Module):
         return self.vit.norm(self.vit.blocks(self.embed(images, keep)))
 
 
-def random_keep(batch: int, n_patches: int, ratio: float, device=None) -> torch.Tensor:
-    """(batch, n_keep) sorted random patch indices keeping a (1 - ratio) share (at least 1) of the patches."""
+MASK_COUNTS = ("round", "floor")
+
+
+def masked_count(n: int, share: float, counts: str = "round") -> int:
+    """How many of n items a share selects: "round": round(share n), at least 1 when share > 0;
+    "floor" (official ProLIP's int(n * share)): may be 0."""
+    if counts not in MASK_COUNTS:
+        raise ValueError(f"mask counts must be one of {MASK_COUNTS}, got {counts!r}")
+    if share <= 0:
+        return 0
+    return int(n * share) if counts == "floor" else max(1, int(round(n * share)))
+
+
+def random_keep(batch: int, n_patches: int, ratio: float, device=None, counts: str = "round",
+                shared: bool = False) -> torch.Tensor:
+    """(batch, n_keep) sorted random patch indices keeping a (1 - ratio) share of the patches
+    (``masked_count``); ``shared``: one random subset for the whole batch (official ProLIP: one
+    ``torch.randperm`` per masked batch), else one per row."""
     # ProLIP Sec. 4.1: masked copies drop 75% of the image tokens (token drop as in MAE, He et al. 2022)
-    n_keep = max(1, int(round(n_patches * (1.0 - ratio))))
+    n_keep = masked_count(n_patches, 1.0 - ratio, counts)
+    if shared:
+        return torch.randperm(n_patches, device=device)[:n_keep].sort().values.expand(batch, -1)
     order = torch.rand(batch, n_patches, device=device).argsort(dim=1)
     return order[:, :n_keep].sort(dim=1).values
 
@@ -113,19 +136,20 @@ TEXT_MASK_MODES = ("exact", "bernoulli")
 
 
 def random_text_mask(tokens: torch.Tensor, ratio: float, mode: str = "exact") -> torch.Tensor:
-    """(B, L) bool: the caption tokens to replace by [MASK].
+    """(B, L) bool: the caption tokens to replace by [MASK]; only words (between SOT and EOT) are masked.
 
-    "exact": round(ratio * n) (at least 1) of each caption's n words (between SOT and EOT);
-    "bernoulli" (official ProLIP): every token from SOT to EOT, both included, with probability `ratio`.
+    "exact": round(ratio * n) (at least 1) of each caption's n words;
+    "bernoulli" (official ProLIP): each word with probability `ratio` (its tokenizer has no start token and
+    its end token is its padding token, which it never masks).
     """
     if mode not in TEXT_MASK_MODES:
         raise ValueError(f"text mask mode must be one of {TEXT_MASK_MODES}, got {mode!r}")
     eot = TextTower.eot_index(tokens)
     pos = torch.arange(tokens.shape[1], device=tokens.device)
-    if mode == "bernoulli":
-        return (torch.rand(tokens.shape, device=tokens.device) < ratio) & (pos[None, :] <= eot[:, None])
-    # ProLIP Sec. 4.1: masked copies replace 75% of the text tokens with [MASK] (as in BERT)
     content = (pos[None, :] > 0) & (pos[None, :] < eot[:, None])
+    if mode == "bernoulli":
+        return (torch.rand(tokens.shape, device=tokens.device) < ratio) & content
+    # ProLIP Sec. 4.1: masked copies replace 75% of the text tokens with [MASK] (as in BERT)
     n_content = content.sum(1)
     n_mask = torch.where(n_content > 0, (n_content.float() * ratio).round().clamp_min(1), 0).long()
     score = torch.rand(tokens.shape, device=tokens.device).masked_fill(~content, 2.0)
@@ -139,14 +163,15 @@ class TextTower(nn.Module):
 
     The context is cut to L' = the batch's longest caption (up to its EOT); ``append_tokens`` learnable
     tokens follow it (ProLIP puts [UNC] and [CLS] there): the output is (B, L' + append_tokens, width),
-    the appended tokens last.
+    the appended tokens last. ``pad_attention=True`` (official ProLIP): nothing is cut and no key is
+    masked, every token attends to the whole padded context (L' = L).
     """
 
     def __init__(self, context_length: int, width: int, depth: int, heads: int, vocab_size: int = VOCAB_SIZE,
-                 append_tokens: int = 0, mask_token: bool = False, causal: bool = True):
+                 append_tokens: int = 0, mask_token: bool = False, causal: bool = True, pad_attention: bool = False):
         super().__init__()
         self.context_length = context_length
-        self.causal = causal
+        self.causal, self.pad_attention = causal, pad_attention
         self.width = width
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.randn(context_length, width) * 0.01)
@@ -166,7 +191,8 @@ class TextTower(nn.Module):
 
     def embed(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Input embeddings (B, L' + appended, width) and the attention mask the blocks need (None: plain causal)."""
-        tokens, mask = self.trim(tokens, mask)
+        if not self.pad_attention:
+            tokens, mask = self.trim(tokens, mask)
         x = self.token_embedding(tokens)
         if mask is not None:
             if self.mask_embedding is None:
@@ -182,7 +208,7 @@ class TextTower(nn.Module):
         pos = torch.arange(total, device=tokens.device)
         eot = self.eot_index(tokens)
         # no token attends to padding after EOT (the appended tokens sit after the padding); causal unless not
-        key_ok = (pos[None, :] <= eot[:, None]) | (pos[None, :] >= length)  # (B, total)
+        key_ok = (pos[None, :] <= eot[:, None]) | (pos[None, :] >= length) | self.pad_attention  # (B, total)
         allowed = key_ok[:, None, :].expand(b, total, total)  # (B, query, key)
         if self.causal:
             allowed = allowed & (pos[None, :, None] >= pos[None, None, :])

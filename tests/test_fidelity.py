@@ -1,6 +1,12 @@
-"""Every switch between a paper's formula and its official code's behaviour (docs/FIDELITY.md), each against
-an independent reference written from the description in that table (float64, small sizes), plus the
-bf16 guarantee: under bf16 autocast the sigma heads, the Llip mixer and the losses compute in float32.
+"""Every switch between a paper's formula and its official code's behaviour (docs/FIDELITY.md), each against a
+transcription of the official code's steps (repository, commit and path named at each transcription; the
+official repositories are not installed, their functions are rewritten here step by step with this project's
+weights), in float64 on generic inputs (log-variances spread over several units), values and gradients to
+1e-10; plus the bf16 guarantee: under bf16 autocast the sigma heads, the Llip mixer and the losses compute in
+float32.
+
+Random choices (which rows, patches, words, images) are compared on the same random draws: the transcription
+consumes the uniforms (or the permutation) this project draws, where the official code draws them itself.
 
 No Ray: formulas and single forward passes, and three steps of a bf16 DeepSpeed engine in a subprocess
 (``make test-fast``).
@@ -18,79 +24,243 @@ from models.distributions import ggd_nll, vib_kl
 from models.heads import GPO, Float32Linear
 from models.losses import create_loss
 from models.pcmepp import mixed_sample
+from models.prolip import masked_rows
 from models.registry import create_model
 from models.tokenizer import tokenize
-from models.towers import random_text_mask
+from models.towers import random_keep, random_text_mask
 from pipelines.adapt_config import AdaptLossConfig
 from pipelines.config import load_config
 
 f64 = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
+TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _assert_same(ours: torch.Tensor, ref: torch.Tensor, wrt: list[torch.Tensor]) -> None:
+    """Values equal, and the gradients of a fixed random weighting of them w.r.t. every tensor in `wrt`
+    (a tensor neither depends on counts as a zero gradient), to 1e-10."""
+    ref = torch.as_tensor(ref, dtype=ours.dtype)
+    torch.testing.assert_close(ours, ref, **TOL)
+    w = torch.randn(ours.shape, generator=_gen(99), dtype=ours.dtype)
+    for output in (ours, ref):
+        assert output.requires_grad, "nothing to differentiate"
+    g_ours = torch.autograd.grad((ours * w).sum(), wrt, retain_graph=True, allow_unused=True)
+    g_ref = torch.autograd.grad((ref * w).sum(), wrt, retain_graph=True, allow_unused=True)
+    for t, a, b in zip(wrt, g_ours, g_ref):
+        a = torch.zeros_like(t) if a is None else a
+        b = torch.zeros_like(t) if b is None else b
+        torch.testing.assert_close(a, b, **TOL)
+    assert any(g is not None and g.abs().max() > 0 for g in g_ours), "all gradients vanish"
+
+
+def _logvar(shape, seed: int, spread: float = 3.0, shift: float = -2.0) -> torch.Tensor:
+    """Generic log-variances: N(shift, spread^2), i.e. over several units around `shift`."""
+    return shift + spread * torch.randn(*shape, generator=_gen(seed), dtype=f64)
+
+
+def _unit(shape, seed: int) -> torch.Tensor:
+    return F.normalize(torch.randn(*shape, generator=_gen(seed), dtype=f64), dim=-1)
+
+
 # ---------------------------------------------------------------------------------------------------- VIB
-def _kl_reference(mu: torch.Tensor, lv: torch.Tensor, log_weight: float) -> float:
-    """Elementwise python-float KL of N(mu, e^l) to N(0, 1), the log sigma^2 term weighted, mean over all."""
-    terms = [-0.5 * (1.0 + log_weight * l - m * m - math.exp(l)) for m, l in zip(mu.flatten().tolist(), lv.flatten().tolist())]
-    return sum(terms) / len(terms)
+def _prolip_kl_divergence(mu, logsigma_sq):
+    """naver-ai/prolip @ 59f6324, src/prolip/loss.py, ProLIPLoss.kl_divergence."""
+    logsigma = logsigma_sq / 2
+    kl_loss = -0.5 * (1 + logsigma - mu.pow(2) - logsigma.exp()).mean()
+    if kl_loss > 10000:
+        return 0
+    return kl_loss
 
 
-def test_vib_half_logvar_form_against_elementwise_reference():
-    g = _gen(1)
-    mu, lv = torch.randn(5, 7, generator=g, dtype=f64), 2 * torch.randn(5, 7, generator=g, dtype=f64)
-    assert vib_kl(mu, lv, "half_logvar").item() == pytest.approx(_kl_reference(mu, lv, 0.5), rel=1e-12)
-    assert vib_kl(mu, lv).item() == pytest.approx(_kl_reference(mu, lv, 1.0), rel=1e-12)
-    # with l/2 the KL is smallest at sigma^2 = 1/2 (d/dl: -1/2 (1/2 - e^l) = 0), the standard one at sigma^2 = 1
-    for form, best in (("half_logvar", 0.5), ("standard", 1.0)):
-        lv = torch.full((1, 3), math.log(best), dtype=f64, requires_grad=True)
+def _pcmepp_kl_divergence(mu, logsigma):
+    """naver-ai/pcmepp @ 8829c0d, pcmepp/criterions/pcmepp.py, ClosedFormSampledDistanceLoss.kl_divergence
+    (its ``logsigma`` is the encoders' 'std' output, log sigma^2: the CSD exponentiates it as the variance)."""
+    kl_loss = -0.5 * (1 + logsigma - mu.pow(2) - logsigma.exp()).mean()
+    if kl_loss > 10000:
+        return 0
+    return kl_loss
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_vib_forms_and_guard_against_official_kl_divergence(guarded):
+    mu_i, mu_t = torch.randn(5, 7, generator=_gen(1), dtype=f64), torch.randn(5, 7, generator=_gen(2), dtype=f64)
+    lv_i, lv_t = _logvar((5, 7), 3), _logvar((5, 7), 4)
+    if guarded:  # the image KL past 1e4 in both forms (e^(l/2) / 2 ~ e^11): the guard drops it
+        lv_i = lv_i.clamp(-1, 1) + 24.0
+    leaves = [_leaf(t) for t in (mu_i, lv_i, mu_t, lv_t)]
+    mi, li, mt, lt = leaves
+    out = {"image_mu": mi, "image_logvar": li, "text_mu": mt, "text_logvar": lt}
+    for form, official in (("half_logvar", _prolip_kl_divergence), ("standard", _pcmepp_kl_divergence)):
+        ours = create_loss("vib", beta=1.0, form=form, guard=1e4)(out)["loss"]
+        ref = official(mi, li) + official(mt, lt)
+        _assert_same(ours, ref, leaves)
+        if guarded:
+            assert float(official(mi, li)) == 0.0 and float(_kl_of(form, mi, li)) > 1e4
+    # the official form is the standard KL at l/2: smallest at sigma^2 = 1, like the standard one
+    for form in ("half_logvar", "standard"):
+        lv = torch.zeros(1, 3, dtype=f64, requires_grad=True)
         vib_kl(torch.zeros(1, 3, dtype=f64), lv, form).backward()
-        assert lv.grad.abs().max().item() < 1e-12
+        assert lv.grad.abs().max().item() < 1e-15
     with pytest.raises(ValueError, match="vib form"):
-        vib_kl(mu, lv, "half")
+        vib_kl(mu_i, lv_i, "half")
 
 
-def test_vib_guard_zeroes_each_modality_past_the_threshold():
-    g = _gen(2)
-    out = {k: torch.randn(4, 6, generator=g, dtype=f64) for k in ("image_mu", "text_mu", "text_logvar")}
-    out["image_logvar"] = torch.full((4, 6), 12.0, dtype=f64, requires_grad=True)  # KL ~ e^12 / 2 > 1e4
-    kl_img = _kl_reference(out["image_mu"], out["image_logvar"].detach(), 1.0)
-    kl_txt = _kl_reference(out["text_mu"], out["text_logvar"], 1.0)
-    assert kl_img > 1e4 > kl_txt
-    guarded = create_loss("vib", beta=1.0, guard=1e4)(out)
-    assert guarded["vib"].item() == pytest.approx(kl_txt, rel=1e-12)
-    guarded["loss"].backward()
-    assert out["image_logvar"].grad.abs().max().item() == 0.0
-    assert create_loss("vib", beta=1.0)(out)["vib"].item() == pytest.approx(kl_img + kl_txt, rel=1e-12)
-    # the losses that carry a VIB term pass the switches on
+def _kl_of(form, mu, lv):
+    return vib_kl(mu.detach(), lv.detach(), form)
+
+
+def test_the_losses_pass_the_vib_and_guard_switches_on():
     pml = create_loss("pml", vib_form="half_logvar", vib_guard=5.0)
     prolip = create_loss("prolip", vib_form="half_logvar", vib_guard=5.0, inclusion_guard=7.0)
     assert (pml.vib.form, pml.vib.guard, prolip.vib.form, prolip.vib.guard, prolip.inclusion.guard) == (
         "half_logvar", 5.0, "half_logvar", 5.0, 7.0)
 
 
-def test_inclusion_guard_zeroes_the_loss_past_the_threshold():
-    g = _gen(3)
-    mu1, mu2 = torch.randn(3, 4, generator=g, dtype=f64), torch.randn(3, 4, generator=g, dtype=f64)
-    lv1 = torch.randn(3, 4, generator=g, dtype=f64).requires_grad_()
-    lv2 = torch.randn(3, 4, generator=g, dtype=f64) - 3.0
-    plain = create_loss("inclusion", eps=2.0, c=50.0).pair(mu1, lv1, mu2, lv2)
-    value = plain.item()
-    assert value > 1.0
-    below = create_loss("inclusion", eps=2.0, c=50.0, guard=1.01 * value).pair(mu1, lv1, mu2, lv2)
-    assert below.item() == value
-    above = create_loss("inclusion", eps=2.0, c=50.0, guard=0.99 * value).pair(mu1, lv1, mu2, lv2)
-    assert above.item() == 0.0
-    above.backward()
-    assert lv1.grad.abs().max().item() == 0.0
+# ---------------------------------------------------------------------------------------------------- ProLIP loss
+class _OfficialProLIPLoss:
+    """naver-ai/prolip @ 59f6324, src/prolip/loss.py, ProLIPLoss with world_size = 1 (its ``_loss``):
+    PPCL, inclusion of the masked copies (``inclusion_alpha_occ``), image-in-caption inclusion
+    (``inclusion_alpha``) and the VIB, with its explosion guards (inclusion 1e5, VIB 1e4)."""
+
+    def __init__(self, inclusion_alpha, inclusion_alpha_occ, inclusion_loss_eps, inclusion_loss_scale, vib_beta):
+        self.inclusion_alpha, self.inclusion_alpha_occ = inclusion_alpha, inclusion_alpha_occ
+        self.inclusion_loss_eps, self.inclusion_loss_scale, self.vib_beta = inclusion_loss_eps, inclusion_loss_scale, vib_beta
+
+    kl_divergence = staticmethod(_prolip_kl_divergence)
+
+    def inclusion_test(self, mu1, logsigma_sq1, mu2, logsigma_sq2):
+        eps = self.inclusion_loss_eps
+        inv_sigma_sq1 = torch.exp(-logsigma_sq1 + eps)
+        inv_sigma_sq2 = torch.exp(-logsigma_sq2 + eps)
+        a = inv_sigma_sq1 + 0.5 * inv_sigma_sq2
+        b = 2 * mu1 * inv_sigma_sq1 + mu2 * inv_sigma_sq2
+        c = mu1 ** 2 * inv_sigma_sq1 + 0.5 * mu2 ** 2 * inv_sigma_sq2
+        return -2 * logsigma_sq1 - logsigma_sq2 - 0.5 * torch.log(a) + b ** 2 / 4 / a - c
+
+    def inclusion_loss(self, mu1, logsigma_sq1, mu2, logsigma_sq2, is_one_included_in_two, loss_thres=100000):
+        logit = self.inclusion_test(mu1, logsigma_sq1, mu2, logsigma_sq2) - self.inclusion_test(mu2, logsigma_sq2, mu1, logsigma_sq1)
+        loss = -F.logsigmoid(self.inclusion_loss_scale * logit * is_one_included_in_two)
+        inclusion_loss = loss.mean()
+        if inclusion_loss.abs() > loss_thres:
+            return 0
+        return inclusion_loss
+
+    def __call__(self, image_features, text_features, logit_scale, logit_bias, masked_image_features, masked_text_features):
+        image_mu, image_sigma = image_features["mean"], image_features["std"]
+        text_mu, text_sigma = text_features["mean"], text_features["std"]
+        labels = 2 * torch.eye(len(image_mu), dtype=image_mu.dtype) - torch.ones(len(image_mu), len(image_mu), dtype=image_mu.dtype)
+        mu_pdist = image_mu @ text_mu.T
+        sigma_pdist = ((torch.exp(image_sigma).unsqueeze(1) + torch.exp(text_sigma).unsqueeze(0))).sum(-1)
+        logits = logit_scale * (mu_pdist - sigma_pdist / 2) + logit_bias
+        loss = -F.logsigmoid(labels * logits).sum() / image_mu.shape[0]
+        n = masked_image_features["mean"].size()[0]
+        loss = loss + self.inclusion_alpha_occ * self.inclusion_loss(
+            image_mu[:n], image_sigma[:n], masked_image_features["mean"], masked_image_features["std"], 1)
+        loss = loss + self.inclusion_alpha_occ * self.inclusion_loss(
+            text_mu[:n], text_sigma[:n], masked_text_features["mean"], masked_text_features["std"], 1)
+        loss = loss + self.inclusion_alpha * self.inclusion_loss(image_mu, image_sigma, text_mu, text_sigma, 1)
+        return loss + self.vib_beta * (self.kl_divergence(image_mu, image_sigma) + self.kl_divergence(text_mu, text_sigma))
+
+
+@pytest.mark.parametrize("case", ["generic", "vib_guard", "inclusion_guard"])
+def test_prolip_official_objective_against_official_loss(case):
+    b, m, d = 6, 2, 5
+    t = {"image_mu": _unit((b, d), 10), "text_mu": _unit((b, d), 11), "image_logvar": _logvar((b, d), 12),
+         "text_logvar": _logvar((b, d), 13), "image_masked_mu": _unit((m, d), 14), "text_masked_mu": _unit((m, d), 15),
+         "image_masked_logvar": _logvar((m, d), 16, shift=0.0), "text_masked_logvar": _logvar((m, d), 17, shift=0.0)}
+    eps, c = -2.0, 10.0
+    if case == "vib_guard":
+        t["text_logvar"] = t["text_logvar"].clamp(-1, 1) + 24.0  # the text KL past 1e4
+    if case == "inclusion_guard":  # the image-in-caption inclusion past 1e5: c H ~ -1e5
+        c, t["image_logvar"] = 3e4, t["image_logvar"] + 6.0
+    leaves = {k: _leaf(v) for k, v in t.items()}
+    out = {**leaves, "masked_rows": torch.arange(m)}  # the official code masks the first rows of the batch
+    weights = dict(alpha1=0.3, alpha2=0.2, beta=0.1, eps=eps, c=c)
+    loss = create_loss("prolip", init_scale=1 / 0.07, init_bias=-10.0, vib_form="half_logvar", vib_guard=1e4,
+                       inclusion_guard=1e5, **weights).double()
+    ours = loss(out)
+    official = _OfficialProLIPLoss(0.3, 0.2, eps, c, 0.1)
+    # official ProLIP's model holds log(1/0.07) and -10 (model_configs/ViT-B-16-ProLIP.json: init_logit_bias)
+    assert loss.logit_scale.item() == pytest.approx(math.log(1 / 0.07), rel=1e-7) and loss.logit_bias.item() == -10.0
+    ref = official({"mean": leaves["image_mu"], "std": leaves["image_logvar"]},
+                   {"mean": leaves["text_mu"], "std": leaves["text_logvar"]},
+                   loss.logit_scale.exp().reshape(()), loss.logit_bias.reshape(()),
+                   {"mean": leaves["image_masked_mu"], "std": leaves["image_masked_logvar"]},
+                   {"mean": leaves["text_masked_mu"], "std": leaves["text_masked_logvar"]})
+    _assert_same(ours["loss"], ref, [*leaves.values(), loss.logit_scale, loss.logit_bias])
+    if case == "vib_guard":
+        assert ours["vib"].item() < 1e4 < _kl_of("half_logvar", leaves["text_mu"], leaves["text_logvar"]).item()
+    if case == "inclusion_guard":
+        assert ours["inclusion_v_t"].item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- PCME++
-def _pml_reference(img_mu, img_lv, txt_mu, txt_lv, lam, partner, a, b, alpha, beta, smoothing, official):
-    """Single-process PCME++ objective written from the FIDELITY table, with python loops."""
+def _pcmepp_official(img, cap, matched, negative_scale, shift, vib_beta, smoothness_alpha):
+    """naver-ai/pcmepp @ 8829c0d, pcmepp/criterions/pcmepp.py, ClosedFormSampledDistanceLoss.forward
+    (prob_distance 'csd'), with _recompute_matched, _compute_prob_matching_loss, _compute_closed_form_loss."""
+    def recompute_matched(matched, logits, smoothness=0):
+        if not smoothness:
+            return matched
+        logits = logits.view(matched.size())
+        gt_labels, gt_indices = torch.max(matched, dim=1)
+        gt_vals = logits[:, gt_indices].diag()
+        pseudo_gt_indices = (logits >= gt_vals.unsqueeze(1))
+        new_matched = (gt_labels.unsqueeze(1) * (pseudo_gt_indices))
+        _matched = matched.clone()
+        _matched[pseudo_gt_indices] = new_matched[pseudo_gt_indices]
+        return _matched
+
+    def closed_form_loss(input1, input2, matched, smoothness=0):
+        mu_pdist = ((input1["mean"].unsqueeze(1) - input2["mean"].unsqueeze(0)) ** 2).sum(-1)
+        sigma_pdist = ((torch.exp(input1["std"]).unsqueeze(1) + torch.exp(input2["std"]).unsqueeze(0))).sum(-1)
+        logits = -negative_scale * (mu_pdist + sigma_pdist) + shift
+        matched = recompute_matched(matched, logits, smoothness)
+        return F.binary_cross_entropy_with_logits(logits, matched)  # nn.BCEWithLogitsLoss(), mean
+
+    vib_loss = _pcmepp_kl_divergence(img["mean"], img["std"]) + _pcmepp_kl_divergence(cap["mean"], cap["std"])
+    loss = 2 * closed_form_loss(img, cap, matched) + vib_beta * vib_loss
+    smooth_i2t_loss = closed_form_loss(img, cap, matched, smoothness=smoothness_alpha)
+    smooth_t2i_loss = closed_form_loss(cap, img, matched.T, smoothness=smoothness_alpha)
+    return loss + smoothness_alpha * (smooth_i2t_loss + smooth_t2i_loss)
+
+
+def _pcmepp_mixup_target(lam: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """naver-ai/pcmepp @ 8829c0d, pcmepp/augmentation.py, mixup_target(arange(B), B, lam, smoothing): the
+    image's own caption lambda, the reversed partner's (image B-1-i) 1 - lambda, labels smoothed."""
+    b = len(lam)
+    y1 = torch.full((b, b), smoothing, dtype=f64).fill_diagonal_(1 - smoothing)
+    y2 = y1.flip(1)  # one_hot(target.flip(0))
+    return y1 * lam[:, None] + y2 * (1 - lam[:, None])
+
+
+def test_pml_official_total_against_official_loss():
+    b, d = 6, 5
+    t = {"image_mu": _unit((b, d), 20), "text_mu": _unit((b, d), 21),
+         "image_logvar": _logvar((b, d), 22), "text_logvar": _logvar((b, d), 23)}
+    leaves = {k: _leaf(v) for k, v in t.items()}
+    lam = torch.tensor([1.0, 0.62, 1.0, 0.27, 1.0, 0.81], dtype=f64)
+    out = {**leaves, "mix_lambda": lam, "mix_partner": b - 1 - torch.arange(b)}
+    smoothing, alpha, beta = 1e-4, 0.3, 0.2
+    loss = create_loss("pml", init_a=0.4, init_b=2.0, alpha=alpha, beta=beta, match_weight=2.0, pseudo_rows="both",
+                       label_smoothing=smoothing, vib_guard=1e4).double()
+    got = loss(out)
+    ref = _pcmepp_official({"mean": leaves["image_mu"], "std": leaves["image_logvar"]},
+                           {"mean": leaves["text_mu"], "std": leaves["text_logvar"]},
+                           _pcmepp_mixup_target(lam, smoothing), loss.a.reshape(()), loss.b.reshape(()), beta, alpha)
+    _assert_same(got["loss"], ref, [*leaves.values(), loss.a, loss.b])
+    assert got["n_pseudo"].item() > 0  # the pseudo-positive rule is exercised
+
+
+def _pml_reference(img_mu, img_lv, txt_mu, txt_lv, lam, partner, a, b, alpha, beta):
+    """The paper's PCME++ objective (Eq. 1-3, pseudo-positives of the image rows), with python loops."""
     n = img_mu.shape[0]
     csd = torch.zeros(n, n, dtype=f64)
     for i in range(n):
@@ -101,46 +271,32 @@ def _pml_reference(img_mu, img_lv, txt_mu, txt_lv, lam, partner, a, b, alpha, be
     for i in range(n):
         m[i, i] += lam[i]
         m[i, partner[i]] += 1 - lam[i]
-    m = smoothing + (1 - 2 * smoothing) * m
 
     def bce(lg, lab):
         return sum(-lab[i, j] * math.log(torch.sigmoid(lg[i, j]).item()) - (1 - lab[i, j]) * math.log(
             torch.sigmoid(-lg[i, j]).item()) for i in range(n) for j in range(n)) / (n * n)
 
-    def pseudo(lg, lab):  # rows: each row's columns scoring >= its ground truth take the ground truth's label
-        new = lab.clone()
-        for i in range(n):
-            gt = int(torch.argmax(lab[i]))
-            for j in range(n):
-                if lg[i, j] >= lg[i, gt]:
-                    new[i, j] = lab[i, gt]
-        return bce(lg, new)
-
-    match = bce(logits, m)
-    p = pseudo(logits, m) + (pseudo(logits.T, m.T) if official else 0.0)
-    vib = _kl_reference(img_mu, img_lv, 1.0) + _kl_reference(txt_mu, txt_lv, 1.0)
-    return float((2.0 if official else 1.0) * match + alpha * p + beta * vib)
+    new = m.clone()
+    for i in range(n):
+        gt = int(torch.argmax(m[i]))
+        for j in range(n):
+            if logits[i, j] >= logits[i, gt]:
+                new[i, j] = m[i, gt]
+    kl = lambda mu, lv: (-0.5 * (1 + lv - mu ** 2 - lv.exp())).mean().item()  # noqa: E731
+    return float(bce(logits, m) + alpha * bce(logits, new) + beta * (kl(img_mu, img_lv) + kl(txt_mu, txt_lv)))
 
 
-@pytest.mark.parametrize("official", [False, True])
-def test_pml_official_total_against_reference(official):
-    g = _gen(4)
+def test_pml_paper_total_against_reference():
     n, d = 6, 5
-    out = {"image_mu": F.normalize(torch.randn(n, d, generator=g, dtype=f64), dim=-1),
-           "text_mu": F.normalize(torch.randn(n, d, generator=g, dtype=f64), dim=-1),
-           "image_logvar": torch.randn(n, d, generator=g, dtype=f64) - 2,
-           "text_logvar": torch.randn(n, d, generator=g, dtype=f64) - 2,
+    out = {"image_mu": _unit((n, d), 4), "text_mu": _unit((n, d), 5),
+           "image_logvar": _logvar((n, d), 6, 1.0), "text_logvar": _logvar((n, d), 7, 1.0),
            "mix_lambda": torch.tensor([1.0, 0.6, 1.0, 0.3, 1.0, 1.0], dtype=f64),
            "mix_partner": torch.tensor([0, 4, 2, 2, 4, 5])}
-    smoothing = 0.01 if official else 0.0
-    params = dict(init_a=2.0, init_b=1.5, alpha=0.3, beta=0.2)
-    if official:
-        params.update(match_weight=2.0, pseudo_rows="both", label_smoothing=smoothing)
-    got = create_loss("pml", **params).double()(out)
+    got = create_loss("pml", init_a=2.0, init_b=1.5, alpha=0.3, beta=0.2).double()(out)
     ref = _pml_reference(out["image_mu"], out["image_logvar"], out["text_mu"], out["text_logvar"],
-                         out["mix_lambda"].tolist(), out["mix_partner"].tolist(), 2.0, 1.5, 0.3, 0.2, smoothing, official)
+                         out["mix_lambda"].tolist(), out["mix_partner"].tolist(), 2.0, 1.5, 0.3, 0.2)
     assert got["loss"].item() == pytest.approx(ref, rel=1e-10)
-    assert got["n_pseudo"].item() > 0  # the pseudo-positive rule is exercised
+    assert got["n_pseudo"].item() > 0
 
 
 # ---------------------------------------------------------------------------------------------------- MSDA
@@ -200,32 +356,124 @@ def test_pcmepp_model_passes_the_msda_switches():
         create_model("pcmepp_tiny", msda_partner="left")
 
 
-# ---------------------------------------------------------------------------------------------------- ProLIP
-def test_prolip_official_image_masking_keeps_three_quarters():
-    model = create_model("prolip_tiny", image_mask_ratio=0.25, mask_fraction=1.0)
-    images, tokens = torch.randn(4, 3, 32, 32), tokenize(["one two three"] * 4, 16)
-    _, keep, _ = model.masked_inputs(images, tokens)
-    assert keep.shape == (4, 12)  # 16 patches (32 / 8)^2, 25% dropped
-    _, keep, _ = create_model("prolip_tiny", mask_fraction=1.0).masked_inputs(images, tokens)
-    assert keep.shape == (4, 4)  # the paper: 75% dropped
+# ---------------------------------------------------------------------------------------------------- ProLIP model
+def test_prolip_official_masked_share_and_kept_patches_against_official_counts():
+    # naver-ai/prolip @ 59f6324, src/prolip_train/train.py (train_one_epoch): n_masked_samples = int(B * drop_ratio)
+    for b in range(0, 70):
+        assert len(masked_rows(b, 0.125, counts="floor")) == int(b * 0.125)
+    assert {b: len(masked_rows(b, 0.125)) for b in (4, 6, 12)} == {4: 1, 6: 1, 12: 2}  # the paper's reading
+    assert {b: len(masked_rows(b, 0.125, counts="floor")) for b in (4, 6, 12)} == {4: 0, 6: 0, 12: 1}
+    # src/prolip/transformer.py, VisionTransformer.forward with image_mask_ratio = args.drop_prob (the KEPT share):
+    # one torch.randperm for the whole masked batch, its first int(n * keep) indices, sorted
+    for n, keep in ((49, 0.75), (196, 0.75), (16, 0.75), (50, 0.5), (7, 0.75)):
+        torch.manual_seed(n)
+        ours = random_keep(5, n, 1.0 - keep, counts="floor", shared=True)
+        torch.manual_seed(n)
+        remain_size = int(n * keep)
+        indices_to_keep = torch.randperm(n)[:remain_size]
+        indices_to_keep, _ = torch.sort(indices_to_keep)
+        assert torch.equal(ours, indices_to_keep.expand(5, -1))
+    assert random_keep(3, 49, 0.25).shape == (3, 37) and random_keep(3, 49, 0.25, counts="floor").shape == (3, 36)
+    per_row = random_keep(64, 49, 0.25)
+    assert len({tuple(r) for r in per_row.tolist()}) > 1  # the paper's reading: a subset per image
 
 
-def test_bernoulli_text_mask_covers_sot_to_eot_with_probability_ratio():
+def test_prolip_model_passes_the_masking_switches():
+    torch.manual_seed(0)
+    official = create_model("prolip_tiny", image_mask_ratio=0.25, mask_counts="floor", image_mask="batch").train()
+    images, tokens = torch.randn(24, 3, 32, 32), tokenize(["one two three"] * 24, 16)
+    rows, keep, _ = official.masked_inputs(images, tokens)
+    assert len(rows) == 3 and keep.shape == (3, 12) and (keep == keep[:1]).all()
+    out = official(images[:6], tokens[:6])  # int(0.125 * 6) = 0: no masked copies, the masked terms count 0
+    assert out["masked_rows"].numel() == 0
+    loss = create_loss("prolip")(out)
+    assert loss["inclusion_masked"].item() == 0.0 and math.isfinite(loss["loss"].item())
+    _, keep, _ = create_model("prolip_tiny", mask_fraction=1.0).masked_inputs(images[:4], tokens[:4])
+    assert keep.shape == (4, 4)  # the paper: 75% dropped, a subset per image
+    with pytest.raises(ValueError, match="image_mask"):
+        create_model("prolip_tiny", image_mask="rows")
+
+
+def test_bernoulli_text_mask_against_official_word_masking():
+    captions = ["a bold wide seven slanted right", "seven", "a thin one", "two",
+                "the digit four written with a very thick pen and slanted far to the left"]  # the last one truncated
+    tokens = tokenize(captions * 40, 16)
     torch.manual_seed(3)
-    tokens = tokenize(["a bold wide seven slanted right"] * 400 + ["seven"] * 400, 16)
-    eot = tokens.argmax(-1)
-    mask = random_text_mask(tokens, 0.75, "bernoulli")
-    pos = torch.arange(16)
-    inside = pos[None, :] <= eot[:, None]
-    assert not mask[~inside].any()  # padding never
-    rate = mask[inside].float().mean().item()
-    assert abs(rate - 0.75) < 0.02
-    assert abs(mask[torch.arange(800), eot].float().mean().item() - 0.75) < 0.04  # EOT too
-    assert abs(mask[:, 0].float().mean().item() - 0.75) < 0.04  # and the start token
-    assert len(set(mask.sum(1).tolist())) > 3  # counts vary, unlike the paper's exact round(0.75 n)
-    exact = random_text_mask(tokens, 0.75)
-    n_words = eot - 1
-    assert torch.equal(exact.sum(1), (n_words.float() * 0.75).round().clamp_min(1).long())
+    ours = random_text_mask(tokens, 0.75, "bernoulli")
+    torch.manual_seed(3)
+    u = torch.rand(tokens.shape)  # the uniforms ours drew; the official code draws its own, row by row
+    # the official layout: SigLIP's tokenizer has no start token and pads with its end token (id 1)
+    pos = torch.arange(tokens.shape[1])
+    texts = torch.where(pos[None, :] < tokens.argmax(-1)[:, None], tokens, 1)[:, 1:]
+    assert not (texts[:, : 14] == 1).all(dim=1).any()
+    drop_prob, replace_token = 0.75, -1
+    # naver-ai/prolip @ 59f6324, src/prolip_train/train.py (train_one_epoch), the masked copies' texts
+    masked_texts = texts.clone()
+    padding_mask = texts != 1
+    for i in range(len(texts)):
+        non_padding_indices = torch.where(padding_mask[i])[0]
+        replace_mask = u[i, 1:][non_padding_indices] < drop_prob  # official: torch.rand(non_padding_indices.size())
+        non_padding_tokens = masked_texts[i, non_padding_indices]
+        non_padding_tokens[replace_mask] = replace_token
+        masked_texts[i, non_padding_indices] = non_padding_tokens
+    assert torch.equal(ours[:, 1:], masked_texts == replace_token)
+    assert not ours[:, 0].any()  # the start token never
+    words = padding_mask.sum().item()
+    assert abs(ours.sum().item() / words - 0.75) < 0.05 and len(set(ours.sum(1).tolist())) > 3
+    exact = random_text_mask(tokens, 0.75)  # the paper's reading: exactly round(0.75 n) of the n words
+    assert torch.equal(exact.sum(1), (padding_mask.sum(1).float() * 0.75).round().clamp_min(1).long())
+
+
+def _official_prolip_text(model, text):
+    """naver-ai/prolip @ 59f6324, src/prolip/transformer.py, TextTransformer.forward (embed_cls, embed_unc,
+    no_causal_mask: ``self.transformer(x, attn_mask=None)`` over the whole padded context), its blocks
+    (ResidualAttentionBlock: x + attn(ln_1(x)), x + mlp(ln_2(x)), nn.MultiheadAttention, GELU) and
+    ProLIP.encode_text(normalize=True), with this project's weights. The official [UNC] and [CLS]
+    embeddings and their positional embeddings are one learnable vector each here (their positional rows
+    are 0), and its text projection's bias (proj_bias) is 0: this project's text_proj has none."""
+    t = model.text
+    x = t.token_embedding(text)
+    b, seq_len = x.shape[0], text.shape[1] + 2
+    x = torch.cat([x, t.appended[0].expand(b, 1, -1), t.appended[1].expand(b, 1, -1)], dim=1)
+    positional_embedding = torch.cat([t.positional_embedding, torch.zeros(2, t.width, dtype=x.dtype)])
+    x = x + positional_embedding[:seq_len]
+    for blk in t.blocks:
+        heads = blk.attn.num_heads
+        h = F.layer_norm(x, (t.width,), blk.norm1.weight, blk.norm1.bias, blk.norm1.eps)
+        q, k, v = F.linear(h, blk.attn.qkv.weight, blk.attn.qkv.bias).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, seq_len, heads, -1).transpose(1, 2) for z in (q, k, v))
+        attn = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)  # attn_mask=None
+        x = x + F.linear((attn @ v).transpose(1, 2).reshape(b, seq_len, -1), blk.attn.proj.weight, blk.attn.proj.bias)
+        h = F.layer_norm(x, (t.width,), blk.norm2.weight, blk.norm2.bias, blk.norm2.eps)
+        x = x + F.linear(F.gelu(F.linear(h, blk.mlp.fc1.weight, blk.mlp.fc1.bias)), blk.mlp.fc2.weight, blk.mlp.fc2.bias)
+    pooled = x[:, -1]
+    pooled = F.layer_norm(pooled, (t.width,), t.ln_final.weight, t.ln_final.bias, t.ln_final.eps)
+    pooled = F.linear(pooled, model.text_proj.weight)  # text_projection
+    std_pooled = F.linear(pooled, model.text_unc_proj.weight, model.text_unc_proj.bias)  # text_uncertainty_projection(pooled)
+    return F.normalize(pooled, dim=-1), std_pooled
+
+
+def test_prolip_official_text_tower_against_official_forward():
+    torch.manual_seed(7)
+    model = create_model("prolip_tiny", text_causal=False, text_pad_attention=True, text_unc_from="pooled").double().eval()
+    tokens = tokenize(["one two three", "a bold wide seven", "four", "a thin five slanted left"], 16)
+    ours = model.encode_text(tokens)
+    mu, logvar = _official_prolip_text(model, tokens)
+    params = [p for n, p in model.named_parameters() if n.startswith(("text.", "text_proj", "text_unc_proj"))]
+    _assert_same(ours["mu"], mu, params)
+    _assert_same(ours["logvar"], logvar, params)
+    assert model.text_unc_proj.weight.shape == (64, 64) and model.text_unc_proj.bias[0].item() == -10.0
+    # attention to the padding: the outputs change with the context's length; the default cuts the padding
+    longer = torch.cat([tokens, torch.zeros(4, 8, dtype=tokens.dtype)], dim=1)
+    model.text.positional_embedding = torch.nn.Parameter(torch.cat([model.text.positional_embedding] * 2))
+    with torch.no_grad():
+        assert (model.encode_text(longer)["mu"] - ours["mu"]).abs().max() > 1e-4
+        paper = create_model("prolip_tiny", text_causal=False).double().eval()
+        paper.text.positional_embedding = torch.nn.Parameter(torch.cat([paper.text.positional_embedding] * 2))
+        torch.testing.assert_close(paper.encode_text(longer)["mu"], paper.encode_text(tokens)["mu"], rtol=0, atol=1e-12)
+    # the paper's reading: sigma^2 from the [UNC] output
+    assert create_model("prolip_tiny", text_width=32).text_unc_proj.weight.shape == (64, 32)
+    assert create_model("prolip_tiny", text_width=32, text_unc_from="pooled").text_unc_proj.weight.shape == (64, 64)
 
 
 def test_non_causal_text_tower_sees_later_tokens_but_never_padding():
@@ -243,33 +491,42 @@ def test_non_causal_text_tower_sees_later_tokens_but_never_padding():
         torch.testing.assert_close(alone, batched, atol=1e-5, rtol=1e-5)
 
 
-def test_official_prolip_logit_scale_starts_at_one_over_007():
-    s, b = create_loss("prolip", init_scale=1 / 0.07).scale_bias(torch.zeros(1))
-    assert s.item() == pytest.approx(1 / 0.07, rel=1e-6) and b.item() == -10.0
-
-
 # ---------------------------------------------------------------------------------------------------- Llip
-def _llip_reference(kv_tokens, wk, wv, queries, wq, targets, wo, heads, tau):
-    """Naive contextualised cosines: K/V per token (wk[k], wv[k]: (D, Din)), q_j = W_Q g_j, heads split,
-    softmax over the K tokens of q.k / tau, z_ij = W_O concat(sum_k a v), cos(z_ij, t_j)."""
-    b, k_tokens, _ = kv_tokens.shape
-    n, d = queries.shape[0], wo.shape[0]
-    dh = d // heads
-    out = torch.zeros(b, n, dtype=f64)
-    for i in range(b):
-        keys = torch.stack([wk[k] @ kv_tokens[i, k] for k in range(k_tokens)])  # (K, D)
-        values = torch.stack([wv[k] @ kv_tokens[i, k] for k in range(k_tokens)])
-        for j in range(n):
-            q = wq @ queries[j]
-            parts = []
-            for h in range(heads):
-                sl = slice(h * dh, (h + 1) * dh)
-                w = torch.softmax(torch.stack([q[sl] @ keys[k, sl] for k in range(k_tokens)]) / tau, dim=0)
-                parts.append(sum(w[k] * values[k, sl] for k in range(k_tokens)))
-            z = wo @ torch.cat(parts)
-            t = targets[j] / targets[j].norm()
-            out[i, j] = z @ t / z.norm()
-    return out
+def _llip_official_features(model, images, tokens):
+    """facebookresearch/Llip @ d5649c3, llip/open_clip/model.py, CMP.encode_image (K, V: the image tower's
+    mixture-token outputs times a (width, D) projection per token) and CMP.encode_text (Q = h q_proj,
+    zt = h text_projection, h the EOT output after ln_final), with this project's weights (the official
+    (in, out) matrices are this project's (out, in) weights transposed)."""
+    mixer, heads = model.mixer, model.mixer.heads
+    h = model.visual(images)[:, : model.mixture_tokens]
+    K = h.transpose(0, 1) @ mixer.k_proj.weight.transpose(1, 2)
+    V = h.transpose(0, 1) @ mixer.v_proj.weight.transpose(1, 2)
+    N, B, C = K.shape
+    K = K.reshape(N, B, heads, C // heads).permute(1, 2, 0, 3)
+    V = V.reshape(N, B, heads, C // heads).permute(1, 2, 0, 3)
+    x = model.text(tokens)
+    ht = x[torch.arange(x.shape[0]), tokens.argmax(dim=-1)]
+    Q = ht @ mixer.q_proj.weight.T
+    Q = Q.reshape(Q.shape[0], heads, Q.shape[1] // heads)
+    zt = ht @ model.text_proj.weight.T
+    return K, V, Q, zt
+
+
+def _llip_cross_attention(K, Q, V, weight_scale, out_proj):
+    """facebookresearch/Llip @ d5649c3, llip/open_clip/model.py, xAttnPred.cross_attention."""
+    attn = (torch.einsum('vhnd,thd->vthn', K, Q) / weight_scale).softmax(-1)
+    zv = torch.einsum('vthn,vhnd->vthd', attn, V).reshape(K.shape[0], Q.shape[0], -1)
+    return zv @ out_proj
+
+
+def _llip_official_loss(K, Q, V_visual, V_text, out_proj, weight_temp, logit_scale, logit_bias):
+    """facebookresearch/Llip @ d5649c3, llip/open_clip/loss.py, CMPLoss._loss / get_logits (world_size 1);
+    llip/training/train.py normalises zt first."""
+    zv = F.normalize(_llip_cross_attention(K, Q, V_visual, weight_temp, out_proj), dim=-1)
+    cos = (V_text[None] * zv).sum(-1)
+    logits = logit_scale * cos + logit_bias
+    labels = 2 * torch.eye(len(V_visual), dtype=cos.dtype) - torch.ones(len(V_visual), len(V_visual), dtype=cos.dtype)
+    return cos, -F.logsigmoid(labels * logits).sum() / V_visual.shape[0]
 
 
 def _llip_official():
@@ -278,45 +535,50 @@ def _llip_official():
                         mixer_heads=2, mixture_tokens=3).double().eval()
 
 
-def test_llip_per_token_kv_and_hidden_query_against_reference():
+def test_llip_official_model_and_loss_against_official_code():
     model = _llip_official()
-    images, tokens = torch.randn(3, 3, 32, 32, dtype=f64), tokenize(["one", "two three", "four five six", "seven"], 16)
-    with torch.no_grad():
-        img, txt = model.encode_image(images), model.encode_text(tokens)
-        out = model(images, tokens)
-        tower = model.visual(images)[:, :3]
-        x = model.text(tokens)
-        hidden = x[torch.arange(4), tokens.argmax(-1)]
-    # the mixer reads the image tower's mixture tokens (before image_proj) and the text's hidden state
-    torch.testing.assert_close(img["mix"], tower)
-    torch.testing.assert_close(txt["query"], hidden)
-    torch.testing.assert_close(txt["mu"], F.normalize(model.text_proj(hidden), dim=-1))
-    mixer = model.mixer
-    ref = _llip_reference(tower, mixer.k_proj.weight, mixer.v_proj.weight, hidden, mixer.q_proj.weight,
-                          txt["mu"], mixer.out_weight, heads=2, tau=mixer.tau)
-    torch.testing.assert_close(out["pair_cos"], ref, rtol=1e-10, atol=1e-12)
-    assert mixer.k_proj.weight.shape == (3, 64, 64)  # one K (and one V) projection per mixture token
+    images = torch.randn(4, 3, 32, 32, generator=_gen(30), dtype=f64)
+    tokens = tokenize(["one", "two three", "four five six", "seven"], 16)
+    # official model: init_logit_scale = np.log(1 / 0.07) (CLIP.__init__), init_logit_bias -10 (model_configs/
+    # ViT-B-16-quickgelu-siglip-ncls:64.json); no SigLIP init
+    loss = create_loss("llip", init_scale=1 / 0.07).double()
+    assert loss.logit_scale.item() == pytest.approx(math.log(1 / 0.07), rel=1e-7) and loss.logit_bias.item() == -10.0
+    out = model(images, tokens)
+    ours = loss(out)["loss"]
+    K, V, Q, zt = _llip_official_features(model, images, tokens)
+    cos, ref = _llip_official_loss(K, Q, V, F.normalize(zt, dim=-1), model.mixer.out_weight.T, model.mixer.tau,
+                                   loss.logit_scale.exp().reshape(()), loss.logit_bias.reshape(()))
+    params = [*model.parameters(), loss.logit_scale, loss.logit_bias]
+    _assert_same(out["pair_cos"], cos, params)
+    _assert_same(ours, ref, params)
+    assert model.mixer.k_proj.weight.shape == (3, 64, 64)  # one K (and one V) projection per mixture token
 
 
-def test_llip_mean_query_zero_shot_against_reference():
+def test_llip_mean_query_zero_shot_against_official_evaluation():
     model = _llip_official()
     prompts = [["a one", "the digit one"], ["a two", "the digit two"], ["a three", "the digit three"]]
-    images = torch.randn(2, 3, 32, 32, dtype=f64)
-    with torch.no_grad():
-        flat = model.encode_text(tokenize([p for c in prompts for p in c], 16))
-        per = {k: v.reshape(3, 2, -1) for k, v in flat.items()}
-        scores = model.class_scores(model.encode_image(images), model.class_embeddings(per))
-        mixer = model.mixer
-        # the class query is the mean of the templates' queries, each W_Q h_t computed on its own
-        queries = torch.stack([torch.stack([mixer.q_proj.weight @ h for h in per["query"][c]]).mean(0) for c in range(3)])
-        target = F.normalize(per["mu"].mean(1), dim=-1)
-        ref = _llip_reference(model.encode_image(images)["mix"], mixer.k_proj.weight, mixer.v_proj.weight, queries,
-                              torch.eye(64, dtype=f64), target, mixer.out_weight, heads=2, tau=mixer.tau)
-    torch.testing.assert_close(scores, ref, rtol=1e-10, atol=1e-12)
+    images = torch.randn(2, 3, 32, 32, generator=_gen(31), dtype=f64)
+    flat = model.encode_text(tokenize([p for c in prompts for p in c], 16))
+    per = {k: v.reshape(3, 2, -1) for k, v in flat.items()}
+    scores = model.class_scores(model.encode_image(images), model.class_embeddings(per))
+    # facebookresearch/Llip @ d5649c3, llip/clipeval/eval_zeroshot.py, build_text_features_cmp (classnorm off)
+    # and validate_zeroshot_cmp: class feature = normalised mean of normalised zt, class query = mean of Q
+    text_features, Qs = [], []
+    for c in range(3):
+        K, V, Q, class_embeddings = _llip_official_features(model, images, tokenize(prompts[c], 16))
+        class_embeddings = class_embeddings / class_embeddings.norm(dim=-1, keepdim=True)
+        text_features.append(class_embeddings.mean(dim=0))
+        Qs.append(Q.mean(0))
+    text_features = torch.stack(text_features, dim=0)
+    text_features = text_features / text_features.norm(dim=-1, keepdim=True)
+    image_features = _llip_cross_attention(K, torch.stack(Qs, dim=0), V, model.mixer.tau, model.mixer.out_weight.T)
+    image_features = image_features / image_features.norm(dim=-1, keepdim=True)
+    logits_per_image = (image_features * text_features[None]).sum(-1)
+    _assert_same(scores, logits_per_image, list(model.parameters()))
     with pytest.raises(ValueError, match="mean_query"):
         create_model("llip_tiny", query_from="hidden")
     with pytest.raises(KeyError, match="query"):
-        model.class_scores(model.encode_image(images), {"mu": target})
+        model.class_scores(model.encode_image(images), {"mu": text_features})
 
 
 def test_llip_mean_query_with_embedding_queries_averages_unnormalised_templates():
@@ -331,7 +593,61 @@ def test_llip_mean_query_with_embedding_queries_averages_unnormalised_templates(
 
 
 # ---------------------------------------------------------------------------------------------------- ProbVLM
+class _OfficialTempCombLoss:
+    """ExplainableML/ProbVLM @ cb69f28, src/losses.py, TempCombLoss (reduction 'mean') and GenGaussLoss
+    (alpha_eps = beta_eps = 1e-4, resi_min 1e-4, resi_max 1e3); its network outputs 1/alpha."""
+
+    def gen_gauss(self, mean, one_over_alpha, beta, target):
+        one_over_alpha1 = one_over_alpha + 1e-4
+        beta1 = beta + 1e-4
+        resi = torch.abs(mean - target)
+        resi = (resi * one_over_alpha1 * beta1).clamp(min=1e-4, max=1e3)
+        log_one_over_alpha = torch.log(one_over_alpha1)
+        log_beta = torch.log(beta1)
+        lgamma_beta = torch.lgamma(torch.pow(beta1, -1))
+        return (resi - log_one_over_alpha + lgamma_beta - log_beta).mean()
+
+    def __call__(self, mean, one_over_alpha, beta, target, T1, T2):
+        l1 = (mean - target).abs().mean()  # nn.L1Loss(reduction='mean')
+        return T1 * l1 + T2 * self.gen_gauss(mean, one_over_alpha, beta, target)
+
+
+def _probvlm_batch(seed: int, clamped: bool = False) -> dict[str, torch.Tensor]:
+    g = _gen(seed)
+    out = {}
+    for m in ("image", "text"):
+        out[f"{m}_hat"] = torch.randn(4, 5, generator=g, dtype=f64)
+        out[f"{m}_target"] = torch.randn(4, 5, generator=g, dtype=f64)
+        out[f"{m}_alpha"] = torch.exp(torch.randn(4, 5, generator=g, dtype=f64))  # alpha over e^-2 .. e^2
+        out[f"{m}_beta"] = torch.rand(4, 5, generator=g, dtype=f64) * 2.5 + 0.3
+    if clamped:  # residuals the official clamp cuts at both ends
+        out["image_hat"][0, :2] = out["image_target"][0, :2]
+        out["text_hat"][1, :2] = out["text_target"][1, :2] + 5e3
+    return {k: _leaf(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("clamped", [False, True])
+@pytest.mark.parametrize("lambda_cross", [1e-4, 0.3])
+def test_probvlm_official_loss_against_official_training_step(lambda_cross, clamped):
+    out = _probvlm_batch(40, clamped)
+    T1, T2 = 1.0, 5e-2  # train_ProbVLM's defaults
+    loss = create_loss("probvlm", lambda_cross=lambda_cross, l1=T1, ggd=T2, approx=True, approx_form="linear",
+                       stabilise=True, l1_cross=True)
+    ours = loss(out)["loss"]
+    # ExplainableML/ProbVLM @ cb69f28, src/train_probVLM.py, train_ProbVLM (one step)
+    Cri = _OfficialTempCombLoss()
+    img_mu, img_1alpha, img_beta, xfI = out["image_hat"], 1 / out["image_alpha"], out["image_beta"], out["image_target"]
+    txt_mu, txt_1alpha, txt_beta, xfT = out["text_hat"], 1 / out["text_alpha"], out["text_beta"], out["text_target"]
+    loss_i = Cri(img_mu, img_1alpha, img_beta, xfI, T1=T1, T2=T2)
+    loss_t = Cri(txt_mu, txt_1alpha, txt_beta, xfT, T1=T1, T2=T2)
+    loss_i4t = Cri(img_mu, img_1alpha, img_beta, xfT, T1=T1, T2=T2)
+    loss_t4i = Cri(txt_mu, txt_1alpha, txt_beta, xfI, T1=T1, T2=T2)
+    ref = loss_i + loss_t + lambda_cross * (loss_i4t + loss_t4i)
+    _assert_same(ours, ref, list(out.values()))
+
+
 def _ggd_reference(r_abs: float, alpha: float, beta: float, approx: str | None, stabilise: bool) -> float:
+    """The GGD NLL forms outside the official code's combination (Eq. 3, Eq. 16, each with or without the guards)."""
     inv_a = 1 / alpha + (1e-4 if stabilise else 0.0)
     bb = beta + (1e-4 if stabilise else 0.0)
     ratio = r_abs * inv_a
@@ -348,7 +664,7 @@ def _ggd_reference(r_abs: float, alpha: float, beta: float, approx: str | None, 
 
 @pytest.mark.parametrize("approx", [None, "eq16", "linear"])
 @pytest.mark.parametrize("stabilise", [False, True])
-def test_ggd_official_forms_against_reference(approx, stabilise):
+def test_ggd_forms_against_reference(approx, stabilise):
     # residuals from 0 (clamped up to 1e-4 when stabilised) to huge (clamped down to 1e3)
     target = torch.zeros(6, dtype=f64)
     mu = torch.tensor([0.0, 1e-7, 0.3, 1.5, 40.0, 5e3], dtype=f64)
@@ -359,19 +675,18 @@ def test_ggd_official_forms_against_reference(approx, stabilise):
     torch.testing.assert_close(got, torch.tensor(ref, dtype=f64), rtol=1e-10, atol=1e-12)
 
 
-def test_probvlm_loss_cross_l1_and_adapter_config_keys():
-    g = _gen(7)
-    out = {}
-    for m in ("image", "text"):
-        out[f"{m}_hat"] = torch.randn(4, 5, generator=g, dtype=f64)
-        out[f"{m}_target"] = torch.randn(4, 5, generator=g, dtype=f64)
-        out[f"{m}_alpha"] = torch.rand(4, 5, generator=g, dtype=f64) + 0.2
-        out[f"{m}_beta"] = torch.rand(4, 5, generator=g, dtype=f64) + 0.5
+def test_probvlm_loss_parts_and_adapter_config_keys():
+    out = {k: v.detach() for k, v in _probvlm_batch(7).items()}
     l1 = lambda a, b: (out[a] - out[b]).abs().mean().item()  # noqa: E731
     own = l1("image_hat", "image_target") + l1("text_hat", "text_target")
     cross = l1("image_hat", "text_target") + l1("text_hat", "image_target")
-    assert create_loss("probvlm")(out)["l1"].item() == pytest.approx(own, rel=1e-12)
-    assert create_loss("probvlm", l1_cross=True)(out)["l1"].item() == pytest.approx(own + cross, rel=1e-12)
+    for switch in (False, True):
+        parts = create_loss("probvlm", l1_cross=switch)(out)
+        assert parts["l1"].item() == pytest.approx(own, rel=1e-12)
+        assert parts["l1_cross"].item() == pytest.approx(cross, rel=1e-12)
+    base = create_loss("probvlm", l1=2.0, lambda_cross=0.3)(out)["loss"].item()
+    with_cross = create_loss("probvlm", l1=2.0, lambda_cross=0.3, l1_cross=True)(out)["loss"].item()
+    assert with_cross - base == pytest.approx(2.0 * 0.3 * cross, rel=1e-10)  # the cross L1 weighted l1 * lambda
     # the adapter's loss section carries the switches to the loss unchanged
     section = AdaptLossConfig(approx=True, approx_form="linear", stabilise=True, l1_cross=True)
     loss = create_loss("probvlm", **section.model_dump())
