@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-long install clean bench cluster-up cluster-down
+.PHONY: demo test test-fast test-long test-gpu install clean bench cluster-up cluster-down
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ test-fast: $(STAMP)
 # (~30 min on 2 cores; outside `make test` to keep CI short).
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long tests
+
+# The GPU tests (marker gpu; in `make test` too, where they skip on a machine without a GPU), at most 8 minutes on
+# one H100 / H200. On the GPU machine, which has no network: `source .gpu-carry/enter.sh && make test-gpu`
+# (its python3 with the carried packages; ../shared/gpu/README.md); elsewhere the project's .venv.
+test-gpu:
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m gpu --durations=0 tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.losses

@@ -65,7 +65,8 @@ class AdaptLossConfig(Section):
     # ProbVLM Eq. 16's first-order form of the power term.
     approx: bool = False
     # Official ProbVLM's choices (docs/FIDELITY.md): "linear" drops Eq. 16's 1 - beta; stabilise adds 1e-4 to
-    # 1/alpha and beta and clamps the power term to [1e-4, 1e3]; l1_cross puts the L1 term on the cross pairs too.
+    # 1/alpha and beta and clamps the power term to [1e-4, 1e3]; l1_cross puts the L1 term on the cross pairs too,
+    # weighted lambda_cross like the rest of the cross term.
     approx_form: Literal["eq16", "linear"] = "eq16"
     stabilise: bool = False
     l1_cross: bool = False

@@ -51,6 +51,11 @@ class _Embedder:
         if num_gpus <= 0:
             torch.set_num_threads(max(1, threads))
         self.device = _device(num_gpus)
+        if self.device.type == "cuda":
+            # float32 embeddings, as on a CPU: no TF32 in cuDNN's convolutions (its default) or cuBLAS's matmuls,
+            # so GPU and CPU actors give the same metrics (this actor's process does nothing else)
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         self.model = load_model(model_file).to(self.device).eval()
 
 

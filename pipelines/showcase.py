@@ -54,6 +54,9 @@ def run_summary(cfg, result) -> list[str]:
     lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
              f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
              "final metrics:", *headline(result.metrics)]
+    if "data_wait_frac_mean" in result.metrics:
+        lines.append(f"  the training loop waited for data {result.metrics['data_wait_frac_mean']:.0%} of its time "
+                     "(data_wait_frac in MLflow; above ~10% the reader, not the model, sets the pace)")
     if result.metrics.get("step", 0) < cfg.train.steps:
         return lines + [f"stopped at step {result.metrics.get('step', 0)} of {cfg.train.steps}: no final model"]
     model_uri = f"runs:/{result.mlflow_run_id}/model"

@@ -109,6 +109,48 @@ def embedding_probe(model: torch.nn.Module, task: EvalTask, n: int = 8) -> dict[
             **{f"text_{k}": v.float().cpu().contiguous() for k, v in text_out.items()}}
 
 
+class DataWait:
+    """How long the training loop waits for its batches: per logging window and over the run. A step ends with a
+    host sync (the loss's finiteness check), so time spent waiting here is time the device had nothing to do."""
+
+    def __init__(self):
+        self.waited_s = self.loop_s = 0.0
+        self._window_wait = self._window_steps = 0
+        self._window_start = self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._window_start = self._last = time.perf_counter()
+
+    def timed(self, batches):
+        """Yield `batches`, timing each wait for the next one."""
+        it = iter(batches)
+        while True:
+            before = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            now = time.perf_counter()
+            self.waited_s += now - before
+            self._window_wait += now - before
+            self.loop_s += now - self._last
+            self._last = now
+            self._window_steps += 1
+            yield batch
+
+    def window(self) -> tuple[float, float]:
+        """(share of the time since the last call spent waiting, mean wait per batch in ms), then a new window."""
+        now = time.perf_counter()
+        elapsed, steps = now - self._window_start, max(self._window_steps, 1)
+        frac = self._window_wait / elapsed if elapsed > 0 else 0.0
+        ms = 1000 * self._window_wait / steps
+        self._window_start, self._window_wait, self._window_steps = now, 0.0, 0
+        return frac, ms
+
+    def mean(self) -> float:
+        return self.waited_s / self.loop_s if self.loop_s > 0 else 0.0
+
+
 class TrainWorker:
     """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
 
@@ -121,6 +163,7 @@ class TrainWorker:
         if not self.use_gpu:
             torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
         self.failure_marker = failure_marker
+        self.wait = DataWait()
         self.tasks = cfg.eval.resolved_tasks(cfg.data.root)
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
@@ -191,7 +234,8 @@ class TrainWorker:
         if self.console:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         bad_in_a_row = 0
-        for batch in self.batches():
+        self.wait.start()
+        for batch in self.wait.timed(self.batches()):
             images = batch["image"].float()  # bf16: the engine's autocast casts inside the towers
             out = engine(images, batch["text"], self.world)
             if not self._finite_on_all_ranks(out["loss"]):
@@ -214,10 +258,13 @@ class TrainWorker:
             if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
                 metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
                 rate = (p.samples - samples0) / (time.perf_counter() - t0)
+                wait_frac, wait_ms = self.wait.window()
                 metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
-                               skipped_batches=p.skipped_batches, world_size=self.world.size)
+                               skipped_batches=p.skipped_batches, world_size=self.world.size,
+                               data_wait_frac=wait_frac, data_wait_ms=wait_ms)
                 self.logger.log(metrics, p.step)
-                self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"})
+                self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"},
+                                    **{"data wait": f"{wait_frac:.0%}"})
             self._maybe_fail(p.step)
             if p.step >= self.last_step:
                 break
@@ -315,6 +362,10 @@ class TrainWorker:
         """Final weights, saved model and evaluation (rank 0), final checkpoint and report (all ranks)."""
         p = self.progress
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
+        if self.wait.loop_s > 0:
+            report["data_wait_frac_mean"] = self.wait.mean()
+            if self.logger:
+                self.logger.log({"data_wait_frac_mean": report["data_wait_frac_mean"]}, p.step)
         if p.step >= self.t.steps:
             weights, loss_weights = self._final_weights()
             if self.rank == 0:

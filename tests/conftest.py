@@ -28,8 +28,12 @@ def ray_local():
 
     from pipelines.ray_env import init_ray
 
+    import torch
+
     os.environ.pop("RAY_ADDRESS", None)
-    init_ray(num_cpus=4)
+    # a GPU machine's CPUs feed the GPU tests' side-by-side fits; elsewhere 4 (more than the cores: Ray CPUs are
+    # scheduling slots, and the tests' workers mostly wait)
+    init_ray(num_cpus=min(os.cpu_count() or 4, 16) if torch.cuda.is_available() else 4)
     yield ray
     ray.shutdown()
 

@@ -88,6 +88,7 @@ def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> No
     reason = run.data.tags["probvlp.failure"]
     assert "\n" not in reason and "digits_zeroshot" in reason and "calibration_bins" in reason, reason
     assert run.data.tags["probvlp.device"].startswith(device)
+    (tmp / "dl").mkdir(parents=True, exist_ok=True)
     folder = Path(download_artifacts(run_id=run_id, artifact_path="model", dst_path=str(tmp / "dl"), tracking_uri=uri))
     model = load_model(model_file(folder)).to(device)  # strict: every tensor of the architecture, no unpickling
     probe = load_file(str(folder / "probe.safetensors"))

@@ -52,7 +52,10 @@ def test_mlflow_run_reads_back(trained):
     assert params["train.zero_stage"] == "2" and params["model.name"] == "clip_tiny"
     assert params["train.num_workers"] == "2" and params["train.steps"] == str(STEPS)
     assert run.data.metrics["digits_zeroshot/top1"] == pytest.approx(result.metrics["digits_zeroshot/top1"])
-    assert {"loss", "lr", "logit_scale", "samples_per_s"} <= set(run.data.metrics)
+    assert {"loss", "lr", "logit_scale", "samples_per_s", "data_wait_frac", "data_wait_ms"} <= set(run.data.metrics)
+    # the share of the loop spent waiting for batches, per logging window and over the run
+    assert 0 <= run.data.metrics["data_wait_frac"] <= 1 and run.data.metrics["data_wait_ms"] >= 0
+    assert 0 < result.metrics["data_wait_frac_mean"] < 1
     # All torch.distributed traffic of the local run stayed on loopback.
     assert run.data.tags["probvlp.master_addr"] == "127.0.0.1"
     assert run.data.tags["probvlp.world_size"] == "2"
