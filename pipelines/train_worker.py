@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import numpy as np
 import ray.train
 import torch
 from safetensors.torch import save_file
@@ -303,7 +304,7 @@ class TrainWorker:
             # replays steps after the last checkpoint, and MLflow must not see them twice.
             self.logger.flush()
 
-    def _final_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    def _gathered_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         """The model's and the loss's complete weights on rank 0's device (collective; None on other ranks). ZeRO-0/1/2
         ranks hold whole parameters, so only rank 0 copies them; ZeRO-3 gathers on every rank."""
         if self.rank != 0 and self.engine.zero_optimization_stage() != 3:
@@ -317,7 +318,7 @@ class TrainWorker:
         """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them). A task that
         fails is reported (printed, MLflow tag `probvlp.eval_error`) and training goes on: the final evaluation
         decides the run's status."""
-        weights, loss_weights = self._final_weights()
+        weights, loss_weights = self._gathered_weights()
         result: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -367,7 +368,7 @@ class TrainWorker:
             if self.logger:
                 self.logger.log({"data_wait_frac_mean": report["data_wait_frac_mean"]}, p.step)
         if p.step >= self.t.steps:
-            weights, loss_weights = self._final_weights()
+            weights, loss_weights = self._gathered_weights()
             if self.rank == 0:
                 report.update(self._final_artifacts(weights, loss_weights))
             del weights, loss_weights
@@ -389,16 +390,22 @@ class TrainWorker:
             tmp = Path(tmp)
             host = {k: v.cpu() for k, v in weights.items()}
             save_model(host, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
-            probe = embedding_probe(model, self.tasks[0])
+            try:  # reads the first eval task's data: whatever that holds, the model is saved
+                probe = embedding_probe(model, self.tasks[0])
+                example = probe["images"][0].numpy()
+            except Exception as err:  # noqa: BLE001
+                probe, example = None, np.zeros((3, model.img_size, model.img_size), np.float32)  # a grey image
+                self.logger.tag("probvlp.probe_error", str(EvaluationError.of(self.tasks[0].name, err)))
             # The MLflow model (MLmodel, code/, data/model.safetensors) is the `model` folder; the loss weights,
             # the probe and the model card sit beside it.
-            save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(probe["images"][0].numpy()),
-                              EXAMPLE_CAPTION, model.probabilistic)
+            save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(example), EXAMPLE_CAPTION,
+                              model.probabilistic)
             self.logger.artifacts(tmp / "mlflow_model", "model")
             save_file({k: v.cpu().contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
-            save_file(probe, str(tmp / "probe.safetensors"))
-            for name in ("loss.safetensors", "probe.safetensors"):
-                self.logger.artifact(tmp / name, "model")
+            self.logger.artifact(tmp / "loss.safetensors", "model")
+            if probe is not None:
+                save_file(probe, str(tmp / "probe.safetensors"))
+                self.logger.artifact(tmp / "probe.safetensors", "model")
             try:
                 metrics, results = self.evaluate(objective)
             except EvaluationError as err:

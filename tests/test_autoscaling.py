@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,8 +142,8 @@ def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_ro
 
     try:
         text = wait_for("both messages in the job's log", lambda: (lambda t: t if (
-            "No available node types can fulfill resource request {'GPU': 1.0}" in t
-            and "one training worker needs GPU 1" in t) else None)(job_log()), timeout_s=300, every_s=5)
+            re.search(r"No available node types can fulfill resource request \{[^}]*'GPU': 1\.0", t)
+            and "one training worker needs CPU 1, GPU 1" in t) else None)(job_log()), timeout_s=300, every_s=5)
     finally:
         subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=env, capture_output=True, timeout=120)
     assert "waiting for the autoscaler to add one" in text

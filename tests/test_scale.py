@@ -59,6 +59,6 @@ def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digi
 
 def test_a_worker_that_no_node_can_hold_is_a_one_line_error(ray_local, digits_root, tmp_path):
     """GPUs asked on a Ray without any and without an autoscaler: said before training, not waited on forever."""
-    with pytest.raises(ConfigError, match=r"^train: one training worker needs GPU 1, which no node of this "
+    with pytest.raises(ConfigError, match=r"^train: one training worker needs CPU 1, GPU 1, which no node of this "
                                           r"cluster offers \(node 127\.0\.0\.1 \w+: CPU \d+\)$"):
         fit(config(tmp_path, digits_root, "gpu", "train.use_gpu=true"))
