@@ -55,7 +55,7 @@ def jpeg(seed: int, size=(48, 40)) -> bytes:
     return buf.getvalue()
 
 
-# Deliberately wrong zero-shot prompts: off the digits' domain, no class named (README "Using the uncertainty")
+# Deliberately wrong zero-shot prompts: off the digits' domain, no class named (docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts")
 OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
               "a mountain at sunset"]
 

@@ -1,5 +1,5 @@
 """Zero-shot prompt weighting with deliberately wrong prompts, on models trained in this process (no Ray):
-the study behind README "Using the uncertainty". Not collected by pytest; run it as a module:
+the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts". Not collected by pytest; run it as a module:
 
     .venv/bin/python -m tests.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
     .venv/bin/python -m tests.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps

@@ -112,8 +112,8 @@ def test_prolip_general_captions_are_more_uncertain(fits):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "not reproduced on the digits: the caption that fits EVERY image gets the smallest sigma^2 (README "
-    "'Methods' has the runs and the reason). strict: a fit that reproduces it fails this marker."))
+    "not reproduced on the digits: the caption that fits EVERY image gets the smallest sigma^2 (docs/RESULTS.md "
+    "'ProLIP's uncertainty' has the runs and the reason). strict: a fit that reproduces it fails this marker."))
 def test_prolip_universal_caption_is_more_uncertain_than_class_captions(fits):
     model, _ = trained_model(fits, "prolip")
     class_level = [c for label in range(len(NAMES)) for c in specific_captions(label)]
@@ -203,7 +203,7 @@ def test_prolip_bprw_beats_the_plain_ensemble_with_wrong_templates(fits):
     "not reproduced on the digits: the tiny ProLIP gives the off-domain prompts ('a photo of a car') a SMALLER "
     "sigma^2 than the digit templates (0.0025 vs 0.0097 in an in-process 900-step fit), as it does the universal "
     "caption (see test_prolip_universal_caption_is_more_uncertain_than_class_captions), so the filter keeps the "
-    "wrong prompts (top-1 0.10 vs 0.86); PCME++ fits rank them the same way (README 'Evaluation'). strict: a fit "
+    "wrong prompts (top-1 0.10 vs 0.86); PCME++ fits rank them the same way (docs/RESULTS.md 'Zero-shot prompt weighting'). strict: a fit "
     "that reproduces PCME++ C.6 fails this marker."))
 def test_prolip_filter_beats_the_plain_ensemble_with_wrong_templates(fits):
     # PCME++ C.6 / ProLIP 3.4: keeping the 5 most certain prompts per class drops the wrong ones

@@ -434,7 +434,7 @@ def test_uncertainty_rises_with_the_masked_fraction_of_the_image(held_out):
     levels = [image_uncertainty(model, mask_patches(images, f)) for f in (0.0, 0.25, 0.5, 0.75)]
     print("masked 0/25/50/75%:", [{k: f"{v:.3e}" for k, v in u.items()} for u in levels])
     # MC-dropout variance rises at every step (ProbVLM Fig. 6); the total rises overall, but its aleatoric
-    # part can fall at high masking (README "ProbVLM adapter": not step-wise monotone in every fit)
+    # part can fall at high masking (docs/RESULTS.md "ProbVLM adapter": not step-wise monotone in every fit)
     epistemic = [u["epistemic"] for u in levels]
     assert all(b > a for a, b in zip(epistemic, epistemic[1:])), epistemic
     assert levels[-1]["total"] > levels[0]["total"], levels
