@@ -24,8 +24,8 @@ from models.tokenizer import tokenize
 from pipelines import train_state
 from pipelines.train_state import Progress
 from pipelines.config import Config, EvalTask
-from pipelines.evaluation import (EvaluationError, TaskResult, embed_task_locally, held_out_loss, prefixed, score_task,
-                                  write_plots)
+from pipelines.evaluation import (EvaluationError, TaskResult, embed_task_locally, held_out_loss, model_device, prefixed,
+                                  score_task, write_plots)
 from pipelines.optim import adamw, param_groups, warmup_cosine
 from pipelines.progress import ProgressLine
 from pipelines.tracking import StepLogger, save_mlflow_model
@@ -103,7 +103,7 @@ def embedding_probe(model: torch.nn.Module, task: EvalTask, n: int = 8) -> dict[
         captions = [c.split("\n")[0] or "a photo" for c in batch["captions"][:n]]
         tokens = tokenize(captions, model.context_length)
     tokens = tokens.contiguous()
-    device = next(model.parameters()).device
+    device = model_device(model)
     image_out, text_out = model.encode_image(to_device(images, device)), model.encode_text(to_device(tokens, device))
     return {"images": images, "tokens": tokens,
             **{f"image_{k}": v.float().cpu().contiguous() for k, v in image_out.items()},
