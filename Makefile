@@ -53,10 +53,10 @@ bench: $(STAMP)
 # A local autoscaling Ray cluster with ray_cluster.yaml's node types (Ray's fake multi-node provider; 127.0.0.1,
 # token auth): `cluster-up` prints the RAY_ADDRESS to `ray job submit` to; worker nodes come and go with demand.
 cluster-up: $(STAMP)
-	$(PY) -m pipelines.local_cluster up
+	$(PY) -m pipelines.cluster.local up
 
 cluster-down: $(STAMP)
-	$(PY) -m pipelines.local_cluster down
+	$(PY) -m pipelines.cluster.local down
 
 clean:
 	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp

@@ -5,7 +5,7 @@ single-process torch loop over the same tar files and the same saved model; writ
     .venv/bin/python -m benchmarks.batch_inference            # writes the section
     .venv/bin/python -m benchmarks.batch_inference --quick    # small sizes, prints only
 
-Both sides decode the same webdataset shards (pipelines.eval_data), run `encode_image` of the same
+Both sides decode the same webdataset shards (pipelines.evaluate.data), run `encode_image` of the same
 model file and write the embeddings as parquet. The plain loop uses every core for torch (one
 process, `torch.set_num_threads(cores)`); the pool is timed with 1 actor x `cores` threads and with
 `cores` actors x 1 thread. The local Ray is started before timing (a cluster is up when a job runs);
@@ -55,8 +55,8 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
     import torch
 
     from models.model_file import load_model
-    from pipelines.batch_inference import _fixed_lists
-    from pipelines.eval_data import iter_local_batches
+    from pipelines.evaluate.inference import _fixed_lists
+    from pipelines.evaluate.data import iter_local_batches
 
     torch.set_num_threads(threads)
     model = load_model(model_file)
@@ -72,7 +72,7 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
 def ray_pool(model_file: str, paths: list[str], size: int, out: Path, actors: int, threads: int) -> int:
     import pyarrow.parquet as pq
 
-    from pipelines.batch_inference import InferenceOptions, embed_images
+    from pipelines.evaluate.inference import InferenceOptions, embed_images
 
     folder = embed_images(model_file, paths, size, out, InferenceOptions(concurrency=actors, threads=threads))
     return pq.read_table(folder).num_rows
@@ -91,7 +91,7 @@ def main() -> None:
 
     from models import create_model
     from models.model_file import save_model
-    from pipelines.ray_env import init_ray
+    from pipelines.cluster.runtime import init_ray
 
     # the decode tasks need a CPU beside actors that hold every core's worth of threads
     init_ray(num_cpus=cores + 2)

@@ -8,7 +8,7 @@
    parallelism (2 Ray tasks vs `--processes_count 2`, 64 threads each). Both are timed end to end as
    commands (start-up included: Ray's for ours, the spawn pool's for img2dataset), alternating
    A/B/A/B; the best of the repeats is reported, the other numbers are printed.
-2. Reader vs training: samples/s of `pipelines.reader.read_split` (train split of the bundled
+2. Reader vs training: samples/s of `pipelines.data.reader.read_split` (train split of the bundled
    digits, decode + augment + tokenize, iterated as Ray Train does with `iter_torch_batches`)
    against the samples/s the tiny model's training step consumes (clip_tiny + InfoNCE forward,
    backward and AdamW on batches of 64, one torch thread per worker as in the demo, times the
@@ -93,7 +93,7 @@ def bench_download(n: int, repeats: int, image_size: int = 128, threads: int = 6
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipelines.loopback import LoopbackServer
+    from pipelines.cluster.file_server import LoopbackServer
 
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp_name:
         tmp = Path(tmp_name)
@@ -135,10 +135,10 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
 
     from models.objective import build_objective
     from pipelines.config import Config, ModelConfig
-    from pipelines.caption_sampling import CaptionSampler
-    from pipelines.digits import write_digit_shards
-    from pipelines.ray_env import init_ray
-    from pipelines.reader import read_shards, read_split, shard_paths
+    from pipelines.data.captions import CaptionSampler
+    from pipelines.data.digits import write_digit_shards
+    from pipelines.cluster.runtime import init_ray
+    from pipelines.data.reader import read_shards, read_split, shard_paths
 
     torch.manual_seed(0)
     objective = build_objective(Config(model=ModelConfig(name="clip_tiny")))

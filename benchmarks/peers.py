@@ -15,13 +15,13 @@ What is timed: one full step (forward, InfoNCE loss, backward, AdamW) of our `cl
 and text widths, depths, heads, patch, image size, context, embedding width) with open_clip's
 ``ClipLoss``, both randomly initialised, stepped round-robin in one process after a warm-up on the
 same images and tokens (open_clip's tokenizer, which this project uses). Each side steps the optimizer its
-trainer uses: ours the fused AdamW of `pipelines.optim.adamw`, open_clip's `torch.optim.AdamW` as its
+trainer uses: ours the fused AdamW of `pipelines.train.optim.adamw`, open_clip's `torch.optim.AdamW` as its
 `open_clip_train` creates it (the per-tensor loop on CPU, foreach on GPU). Two caption sets: "short"
 (digit captions; our text tower drops the padding after the batch's longest caption, open_clip's
 runs the whole context) and "full" (every caption fills the context: the same text work for both).
 The verdict uses the median over rounds of the two back-to-back steps' ratio.
 
-The data side (``--data``): samples/s of our Ray Data reader (``pipelines.reader.read_shards``,
+The data side (``--data``): samples/s of our Ray Data reader (``pipelines.data.reader.read_shards``,
 iterated with ``iter_torch_batches`` as a Train worker does) against open_clip's own webdataset
 loader (``open_clip_train.data.get_wds_dataset``: shard shuffle, sample shuffle buffer, PIL decode,
 its train transform, its tokenizer, ``WebLoader`` with worker processes), on the same shards
@@ -180,8 +180,8 @@ def measure_loaders(n: int, per_shard: int, source_size: int, image_size: int, b
     # grouping does not expect (KeyError 'fname'; webdataset#384, open_clip#935): their fix, eof_value=None.
     open_clip_train.data.tar_file_expander = functools.partial(tar_file_expander, eof_value=None)
 
-    from pipelines.ray_env import init_ray
-    from pipelines.reader import read_shards
+    from pipelines.cluster.runtime import init_ray
+    from pipelines.data.reader import read_shards
 
     settings = {"no augmentation": False, "training augmentation": True}
     rates: dict = {}

@@ -10,8 +10,8 @@ The gallery: synthetic probabilistic embeddings (unit means: `gallery / 50` clus
 dimension sigma^2 log-uniform over a decade, so the CSD ranking differs from the means' ranking through
 tr Sigma of the gallery item). Queries are drawn the same way. The exact ranking is the top 10 by CSD
 over the whole gallery (models.distributions.csd, chunked); the approximate one takes `candidates`
-items per query from a faiss index on the means (models.ann.MeanIndex: HNSW and IVF) and re-ranks them
-by CSD (models.ann.pair_scores). Reported: recall@10 of the approximate top 10 against the exact top 10,
+items per query from a faiss index on the means (models.scoring.ann.MeanIndex: HNSW and IVF) and re-ranks them
+by CSD (models.scoring.ann.pair_scores). Reported: recall@10 of the approximate top 10 against the exact top 10,
 and the per-query time of each (index build time apart), single-threaded (torch and faiss), side by side.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.ann import MeanIndex, pair_scores, rerank
+from models.scoring.ann import MeanIndex, pair_scores, rerank
 from models.distributions import csd
 
 

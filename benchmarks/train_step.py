@@ -33,7 +33,7 @@ from models.registry import TINY, VIT_B16
 from models.tokenizer import tokenize
 from models.towers import TowerConfig
 from pipelines.config import Config, ModelConfig
-from pipelines.optim import adamw, param_groups
+from pipelines.train.optim import adamw, param_groups
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).
 SMALL = TowerConfig(img_size=96, patch_size=16, vision_width=384, vision_depth=6, vision_heads=6, vision_pre_norm=False,

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.adapt_config import load_adapt_config
+from pipelines.adapt.config import load_adapt_config
 from pipelines.config import ConfigError
 
 
@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
-    from pipelines.adapt import adapt
-    from pipelines.adapt_eval import summary_lines
-    from pipelines.adapt_source import AdaptError
-    from pipelines.evaluation import EvaluationError
+    from pipelines.adapt.run import adapt
+    from pipelines.adapt.evaluate import summary_lines
+    from pipelines.adapt.source import AdaptError
+    from pipelines.evaluate.tasks import EvaluationError
     from pipelines.tracking import LOCAL_DIR
 
     if cfg.run.name is None:

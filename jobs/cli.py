@@ -7,7 +7,7 @@ import sys
 from typing import Callable
 
 from pipelines.config import ConfigError
-from pipelines.evaluation import EvaluationError
+from pipelines.evaluate.tasks import EvaluationError
 
 
 def config_parser(prog: str, doc: str, config_help: str, set_example: str) -> argparse.ArgumentParser:

@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.download is None:
         raise ConfigError(f"{args.config}: no `download:` section")
 
-    from pipelines.download import run_download
-    from pipelines.download_summary import format_summary
-    from pipelines.ray_env import init_ray
-    from pipelines.url_table import DownloadError
+    from pipelines.download.run import run_download
+    from pipelines.download.summary import format_summary
+    from pipelines.cluster.runtime import init_ray
+    from pipelines.download.urls import DownloadError
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:

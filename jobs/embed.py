@@ -6,8 +6,8 @@
 Writes {out}/images/*.parquet (key, captions, cls, mu[, logvar][, mix]) and, unless --no-texts, the
 distinct captions' embeddings in {out}/texts/*.parquet (index, text, mu[, logvar]). With --index, a faiss
 index on the images' mu (rows in key order, as `read_embeddings(folder, "key")` returns them) in
-{out}/images.faiss: search it with models.ann.MeanIndex.load and re-rank the candidates by CSD
-(models.ann.pair_scores).
+{out}/images.faiss: search it with models.scoring.ann.MeanIndex.load and re-rank the candidates by CSD
+(models.scoring.ann.pair_scores).
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from models.model_file import load_model
-    from pipelines.batch_inference import InferenceOptions, embed_images, embed_texts, read_embeddings
-    from pipelines.evaluation import distinct_captions, split_captions
-    from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.reader import shard_paths
+    from pipelines.evaluate.inference import InferenceOptions, embed_images, embed_texts, read_embeddings
+    from pipelines.evaluate.tasks import distinct_captions, split_captions
+    from pipelines.cluster.runtime import init_ray, local_cpus
+    from pipelines.data.reader import shard_paths
     from pipelines.tracking import resolve_model, tracking_uri
 
     out = Path(args.out).resolve()
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
     print(f"{len(cols['key'])} image embeddings in {folder}")
     if args.index:
-        from models.ann import MeanIndex
+        from models.scoring.ann import MeanIndex
 
         MeanIndex(outputs["mu"], kind=args.index).save(out / "images.faiss")
         print(f"faiss {args.index} index on the image means in {out / 'images.faiss'}")

@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
 
-    from pipelines.showcase import headline
-    from pipelines.batch_inference import InferenceOptions
-    from pipelines.evaluate_model import evaluate_model
-    from pipelines.ray_env import init_ray, local_cpus
+    from pipelines.train.summary import headline
+    from pipelines.evaluate.inference import InferenceOptions
+    from pipelines.evaluate.job import evaluate_model
+    from pipelines.cluster.runtime import init_ray, local_cpus
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
-    from pipelines.train_driver import check_eval_tasks, prepare_data
+    from pipelines.train.driver import check_eval_tasks, prepare_data
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.pretrain", __doc__, "experiment YAML (see configs/)", "train.steps=100").parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
 
-    from pipelines.train_driver import fit
+    from pipelines.train.driver import fit
 
     result = fit(cfg)  # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
-    from pipelines.showcase import run_summary
+    from pipelines.train.summary import run_summary
 
     for line in run_summary(cfg, result):
         print(line)

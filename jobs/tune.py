@@ -19,11 +19,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: .probvlp/tune/<name>_best.yaml)")
     args = parser.parse_args(argv)
 
-    from pipelines.sweep import load_sweep
+    from pipelines.train.sweep import load_sweep
 
     sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before any trial
 
-    from pipelines.sweep import run_sweep
+    from pipelines.train.sweep import run_sweep
     from pipelines.tracking import LOCAL_DIR
 
     # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared

@@ -53,7 +53,7 @@ class DataConfig(Section):
     # with other seeds must hold out the same images (a rewritten split would score a model on its training data).
     split_seed: int = Field(0, ge=0)
     # Probability of drawing a mid-level / general / instance-level caption instead of the class-level
-    # ("specific") one (digits only; see pipelines.digits for the levels).
+    # ("specific") one (digits only; see pipelines.data.digits for the levels).
     mid_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
     general_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
     instance_caption_prob: float = Field(0.0, ge=0.0, le=1.0)
@@ -200,7 +200,7 @@ RETRIEVAL_ONLY = ("index", "faiss", "analyses", "caption_levels")
 
 
 class EvalTask(Section):
-    """One evaluation: its metrics are logged as `{name}/{metric}` (see pipelines.evaluation)."""
+    """One evaluation: its metrics are logged as `{name}/{metric}` (see pipelines.evaluate.tasks)."""
 
     name: str = Field(pattern=TASK_NAME)
     # retrieval: image-text pairs (captions in txt, one per line); zeroshot: a classification set in
@@ -227,7 +227,7 @@ class EvalTask(Section):
     index: Literal["exact", "faiss"] = "exact"
     faiss: IndexConfig = Field(default_factory=IndexConfig)
     # retrieval, probabilistic models: uncertainty analyses (sigma^2 vs caption length and generality level,
-    # images vs captions, image-in-caption inclusion per level; pipelines.uncertainty_analyses).
+    # images vs captions, image-in-caption inclusion per level; pipelines.evaluate.uncertainty).
     analyses: bool = True
     # Caption generality levels, most specific first: keys of the samples' json "captions" mapping
     # (level -> captions). The default names the bundled digits' levels.

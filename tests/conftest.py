@@ -23,10 +23,10 @@ os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the whole pytest run, on loopback (see pipelines.ray_env)."""
+    """One local Ray for the whole pytest run, on loopback (see pipelines.cluster.runtime)."""
     import ray
 
-    from pipelines.ray_env import init_ray
+    from pipelines.cluster.runtime import init_ray
 
     import torch
 
@@ -45,7 +45,7 @@ def mlflow_uri(tmp_path) -> str:
 
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory) -> str:
-    from pipelines.digits import write_digit_shards
+    from pipelines.data.digits import write_digit_shards
 
     root = tmp_path_factory.mktemp("digits")
     write_digit_shards(root, image_size=32, shard_size=500)
@@ -57,7 +57,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, FitResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
     from pipelines.config import load_config
-    from pipelines.train_driver import fit
+    from pipelines.train.driver import fit
 
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = load_config(ROOT / "configs" / "demo.yaml", [
@@ -73,8 +73,8 @@ def user_shards(ray_local, tmp_path_factory):
     """Digit images with free-text captions and no labels: URL tables (url, caption) served on 127.0.0.1,
     downloaded by jobs.download into {root}/train and {root}/test."""
     import jobs.download
-    from pipelines.digits import iter_digits
-    from pipelines.loopback import LoopbackServer
+    from pipelines.data.digits import iter_digits
+    from pipelines.cluster.file_server import LoopbackServer
 
     tmp = tmp_path_factory.mktemp("user")
     images = tmp / "site" / "images"

@@ -8,13 +8,13 @@ import torch
 from models.objective import build_objective
 from models.preprocess import to_model_input
 from models.tokenizer import tokenize
-from pipelines.caption_sampling import CaptionSampler
+from pipelines.data.captions import CaptionSampler
 from pipelines.config import Config
 
 
 def digit_arrays(split: str):
     """(images as model input, labels, sample metadata) of one split of the bundled digits at 32 px."""
-    from pipelines.digits import iter_digits
+    from pipelines.data.digits import iter_digits
 
     samples = [s for s in iter_digits(32) if s.split == split]
     images = torch.from_numpy(to_model_input(np.stack([np.asarray(s.image) for s in samples])))

@@ -75,9 +75,9 @@ def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> No
 
     from models.model_file import load_model
     from models.preprocess import encode_png
-    from pipelines.evaluation import EvaluationError
+    from pipelines.evaluate.tasks import EvaluationError
     from pipelines.tracking import find_run, model_file
-    from pipelines.train_driver import fit
+    from pipelines.train.driver import fit
 
     uri = cfg.tracking.uri
     with pytest.raises(EvaluationError, match=r"evaluation task 'digits_zeroshot' failed: ValueError: .*calibration"):

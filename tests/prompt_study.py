@@ -27,8 +27,8 @@ import torch
 
 from models.registry import create_model
 from pipelines.config import EvalTask, load_config
-from pipelines.digits import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
-from pipelines.evaluation import TaskEmbeddings, embed_texts, score_task
+from pipelines.data.digits import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
+from pipelines.evaluate.tasks import TaskEmbeddings, embed_texts, score_task
 from tests.digit_fit import config_sampler, digit_arrays, fit_in_process
 from tests.helpers import OFF_DOMAIN
 
@@ -59,8 +59,8 @@ def fit_adapters(clip, steps: int = ADAPTER_STEPS, seed: int = 0) -> dict[str, t
     """configs/probvlm_demo.yaml's adapter and PFE-style baseline trained side by side on the CLIP's embeddings of
     the digits' training pairs (a class template and the instance caption per image), as `jobs.adapt` trains
     them; returns the two adapted models (frozen CLIP + adapter)."""
-    from pipelines.adapt_config import load_adapt_config
-    from pipelines.adapt_loop import AdapterFit, build_adapter_set
+    from pipelines.adapt.config import load_adapt_config
+    from pipelines.adapt.loop import AdapterFit, build_adapter_set
 
     images, _, metas = digit_arrays("train")
     captions = [c for i, m in enumerate(metas) for c in (m["captions"]["specific"][i % 5], m["captions"]["instance"][0])]

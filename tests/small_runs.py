@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pipelines.config import load_config
-from pipelines.train_state import _safe_globals
+from pipelines.train.state import _safe_globals
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",

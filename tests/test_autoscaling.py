@@ -1,4 +1,4 @@
-"""A local autoscaling cluster made from ray_cluster.yaml's node types (pipelines.local_cluster: Ray's fake
+"""A local autoscaling cluster made from ray_cluster.yaml's node types (pipelines.cluster.local: Ray's fake
 multi-node provider, every node a raylet on this machine), its head with 0 CPUs and token auth, all on 127.0.0.1:
 a training job scales it up, survives the loss of a worker node's raylet bit-exactly, and the idle nodes go away;
 a GPU job says why it waits; a download spreads its parts over the nodes."""
@@ -18,10 +18,10 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from pipelines.download_plan import bucket_of
-from pipelines.local_cluster import LocalCluster, processes, start
-from pipelines.loopback import LoopbackServer
-from pipelines.train_driver import fit
+from pipelines.download.plan import bucket_of
+from pipelines.cluster.local import LocalCluster, processes, start
+from pipelines.cluster.file_server import LoopbackServer
+from pipelines.train.driver import fit
 from tests.helpers import jpeg, registered, saved, wait_for
 from tests.small_runs import SMALL, assert_identical, config, load_state
 

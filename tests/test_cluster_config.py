@@ -39,9 +39,9 @@ def test_unknown_key_is_rejected(where):
 
 
 def test_local_cluster_config_is_derived_from_the_cloud_one():
-    """pipelines.local_cluster's config (Ray's fake multi-node provider) passes Ray's schema and keeps the cloud
+    """pipelines.cluster.local's config (Ray's fake multi-node provider) passes Ray's schema and keeps the cloud
     config's worker node types by name, min_workers and CPU-side resources, scaled to this machine."""
-    from pipelines.local_cluster import local_config
+    from pipelines.cluster.local import local_config
 
     cloud = load()
     local = local_config(gcs_port=6379, cpus_per_node=2, max_nodes_per_type=3, idle_timeout_minutes=0.2)
@@ -58,7 +58,7 @@ def test_local_cluster_config_is_derived_from_the_cloud_one():
 
 def test_a_local_node_type_that_cannot_hold_a_worker_is_a_config_error():
     from pipelines.config import ConfigError
-    from pipelines.local_cluster import local_config
+    from pipelines.cluster.local import local_config
 
     with pytest.raises(ConfigError, match=r"^local cluster: node type 'cpu_worker' with 0.5 CPU cannot hold one worker"):
         local_config(gcs_port=6379, cpus_per_node={"cpu_worker": 0.5})

@@ -22,10 +22,10 @@ import yaml
 from PIL import Image
 
 from pipelines.config import DownloadConfig, load_config
-from pipelines.download import run_download, shard_tars
-from pipelines.download_plan import plan
-from pipelines.loopback import LoopbackServer
-from pipelines.url_table import DownloadError
+from pipelines.download.run import run_download, shard_tars
+from pipelines.download.plan import plan
+from pipelines.cluster.file_server import LoopbackServer
+from pipelines.download.urls import DownloadError
 from tests.helpers import jpeg
 
 ROOT = Path(__file__).resolve().parent.parent

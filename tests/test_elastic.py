@@ -14,9 +14,9 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.local_cluster import processes
-from pipelines.optim import warmup_cosine
-from pipelines.ray_env import local_port, port_lock
+from pipelines.cluster.local import processes
+from pipelines.train.optim import warmup_cosine
+from pipelines.cluster.runtime import local_port, port_lock
 from tests.helpers import registered, wait_for
 from tests.small_runs import SMALL
 

@@ -19,12 +19,12 @@ from PIL import Image
 import jobs.evaluate
 import jobs.pretrain
 from models.model_file import load_model
-from models.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
+from models.scoring.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
 from pipelines.config import ConfigError, EvalTask
-from pipelines.digits import NAMES, specific_captions
-from pipelines.eval_data import check_task, iter_local_batches, task_paths
-from pipelines.evaluation import embed_task_locally
-from pipelines.sweep import load_sweep
+from pipelines.data.digits import NAMES, specific_captions
+from pipelines.evaluate.data import check_task, iter_local_batches, task_paths
+from pipelines.evaluate.tasks import embed_task_locally
+from pipelines.train.sweep import load_sweep
 from pipelines.tracking import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ def test_digit_tasks_score_the_demo_model(trained_clip, digits_root, tmp_path):
 
     # The zero-shot task gives exactly the digit evaluation that preceded the tasks: the class prompts of
     # training on the test split's images, straight from the reader.
-    from pipelines.reader import read_split
+    from pipelines.data.reader import read_split
 
     model = model_of(result, tmp_path)
     classes = prompt_class_embeddings(model, [specific_captions(c) for c in range(len(NAMES))], model.context_length)
@@ -231,7 +231,7 @@ def test_sweep_metric_that_no_task_reports_fails_at_load(tmp_path):
 def test_zero_shot_with_per_class_prompts_file(tmp_path):
     (tmp_path / "classnames.txt").write_text("cat\ndog\n")
     (tmp_path / "p.json").write_text(json.dumps({"cat": ["a cat", "kitty"], "dog": ["a dog"]}))
-    from pipelines.eval_data import zeroshot_prompts
+    from pipelines.evaluate.data import zeroshot_prompts
 
     task = EvalTask(name="z", kind="zeroshot", data=str(tmp_path), split="test", templates=str(tmp_path / "p.json"))
     assert zeroshot_prompts(task) == (["cat", "dog"], [["a cat", "kitty"], ["a dog"]])
@@ -243,7 +243,7 @@ def test_zero_shot_with_per_class_prompts_file(tmp_path):
 def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path):
     """Ray Data writes its parquet files beside any already in a folder: a second embedding run into the same
     --out (a rerun of jobs.evaluate, jobs.embed or jobs.adapt) must not double the rows."""
-    from pipelines.batch_inference import InferenceOptions, embed_texts, read_embeddings
+    from pipelines.evaluate.inference import InferenceOptions, embed_texts, read_embeddings
 
     _, result, _ = trained_clip
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),

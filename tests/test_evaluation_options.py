@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from scipy import stats
 
 from models import create_model
-from models.ann import MeanIndex, pair_scores, rerank
-from models.metrics import rank_candidates, rank_queries
-from models.prompt_weighting import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
+from models.scoring.ann import MeanIndex, pair_scores, rerank
+from models.scoring.metrics import rank_candidates, rank_queries
+from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
                                      weighted_ensemble)
 from pipelines.config import Config, ConfigError, EvalTask, load_config
-from pipelines.evaluation import TaskEmbeddings, class_embeddings, score_task
+from pipelines.evaluate.tasks import TaskEmbeddings, class_embeddings, score_task
 
 # ------------------------------------------------------------------------------------ BPRW (ProLIP A.5)
 
@@ -337,7 +337,7 @@ def toy_retrieval(with_levels: bool):
 
 
 def test_analyses_numbers_plots_and_named_skips(tmp_path):
-    from pipelines.evaluation import prefixed, write_plots
+    from pipelines.evaluate.tasks import prefixed, write_plots
 
     model = create_model("prolip_tiny").eval()
     task = EvalTask(name="r", kind="retrieval", data="/d", split="test")
@@ -362,7 +362,7 @@ def test_analyses_numbers_plots_and_named_skips(tmp_path):
 
 
 def test_analyses_statistics_against_references():
-    from pipelines.uncertainty_analyses import analyse
+    from pipelines.evaluate.uncertainty import analyse
 
     model = create_model("prolip_tiny").eval()
     emb = toy_retrieval(with_levels=False)
@@ -385,7 +385,7 @@ def test_analyses_statistics_against_references():
         h = sum(printed_inclusion(mv[d], vv[d], mt[d], vt[d]) - printed_inclusion(mt[d], vt[d], mv[d], vv[d])
                 for d in range(64))
         inside.append(h > 0)
-    from pipelines.uncertainty_analyses import image_in_caption
+    from pipelines.evaluate.uncertainty import image_in_caption
 
     got = image_in_caption(emb.image, emb.text, np.array(pairs[:12]))
     assert got.tolist() == inside

@@ -28,7 +28,7 @@ from models.prolip import masked_rows
 from models.registry import create_model
 from models.tokenizer import tokenize
 from models.towers import random_keep, random_text_mask
-from pipelines.adapt_config import AdaptLossConfig
+from pipelines.adapt.config import AdaptLossConfig
 from pipelines.config import load_config
 
 f64 = torch.float64
@@ -778,7 +778,7 @@ def test_bf16_autocast_leaves_heads_mixer_and_pooling_in_float32():
 
 def test_bf16_training_is_deepspeed_torch_autocast():
     from pipelines.config import Config
-    from pipelines.train_worker import deepspeed_config
+    from pipelines.train.worker import deepspeed_config
 
     cfg = Config.from_dict({"model": {"name": "prolip_tiny"}})
     on, off = deepspeed_config(cfg, True), deepspeed_config(cfg, False)
@@ -791,7 +791,7 @@ import json, os, torch, deepspeed
 from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.config import load_config
-from pipelines.train_worker import deepspeed_config, skip_inference_comm_op
+from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 skip_inference_comm_op()
 torch.manual_seed(0)

@@ -76,14 +76,14 @@ class Runs:
 
 
 def fit_job(cfg):
-    from pipelines.train_driver import fit
+    from pipelines.train.driver import fit
 
     return lambda: (cfg, fit(cfg))
 
 
 def resume_job(tmp: Path, digits_root: str):
     """A straight fp32 run and one stopped at RESUME_STOP and restarted by name: (straight, resumed) loss histories."""
-    from pipelines.train_driver import fit
+    from pipelines.train.driver import fit
 
     def history(cfg, result):
         return {m.step: m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")}
@@ -137,8 +137,8 @@ def evaluate_job(runs: Runs, tmp: Path):
 
 
 def adapt_job(runs: Runs, tmp: Path, digits_root: str):
-    from pipelines.adapt import adapt
-    from pipelines.adapt_config import load_adapt_config
+    from pipelines.adapt.run import adapt
+    from pipelines.adapt.config import load_adapt_config
 
     def job():
         _, result = runs["clip"]
@@ -154,7 +154,7 @@ def adapt_job(runs: Runs, tmp: Path, digits_root: str):
 
 def sweep_job(tmp: Path, digits_root: str):
     """Two CLIP trials on GPU shares, side by side: (result grid, sweep summary, MLflow uri)."""
-    from pipelines.sweep import load_sweep, run_sweep
+    from pipelines.train.sweep import load_sweep, run_sweep
 
     def job():
         uri = f"sqlite:///{tmp}/sweep.db"
@@ -177,7 +177,7 @@ def sweep_job(tmp: Path, digits_root: str):
 @pytest.fixture(scope="module")
 def runs(ray_local, digits_root, tmp_path_factory) -> Runs:
     """Every GPU job of this module, side by side (longest first); the tests read their outcomes."""
-    from pipelines.train_driver import prepare_data
+    from pipelines.train.driver import prepare_data
 
     tmp = tmp_path_factory.mktemp("gpu")
     prepare_data(gpu_config("demo.yaml", tmp, digits_root, "prepare"))  # the eval sets, once, before the threads

@@ -19,8 +19,8 @@ from models.distributions import inclusion_test
 from models.tokenizer import tokenize
 from models.towers import random_keep
 from pipelines.config import load_config
-from pipelines.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
-from pipelines.train_driver import fit
+from pipelines.data.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
+from pipelines.train.driver import fit
 from pipelines.tracking import model_file
 from tests.helpers import OFF_DOMAIN
 
@@ -174,7 +174,7 @@ def wrong_template_top1(fits, how: str, **options) -> dict[str, float]:
     """Held-out zero-shot top-1 of the ProLIP fit with deliberately wrong prompts added to every class's
     five templates: the plain ensemble and `how`."""
     from pipelines.config import EvalTask
-    from pipelines.evaluation import TaskEmbeddings, embed_texts, score_task
+    from pipelines.evaluate.tasks import TaskEmbeddings, embed_texts, score_task
 
     model, _ = trained_model(fits, "prolip")
     images = held_out_images()

@@ -9,9 +9,9 @@ from scipy import stats
 from sklearn.metrics import balanced_accuracy_score
 
 from models import create_model
-from models.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
+from models.scoring.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
 from pipelines.config import Config, ConfigError, load_config
-from pipelines.evaluation import TaskEmbeddings, class_embeddings, metric_names, score_task, task_metric_names
+from pipelines.evaluate.tasks import TaskEmbeddings, class_embeddings, metric_names, score_task, task_metric_names
 
 
 def naive_ranking(scores: np.ndarray, positives: np.ndarray):
@@ -151,7 +151,7 @@ def test_bad_eval_tasks_are_one_line_errors(tmp_path, tasks, message):
 
 
 def test_uncertainty_plot_per_probabilistic_task(tmp_path):
-    from pipelines.evaluation import write_plots
+    from pipelines.evaluate.tasks import write_plots
 
     torch.manual_seed(0)
     model = create_model("pcmepp_tiny").eval()

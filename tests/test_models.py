@@ -268,7 +268,7 @@ def test_data_workers_tokenize_without_importing_model_code():
     import subprocess
     import sys
 
-    code = ("import sys, pipelines.reader; from models.tokenizer import tokenize; t = tokenize(['a photo of a dog'], 8); "
+    code = ("import sys, pipelines.data.reader; from models.tokenizer import tokenize; t = tokenize(['a photo of a dog'], 8); "
             "print(t.tolist(), 'timm' in sys.modules, 'open_clip' in sys.modules, 'models.registry' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)

@@ -19,7 +19,7 @@ from models.model_file import load_model, save_model
 from models.distributions import ggd_variance, negative_mls
 from models.losses import create_loss
 from models.probvlm import ProbVLMAdapter
-from pipelines.adapt_config import load_adapt_config
+from pipelines.adapt.config import load_adapt_config
 from pipelines.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     the state through a safetensors file into a freshly built fit, then N more (what a same-name rerun does)."""
     from safetensors.torch import load_file, save_file
 
-    from pipelines.adapt_loop import AdapterFit, build_adapter_set
+    from pipelines.adapt.loop import AdapterFit, build_adapter_set
 
     cfg = load_adapt_config(CONFIG, ["adapter.hidden=16", "loss.lambda_cross=0.01"])
     g = torch.Generator().manual_seed(0)
@@ -229,8 +229,8 @@ def test_bad_embeddings_fail_in_one_line_before_training(bad_input, capsys, case
 
 
 def test_open_clip_weights_file_becomes_a_source(tmp_path):
-    from pipelines.adapt_config import SourceConfig
-    from pipelines.adapt_source import resolve_source
+    from pipelines.adapt.config import SourceConfig
+    from pipelines.adapt.source import resolve_source
 
     weights = tiny_openclip_file(tmp_path / "oc.safetensors")
     spec = SourceConfig(model="open_clip:tiny", weights=str(weights), build="clip_tiny",
@@ -255,7 +255,7 @@ def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tupl
     the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
     import time
 
-    from pipelines.adapt import adapt
+    from pipelines.adapt.run import adapt
 
     cfg, result, _ = trained_clip
     adapt_cfg = load_adapt_config(CONFIG, [
@@ -277,8 +277,8 @@ def adapted(trained_clip, digits_root, tmp_path_factory):
 @pytest.fixture(scope="module")
 def held_out(trained_clip, digits_root, tmp_path_factory):
     """An adapter trained LONG_STEPS, its source and the held-out digit images (test split)."""
-    from pipelines.eval_data import iter_local_batches
-    from pipelines.reader import shard_paths
+    from pipelines.evaluate.data import iter_local_batches
+    from pipelines.data.reader import shard_paths
 
     res, _, root, _ = run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt_long"), "test_adapt_long",
                                 LONG_STEPS)
@@ -292,7 +292,7 @@ def test_adapter_trains_without_changing_the_frozen_model(adapted):
     from mlflow.artifacts import download_artifacts
     from safetensors.torch import load_file
 
-    from pipelines.adapt_source import file_sha256
+    from pipelines.adapt.source import file_sha256
     from pipelines.tracking import model_file
 
     res, result, _, tmp = adapted
@@ -368,8 +368,8 @@ def test_adapted_mlflow_model_loads_in_a_fresh_python(adapted, tmp_path):
 
     from models.preprocess import encoded_to_model_input
     from models.tokenizer import tokenize
-    from pipelines.eval_data import iter_tar_samples
-    from pipelines.reader import shard_paths
+    from pipelines.evaluate.data import iter_tar_samples
+    from pipelines.data.reader import shard_paths
 
     res, _, root, _ = adapted
     samples = list(iter_tar_samples(shard_paths(f"{root}/eval/retrieval", "test"), limit=4))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = ("import sys, ray; from pipelines.ray_env import init_ray; init_ray(num_cpus=1, dashboard_port={port}); "
+HOLD = ("import sys, ray; from pipelines.cluster.runtime import init_ray; init_ray(num_cpus=1, dashboard_port={port}); "
         "print(ray._private.worker.get_dashboard_url(), flush=True); sys.stdin.read()")
 
 

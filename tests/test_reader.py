@@ -12,10 +12,10 @@ import webdataset as wds
 from PIL import Image
 
 from models.preprocess import decode_image, resize
-from pipelines.augmentation import augment_batch, color_maps, random_crop_boxes
-from pipelines.caption_sampling import CaptionSampler
-from pipelines.reader import read_shards, read_split
-from pipelines.reader_stats import reader_stats
+from pipelines.data.augmentation import augment_batch, color_maps, random_crop_boxes
+from pipelines.data.captions import CaptionSampler
+from pipelines.data.reader import read_shards, read_split
+from pipelines.data.stats import reader_stats
 
 SIZE, CONTEXT = 16, 12
 

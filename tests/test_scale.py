@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from pipelines.config import ConfigError
 from pipelines.tracking import LOCAL_DIR
-from pipelines.train_driver import fit
+from pipelines.train.driver import fit
 from tests.small_runs import assert_identical, config, load_state
 
 

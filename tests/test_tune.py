@@ -14,7 +14,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipelines.config import ConfigError, load_config
-from pipelines.sweep import load_sweep
+from pipelines.train.sweep import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 # The six knobs of the probabilistic Llip, plus a learning rate with one hopeless value.

@@ -6,8 +6,8 @@ it launches is a raylet on this machine with its node type's resources, and idle
 types, their CPUs scaled down, GPUs dropped since this machine has none), so what runs here is what the
 cloud cluster would launch. Everything binds 127.0.0.1 and the jobs API needs Ray's token.
 
-    python -m pipelines.local_cluster up      # (make cluster-up) prints the RAY_ADDRESS to submit to
-    python -m pipelines.local_cluster down    # (make cluster-down)
+    python -m pipelines.cluster.local up      # (make cluster-up) prints the RAY_ADDRESS to submit to
+    python -m pipelines.cluster.local down    # (make cluster-down)
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ from pathlib import Path
 import yaml
 
 from pipelines.config import PROJECT_ROOT, ConfigError
-from pipelines.ray_env import local_port, port_lock
+from pipelines.cluster.runtime import local_port, port_lock
 
 CLUSTER_YAML = PROJECT_ROOT / "ray_cluster.yaml"
 STATE_DIR = PROJECT_ROOT / ".probvlp" / "local_cluster"
 # The fake provider registers its head under this node type name, whatever the config calls it.
 FAKE_HEAD_TYPE = "ray.head.default"
 # Accelerators a CPU-only machine cannot offer: a job asking for them gets the driver's clear error
-# (pipelines.cluster_check), not a node that pretends to have one.
+# (pipelines.cluster.check), not a node that pretends to have one.
 DROPPED = ("GPU", "TPU", "neuron_cores")
 
 # Local only: the autoscaler acts every second (Ray's default, 5 s, suits cloud machines that take minutes to boot).
@@ -212,7 +212,7 @@ def _down(_args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.local_cluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipelines.cluster.local", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the head; worker nodes come and go with the jobs' demand")
     up.add_argument("--idle-timeout-minutes", type=float, default=0.25)

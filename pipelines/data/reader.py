@@ -6,9 +6,9 @@
 - Cache: small shard sets (<= 512 MB by default) are read once into Ray's object store, still
   encoded; every epoch then only decodes, augments and tokenizes.
 - Decode: a sample whose image cannot be decoded (or has no image, or unreadable json) is skipped
-  and counted (`pipelines.reader_stats`), never fatal.
-- Augment (`pipelines.augmentation`): train only by default; off for evaluation.
-- Caption (`pipelines.caption_sampling`): one drawn per sample from the levels in its json.
+  and counted (`pipelines.data.stats`), never fatal.
+- Augment (`pipelines.data.augmentation`): train only by default; off for evaluation.
+- Caption (`pipelines.data.captions`): one drawn per sample from the levels in its json.
 - Randomness: with ``seed`` set, each batch's generator is seeded from (seed, the batch's first
   key), so captions and augmentations do not depend on task scheduling; with ``seed=None`` they
   are fresh every run. Shuffling (train by default) shuffles the order of the shard files as they
@@ -30,11 +30,11 @@ import json
 import numpy as np
 
 from models.preprocess import decode_image, resize, to_model_input
-from pipelines.augmentation import augment_batch
-from pipelines.caption_sampling import CaptionSampler
-from pipelines.fsspec_io import fs_path, total_bytes, uri
-from pipelines.reader_stats import stats_actor
-from pipelines.token_cache import tokenize_cached
+from pipelines.data.augmentation import augment_batch
+from pipelines.data.captions import CaptionSampler
+from pipelines.data.storage import fs_path, total_bytes, uri
+from pipelines.data.stats import stats_actor
+from pipelines.data.tokens import tokenize_cached
 
 IMAGE_COLUMNS = ("jpg", "jpeg", "png", "webp")
 

@@ -17,8 +17,8 @@ from typing import Any
 import pyarrow as pa
 
 from pipelines.config import DownloadConfig
-from pipelines.download_plan import PARTS_DIR
-from pipelines.fsspec_io import fs_path, read_json, uri
+from pipelines.download.plan import PARTS_DIR
+from pipelines.data.storage import fs_path, read_json, uri
 
 TMP_DIR = "_tmp"
 

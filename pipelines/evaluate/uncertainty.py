@@ -58,7 +58,7 @@ def image_in_caption(image: dict[str, torch.Tensor], text: dict[str, torch.Tenso
 
 
 def analyse(model, task, emb, image_pos: list[list[int]]) -> Analyses:
-    """The analyses of one retrieval task's embeddings (pipelines.evaluation.TaskEmbeddings)."""
+    """The analyses of one retrieval task's embeddings (pipelines.evaluate.tasks.TaskEmbeddings)."""
     out = Analyses()
     image_s2, text_s2 = _sigma2(emb.image), _sigma2(emb.text)
     level_texts, level_s2 = _levels(model, task, emb, out)
@@ -87,7 +87,7 @@ def analyse(model, task, emb, image_pos: list[list[int]]) -> Analyses:
 
 def _levels(model, task, emb, out: Analyses) -> tuple[list[str], np.ndarray]:
     """The per-level analyses; returns the level captions and their sigma^2 (empty when skipped)."""
-    from pipelines.evaluation import embed_texts
+    from pipelines.evaluate.tasks import embed_texts
 
     none = ([], np.zeros(0))
     if emb.levels is None:

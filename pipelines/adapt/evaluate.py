@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.evaluation import TaskEmbeddings, TaskResult, score_task
+from pipelines.evaluate.tasks import TaskEmbeddings, TaskResult, score_task
 
 
 @torch.no_grad()

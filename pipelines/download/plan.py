@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.config import DownloadConfig
-from pipelines.fsspec_io import fs_path, read_json, total_bytes, write_bytes_atomic
-from pipelines.url_table import DownloadError, check_columns, input_files, read_table, read_table_local
+from pipelines.data.storage import fs_path, read_json, total_bytes, write_bytes_atomic
+from pipelines.download.urls import DownloadError, check_columns, input_files, read_table, read_table_local
 
 MANIFEST_VERSION = 1
 PARTS_DIR = "_parts"

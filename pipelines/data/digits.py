@@ -10,7 +10,7 @@ batch of 128), "specific" (the class: the zero-shot templates), "mid" (parity / 
 The digits take the same path as a user's URL table: the images are written to a folder, served by
 `http.server` on 127.0.0.1 (ephemeral port, a thread), listed in one URL table per split (url,
 caption, and label / split / captions / digit_index as extra columns that land in each sample's
-json), and downloaded by `pipelines.download` (img2dataset on Ray tasks) into
+json), and downloaded by `pipelines.download.run` (img2dataset on Ray tasks) into
 {root}/{split}/NNNNN.tar webdataset shards.
 """
 from __future__ import annotations
@@ -176,10 +176,10 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
     import ray
 
     from pipelines.config import DownloadConfig
-    from pipelines.download import run_download
-    from pipelines.download_summary import format_summary
-    from pipelines.loopback import LoopbackServer
-    from pipelines.ray_env import init_ray
+    from pipelines.download.run import run_download
+    from pipelines.download.summary import format_summary
+    from pipelines.cluster.file_server import LoopbackServer
+    from pipelines.cluster.runtime import init_ray
 
     root = Path(root)
     marker = digit_shards_marker(root)
@@ -249,8 +249,8 @@ def write_digit_eval_sets(root: str | Path, splits=("val", "test")) -> dict[str,
     """{root}/eval/zeroshot (classnames.txt, zeroshot_classification_templates.txt, prompts.json with the
     exact class prompts of training, {split}/0.tar with jpg + cls) and {root}/eval/retrieval ({split}/0.tar
     with jpg + txt, two captions a line each). Idempotent: redone only when the shards changed."""
-    from pipelines.eval_data import iter_tar_samples
-    from pipelines.reader import shard_paths
+    from pipelines.evaluate.data import iter_tar_samples
+    from pipelines.data.reader import shard_paths
 
     root = Path(root)
     out = {"zeroshot": root / "eval" / "zeroshot", "retrieval": root / "eval" / "retrieval"}

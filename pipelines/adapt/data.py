@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.adapt_source import AdaptError
+from pipelines.adapt.source import AdaptError
 
 
 def write_digit_pairs(root: str | Path, split: str) -> Path:
     """{root}/pairs/{split}/0.tar: each digit image of `split` with the digits retrieval task's two captions
     (a class template and its instance caption). Redone only when the digit shards changed."""
-    from pipelines.digits import digit_shards_marker, retrieval_captions, write_tar
-    from pipelines.eval_data import iter_tar_samples
-    from pipelines.reader import shard_paths
+    from pipelines.data.digits import digit_shards_marker, retrieval_captions, write_tar
+    from pipelines.evaluate.data import iter_tar_samples
+    from pipelines.data.reader import shard_paths
 
     root = Path(root)
     folder = root / "pairs" / split
@@ -42,8 +42,8 @@ def has_embeddings(folder: Path) -> bool:
 
 def compute_embeddings(model_file: Path, paths: list[str], image_size: int, folder: Path, opts) -> None:
     """The source model's image and caption embeddings of the pair shards (Ray Data actor pools)."""
-    from pipelines.batch_inference import embed_images, embed_texts, read_embeddings
-    from pipelines.evaluation import distinct_captions, split_captions
+    from pipelines.evaluate.inference import embed_images, embed_texts, read_embeddings
+    from pipelines.evaluate.tasks import distinct_captions, split_captions
 
     images = embed_images(str(model_file), paths, image_size, folder, opts, stats_name="adapt_embed")
     cols, _ = read_embeddings(images, "key")
@@ -79,8 +79,8 @@ def _check(what: str, folder: Path, out: dict, width: int, names: list) -> np.nd
 
 def load_pairs(folder: Path, width: int) -> Pairs:
     """Pairs from an embeddings folder, or AdaptError naming what is wrong with it."""
-    from pipelines.batch_inference import read_embeddings
-    from pipelines.evaluation import split_captions
+    from pipelines.evaluate.inference import read_embeddings
+    from pipelines.evaluate.tasks import split_captions
 
     try:
         image_cols, image = read_embeddings(folder / "images", "key")

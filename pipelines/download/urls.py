@@ -11,7 +11,7 @@ import os
 import pyarrow as pa
 
 from pipelines.config import DownloadConfig
-from pipelines.fsspec_io import fs_path, uri
+from pipelines.data.storage import fs_path, uri
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
 

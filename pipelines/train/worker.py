@@ -1,5 +1,5 @@
 """What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
-rank-0 MLflow logging. The driver side is `pipelines.train_driver`."""
+rank-0 MLflow logging. The driver side is `pipelines.train.driver`."""
 from __future__ import annotations
 
 import json
@@ -21,13 +21,13 @@ from models.model_file import save_model
 from models.gather import World
 from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines import train_state
-from pipelines.train_state import Progress
+from pipelines.train import state as train_state
+from pipelines.train.state import Progress
 from pipelines.config import Config, EvalTask
-from pipelines.evaluation import (EvaluationError, TaskResult, embed_task_locally, held_out_loss, model_device, prefixed,
+from pipelines.evaluate.tasks import (EvaluationError, TaskResult, embed_task_locally, held_out_loss, model_device, prefixed,
                                   score_task, write_plots)
-from pipelines.optim import adamw, param_groups, warmup_cosine
-from pipelines.progress import ProgressLine
+from pipelines.train.optim import adamw, param_groups, warmup_cosine
+from pipelines.train.progress import ProgressLine
 from pipelines.tracking import StepLogger, save_mlflow_model
 
 
@@ -381,7 +381,7 @@ class TrainWorker:
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
         the final evaluation. A failing evaluation returns {"eval_error": one line naming the task}."""
-        from pipelines.model_card import model_card, summary_table
+        from pipelines.train.model_card import model_card, summary_table
 
         cfg = self.cfg
         objective = self.eval_objective(weights, loss_weights)

@@ -1,4 +1,4 @@
-"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train_worker`)."""
+"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train.worker`)."""
 from __future__ import annotations
 
 import os
@@ -24,7 +24,7 @@ class FitResult:
 
 def prepare_data(cfg: Config) -> None:
     if cfg.data.source == "digits":
-        from pipelines.digits import write_digit_eval_sets, write_digit_shards
+        from pipelines.data.digits import write_digit_eval_sets, write_digit_shards
 
         write_digit_shards(cfg.data.root, image_size=cfg.data.image_size, shard_size=cfg.data.shard_size,
                            seed=cfg.data.split_seed)
@@ -33,17 +33,17 @@ def prepare_data(cfg: Config) -> None:
 
 def check_eval_tasks(cfg: Config) -> None:
     """Every eval task's data has what its kind needs (one-line ConfigError otherwise), before training."""
-    from pipelines.eval_data import check_task
+    from pipelines.evaluate.data import check_task
 
     for task in cfg.eval.resolved_tasks(cfg.data.root):
         check_task(task)
 
 
 def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
-    from pipelines.caption_sampling import CaptionSampler
-    from pipelines.eval_data import read_eval_shards, task_paths
-    from pipelines.reader import read_shards, read_split
-    from pipelines.train_worker import eval_dataset_name
+    from pipelines.data.captions import CaptionSampler
+    from pipelines.evaluate.data import read_eval_shards, task_paths
+    from pipelines.data.reader import read_shards, read_split
+    from pipelines.train.worker import eval_dataset_name
 
     size = cfg.data.image_size
     datasets = {
@@ -100,8 +100,8 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     import torch
 
     from models.objective import build_objective
-    from pipelines.cluster_check import check_cluster_holds_a_worker
-    from pipelines.ray_env import init_ray, local_cpus
+    from pipelines.cluster.check import check_cluster_holds_a_worker
+    from pipelines.cluster.runtime import init_ray, local_cpus
 
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -109,7 +109,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
     check_cluster_holds_a_worker(t.worker_resources, joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
-    from pipelines.train_worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
+    from pipelines.train.worker import train_loop  # after init_ray quietened the logs: it imports DeepSpeed
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     check_eval_tasks(cfg)
     with torch.device("meta"):  # the sizes only: the workers build the weights
@@ -148,7 +148,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     metrics = dict(result.metrics or {})
     if metrics.get("eval_error"):
         finish_run(uri, run_id, "FAILED")
-        from pipelines.evaluation import EvaluationError
+        from pipelines.evaluate.tasks import EvaluationError
 
         raise EvaluationError(f"{metrics['eval_error']} (the trained model is saved: runs:/{run_id}/model, "
                               f"MLflow run {run_id} FAILED)")

@@ -1,6 +1,6 @@
 """Hyperparameter sweeps: a YAML search space over dotted config keys, one TorchTrainer run per trial.
 
-One trial is a Ray Tune function trainable that runs `pipelines.train_driver.fit` (Ray Train V2 + Tune:
+One trial is a Ray Tune function trainable that runs `pipelines.train.driver.fit` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
 """
@@ -63,7 +63,7 @@ class Domain(Section):
 
 class TuneSettings(Section):
     name: str = "sweep"
-    # Any `{task}/{metric}` the trial config reports (pipelines.evaluation.metric_names).
+    # Any `{task}/{metric}` the trial config reports (pipelines.evaluate.tasks.metric_names).
     metric: str = "heldout/rsum"
     mode: Literal["max", "min"] = "max"
     num_samples: int = Field(4, ge=1)
@@ -127,7 +127,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         if unknown:
             raise ConfigError(f"tune.points_to_evaluate[{i}]: keys not in space: {', '.join(sorted(unknown))}")
         trial_config(base_dict, point)
-    from pipelines.evaluation import metric_names
+    from pipelines.evaluate.tasks import metric_names
 
     reported = metric_names(base)
     if sweep.tune.metric not in reported:
@@ -153,7 +153,7 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, 
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from pipelines.train_driver import fit
+    from pipelines.train.driver import fit
 
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
@@ -172,8 +172,8 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict)."""
     from ray import tune
 
-    from pipelines.ray_env import init_ray, local_cpus
-    from pipelines.train_driver import check_eval_tasks, prepare_data
+    from pipelines.cluster.runtime import init_ray, local_cpus
+    from pipelines.train.driver import check_eval_tasks, prepare_data
     from pipelines.tracking import find_run, start_run, tracking_uri
 
     s = sweep.tune
@@ -215,7 +215,7 @@ def trial_progress(total: int, metric: str):
     """A Tune callback printing `[sweep] trial 3/8 (38%) | <id> completed | <metric> ... | elapsed | ETA`."""
     from ray.tune import Callback
 
-    from pipelines.progress import ProgressLine
+    from pipelines.train.progress import ProgressLine
 
     class TrialProgress(Callback):
         def __init__(self):

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.batch_inference import InferenceOptions, embed_task
+from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.config import Config, ConfigError
 
 
@@ -29,9 +29,9 @@ def held_out_loss_of(cfg: Config, model, source: dict, task) -> float:
     from models import default_loss
     from models.losses import create_loss
     from models.objective import Objective
-    from pipelines.eval_data import task_paths
-    from pipelines.evaluation import held_out_loss
-    from pipelines.reader import read_shards
+    from pipelines.evaluate.data import task_paths
+    from pipelines.evaluate.tasks import held_out_loss
+    from pipelines.data.reader import read_shards
 
     if source["loss"] is None:
         raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
@@ -54,7 +54,7 @@ def model_name(path: Path) -> str:
 def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
     """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
     from models.model_file import load_model
-    from pipelines.evaluation import prefixed, score_task, write_plots
+    from pipelines.evaluate.tasks import prefixed, score_task, write_plots
     from pipelines.tracking import log_results, start_run, tracking_uri
 
     model = load_model(source["model"])
@@ -67,7 +67,7 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
             continue
         emb = embed_task(str(source["model"]), model, task, out / task.name, opts)
         if task.kind == "retrieval" and model.probabilistic and task.analyses:
-            from pipelines.eval_data import read_caption_levels
+            from pipelines.evaluate.data import read_caption_levels
 
             emb.levels = read_caption_levels(task, emb.keys)  # json only; the actors' parquet carries no levels
         results[task.name] = score_task(model, task, emb, cfg.eval.calibration_bins)

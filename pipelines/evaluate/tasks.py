@@ -10,14 +10,14 @@ same numbers for the same model and data.
   R-Precision (PCME++ B.1), ranked by the model's own score (CSD for probabilistic models, the
   contextualised cosine for Llip) and, for probabilistic models, also by the means alone (``cos_``).
   `index: faiss` takes each query's candidates from an approximate index on the gallery's means and
-  re-ranks them by the same score (models.ann).
+  re-ranks them by the same score (models.scoring.ann).
 - zeroshot: one embedding per class from its prompts (`prompts`: the model's ensemble, BPRW weights or
-  the most certain prompts; models.prompt_weighting), scored by the model (`score: model`) or by the
+  the most certain prompts; models.scoring.prompts), scored by the model (`score: model`) or by the
   cosine of the means (`score: mean`); top-1, top-5, mean per-class recall.
 - loss: the training objective over held-out batches (each batch its own negatives).
 - probabilistic models, every embedding task: mean sigma^2 of images and captions, and calibration
   (queries in `eval.calibration_bins` equal-count bins by sigma^2; Spearman rho, R^2, -rho R^2); retrieval
-  tasks add the uncertainty analyses (pipelines.uncertainty_analyses, `unc_*` metrics and a plot).
+  tasks add the uncertainty analyses (pipelines.evaluate.uncertainty, `unc_*` metrics and a plot).
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 import torch
 
-from models.metrics import Calibration, Ranked, calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
+from models.scoring.metrics import Calibration, Ranked, calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
 from models.preprocess import to_device
 from models.tokenizer import tokenize
 from pipelines.config import Config, EvalTask
 
 if TYPE_CHECKING:
-    from pipelines.uncertainty_analyses import Analyses
+    from pipelines.evaluate.uncertainty import Analyses
 
 DIRECTIONS = ("i2t", "t2i")
 RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
@@ -112,7 +112,7 @@ def split_captions(column: Iterable[str]) -> list[list[str]]:
 
 def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], dict[str, torch.Tensor],
                                                                            list[list[str]], torch.Tensor]:
-    """Decoded eval batches (pipelines.eval_data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
+    """Decoded eval batches (pipelines.evaluate.data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
     return _embed_images(model, batches)[:4]
 
 
@@ -133,7 +133,7 @@ def autocast(device: torch.device, bf16: bool):
 def _embed_images(model: torch.nn.Module, batches: Iterable[dict], bf16: bool = False):
     """embed_images, plus each image's caption levels (None when no sample has any). The model runs on its own
     device (under bf16 autocast if asked); the outputs come back to the CPU as float32."""
-    from pipelines.eval_data import parse_levels
+    from pipelines.evaluate.data import parse_levels
 
     device = model_device(model)
     keys, outs, captions, classes, levels = [], [], [], [], []
@@ -171,7 +171,7 @@ def embed_texts(model: torch.nn.Module, texts: list[str], batch_size: int = 256,
 def task_texts(task: EvalTask, captions: list[list[str]]) -> tuple[list[str], list[int] | None, list[str] | None]:
     """The texts a task scores: distinct captions (retrieval) or the flat prompts (zeroshot)."""
     if task.kind == "zeroshot":
-        from pipelines.eval_data import zeroshot_prompts
+        from pipelines.evaluate.data import zeroshot_prompts
 
         classnames, prompts = zeroshot_prompts(task)
         return [p for per_class in prompts for p in per_class], [len(p) for p in prompts], classnames
@@ -199,7 +199,7 @@ class TaskResult:
     metrics: dict[str, float]
     calibrations: dict[str, Calibration] = field(default_factory=dict)
     sigma2: dict[str, np.ndarray] = field(default_factory=dict)
-    analyses: "Analyses | None" = None  # retrieval, probabilistic models (pipelines.uncertainty_analyses)
+    analyses: "Analyses | None" = None  # retrieval, probabilistic models (pipelines.evaluate.uncertainty)
     prompt_weights: dict[str, list[float]] | None = None  # zeroshot, bprw / filter: class -> its prompts' weights
 
 
@@ -242,8 +242,8 @@ def rank_retrieval(model, image: dict, text: dict, image_pos: list[list[int]]) -
 @torch.no_grad()
 def rank_retrieval_ann(image: dict, text: dict, image_pos: list[list[int]], candidates: tuple, views: list):
     """Per view (e.g. the model's score, the means' score): i2t and t2i from the index's candidates re-ranked."""
-    from models.ann import pair_scores, rerank
-    from models.metrics import rank_candidates
+    from models.scoring.ann import pair_scores, rerank
+    from models.scoring.metrics import rank_candidates
 
     n_img, n_txt = next(iter(image.values())).shape[0], next(iter(text.values())).shape[0]
     queries = torch.tensor([i for i, p in enumerate(image_pos) if p], dtype=torch.long)
@@ -266,7 +266,7 @@ def rank_retrieval_ann(image: dict, text: dict, image_pos: list[list[int]], cand
 
 def ann_candidates(task: EvalTask, image: dict, text: dict, image_pos: list[list[int]]) -> tuple:
     """(i2t candidate text rows, t2i candidate image rows) from faiss indexes on the means."""
-    from models.ann import MeanIndex
+    from models.scoring.ann import MeanIndex
 
     opts = task.faiss
     kwargs = dict(kind=opts.kind, hnsw_m=opts.hnsw_m, ef_construction=opts.ef_construction, ef_search=opts.ef_search,
@@ -299,7 +299,7 @@ def score_retrieval(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> Ta
             for direction, var, ranking in (("i2t", image_var[queries.numpy()], i2t), ("t2i", text_var, t2i)):
                 result.calibrations[direction] = _calibrate(task, direction, var, ranking.first_hit == 0, bins)
     if model.probabilistic and task.analyses:
-        from pipelines.uncertainty_analyses import analyse
+        from pipelines.evaluate.uncertainty import analyse
 
         result.analyses = analyse(model, task, emb, image_pos)
     return _with_uncertainty(result, model)
@@ -346,7 +346,7 @@ def per_class_prompts(text: dict[str, torch.Tensor], counts: list[int]) -> list[
 @torch.no_grad()
 def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[str, torch.Tensor], list | None]:
     """Class embeddings by `task.prompts`, and the prompt weights (None for the model's own ensemble)."""
-    from models.prompt_weighting import bprw_em, bprw_observations, filter_weights, weighted_ensemble
+    from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, weighted_ensemble
 
     base = class_embeddings(model, emb.text, emb.prompt_counts)
     if task.prompts == "mean":
@@ -471,7 +471,7 @@ def write_plots(results: dict[str, TaskResult], folder: Path) -> list[Path]:
         paths.append(path)
     for name, res in results.items():
         if res.analyses is not None:
-            from pipelines.uncertainty_analyses import write_analyses
+            from pipelines.evaluate.uncertainty import write_analyses
 
             paths += write_analyses(name, res.analyses, folder)
         if res.prompt_weights is not None:

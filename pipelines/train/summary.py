@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pipelines.config import EvalTask
-from pipelines.eval_data import iter_local_batches, task_paths
-from pipelines.evaluation import class_embeddings, embed_texts, sigma2, split_captions, task_texts
+from pipelines.evaluate.data import iter_local_batches, task_paths
+from pipelines.evaluate.tasks import class_embeddings, embed_texts, sigma2, split_captions, task_texts
 
 
 def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:

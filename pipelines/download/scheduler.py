@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from pipelines.config import DownloadConfig
-from pipelines.download_shard import PartResult, download_part, shard_name
+from pipelines.download.shard import PartResult, download_part, shard_name
 
 
 def _slots(cfg: DownloadConfig) -> int:
@@ -46,7 +46,7 @@ def run_parts(cfg: DownloadConfig, manifest: dict, todo: list[dict], local_only:
     import ray
     from ray.exceptions import RayError
 
-    from pipelines.progress import ProgressLine
+    from pipelines.train.progress import ProgressLine
 
     task = _task(cfg, local_only)
     settings = cfg.model_dump(mode="json")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from pipelines.adapt_config import SourceConfig
+from pipelines.adapt.config import SourceConfig
 
 # open_clip architecture -> our registry model and the overrides that give it the same shapes
 # (open_clip's 77-token text context is cut to ours: its first rows are kept).

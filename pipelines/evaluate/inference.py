@@ -1,6 +1,6 @@
 """Ray Data batch inference: a saved model's embeddings of images and captions, written as parquet.
 
-Images: decoded shards (pipelines.eval_data) -> `map_batches(ImageEmbedder)` on an actor pool (one model
+Images: decoded shards (pipelines.evaluate.data) -> `map_batches(ImageEmbedder)` on an actor pool (one model
 per actor, loaded once; `num_gpus` per actor on a GPU cluster) -> ``{out}/images/*.parquet`` with
 columns key, captions (one per line), cls, and the model's outputs (mu, logvar for probabilistic
 models, mix for Llip's mixture tokens, flattened) as fixed-size float32 lists, readable by pandas,
@@ -103,7 +103,7 @@ def _fresh(folder: Path) -> Path:
 def embed_images(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
                  stats_name: str | None = None) -> Path:
     """Shards -> {out}/images/*.parquet through an actor pool; returns the folder."""
-    from pipelines.eval_data import read_eval_shards
+    from pipelines.evaluate.data import read_eval_shards
 
     folder = _fresh(Path(out) / "images")
     # streamed (one pass), images moved as uint8 and scaled in the actor
@@ -145,9 +145,9 @@ def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | Non
 
 def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, opts: InferenceOptions):
     """One eval task's embeddings through the actor pools, written under {out} and read back
-    (pipelines.evaluation.TaskEmbeddings, in the same canonical order as the in-process path)."""
-    from pipelines.eval_data import task_paths
-    from pipelines.evaluation import TaskEmbeddings, split_captions, task_texts
+    (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order as the in-process path)."""
+    from pipelines.evaluate.data import task_paths
+    from pipelines.evaluate.tasks import TaskEmbeddings, split_captions, task_texts
 
     mixture_tokens = getattr(model, "mixture_tokens", None)
     folder = embed_images(model_file, task_paths(task), model.img_size, out, opts, stats_name=f"embed:{task.name}")

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.adapt_config import AdaptConfig
-from pipelines.adapt_data import Pairs, compute_embeddings, has_embeddings, load_pairs, write_digit_pairs
-from pipelines.adapt_source import AdaptError, Source, file_sha256, resolve_source
-from pipelines.evaluation import EvaluationError
+from pipelines.adapt.config import AdaptConfig
+from pipelines.adapt.data import Pairs, compute_embeddings, has_embeddings, load_pairs, write_digit_pairs
+from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
+from pipelines.evaluate.tasks import EvaluationError
 from pipelines.tracking import StepLogger
 
 REGISTRY_NAMES = {"probvlm": "probvlm_adapter", "pfe": "pfe_adapter"}
@@ -42,7 +42,7 @@ class AdaptResult:
 
 def pair_shards(cfg: AdaptConfig) -> list[str]:
     """The training pairs' shards (the digits' are written first when missing)."""
-    from pipelines.reader import shard_paths
+    from pipelines.data.reader import shard_paths
 
     if cfg.data.source == "digits":
         folder = write_digit_pairs(cfg.data.root, cfg.data.split)
@@ -54,7 +54,7 @@ def pair_shards(cfg: AdaptConfig) -> list[str]:
 
 
 def prepare_digits(cfg: AdaptConfig) -> None:
-    from pipelines.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
+    from pipelines.data.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
 
     # Digits already written (by the source's pretraining) stay as they are: rewriting them with other parameters
     # could move the source's training images into the held-out split the adapter is scored on.
@@ -126,8 +126,8 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
     from ray.train.torch import TorchTrainer
 
     from models.probvlm import embedding_width
-    from pipelines.batch_inference import InferenceOptions
-    from pipelines.ray_env import init_ray, local_cpus
+    from pipelines.evaluate.inference import InferenceOptions
+    from pipelines.cluster.runtime import init_ray, local_cpus
     from pipelines.tracking import finish_run, git_commit, tracking_uri
 
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
@@ -140,12 +140,12 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
 
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(max(t.num_workers, cfg.embed.actors), t.cpus_per_worker))
-    from pipelines.adapt_loop import ADAPTER_FILE, adapt_loop  # after init_ray quietened the logs
+    from pipelines.adapt.loop import ADAPTER_FILE, adapt_loop  # after init_ray quietened the logs
 
     if cfg.data.source == "digits":
         prepare_digits(cfg)
     tasks = cfg.resolved_tasks()
-    from pipelines.eval_data import check_task
+    from pipelines.evaluate.data import check_task
     from pipelines.config import ConfigError
 
     for task in tasks:
@@ -231,9 +231,9 @@ def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models:
 
 def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out: Path, opts):
     """Each task: the source's embeddings by batch inference, scored for every adapted model; plots."""
-    from pipelines.adapt_eval import comparison_plot, score_adapted
-    from pipelines.batch_inference import embed_task
-    from pipelines.evaluation import prefixed, write_plots
+    from pipelines.adapt.evaluate import comparison_plot, score_adapted
+    from pipelines.evaluate.inference import embed_task
+    from pipelines.evaluate.tasks import prefixed, write_plots
 
     metrics: dict[str, float] = {}
     plots: list[Path] = []
@@ -261,7 +261,7 @@ def _mkdir(path: Path) -> Path:
 
 def log_models(uri: str, run_id: str, files: dict[str, Path], paths: list[str]) -> None:
     """The MLflow model of the adapted model and the baseline's file."""
-    from pipelines.eval_data import iter_tar_samples
+    from pipelines.evaluate.data import iter_tar_samples
     from pipelines.tracking import save_mlflow_model
 
     logger = StepLogger(uri, run_id, flush_every=None)

@@ -1,13 +1,13 @@
 """Download a URL table into webdataset shards with img2dataset, spread over the Ray cluster.
 
-1. **Plan** (`pipelines.download_plan`, Ray Data for big tables): read the table
-   (`pipelines.url_table`), de-duplicate URLs and split the rows into deterministic parts of about
+1. **Plan** (`pipelines.download.plan`, Ray Data for big tables): read the table
+   (`pipelines.download.urls`), de-duplicate URLs and split the rows into deterministic parts of about
    ``rows_per_shard`` rows, one per output shard, recorded in a manifest that a re-run reuses.
-2. **Download** (`pipelines.part_scheduler` running `pipelines.download_shard` as Ray tasks): every
+2. **Download** (`pipelines.download.scheduler` running `pipelines.download.shard` as Ray tasks): every
    part not yet finished becomes one shard; a re-run skips shards whose ``.tar`` and ``_stats.json``
    exist. A part that fails, crashes its worker or times out is counted as failed (its rows under
    ``part failed: ...``) and retried by the next run. Nothing else stops the run.
-3. **Summary** (`pipelines.download_summary`): input rows, duplicates removed, rows without URL,
+3. **Summary** (`pipelines.download.summary`): input rows, duplicates removed, rows without URL,
    written, failed by reason, shard counts and throughput; printed, saved as ``_summary.json``, and
    logged to MLflow by ``jobs.download`` when tracking is set.
 """
@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 from pipelines.config import DownloadConfig
-from pipelines.download_plan import plan
-from pipelines.download_shard import TMP_DIR, shard_done, shard_name
-from pipelines.download_summary import summarize
-from pipelines.fsspec_io import fs_path, uri, write_bytes_atomic
-from pipelines.part_scheduler import run_parts
+from pipelines.download.plan import plan
+from pipelines.download.shard import TMP_DIR, shard_done, shard_name
+from pipelines.download.summary import summarize
+from pipelines.data.storage import fs_path, uri, write_bytes_atomic
+from pipelines.download.scheduler import run_parts
 
 SUMMARY_FILE = "_summary.json"
 
@@ -30,7 +30,7 @@ SUMMARY_FILE = "_summary.json"
 def run_download(cfg: DownloadConfig, local_only: bool = False, log=print) -> dict[str, Any]:
     """Plan (or reuse the plan), download every unfinished part, write and return the summary.
 
-    Needs a running Ray (`pipelines.ray_env.init_ray`). `local_only` pins the tasks to this node
+    Needs a running Ray (`pipelines.cluster.runtime.init_ray`). `local_only` pins the tasks to this node
     (for URLs served on this machine's loopback).
     """
     t0 = time.perf_counter()

@@ -23,9 +23,9 @@ import numpy as np
 
 from models.preprocess import resize, to_model_input
 from pipelines.config import ConfigError, EvalTask
-from pipelines.fsspec_io import total_bytes
-from pipelines.reader import IMAGE_COLUMNS, decode_row, shard_paths
-from pipelines.reader_stats import stats_actor
+from pipelines.data.storage import total_bytes
+from pipelines.data.reader import IMAGE_COLUMNS, decode_row, shard_paths
+from pipelines.data.stats import stats_actor
 
 CLASSNAMES, TEMPLATES = "classnames.txt", "zeroshot_classification_templates.txt"
 

@@ -124,7 +124,7 @@ def adapt_loop(config: dict[str, Any]) -> None:
     import ray.train.torch
     from safetensors.torch import load_file, save_file
 
-    from pipelines.adapt_config import adapt_config_from_dict
+    from pipelines.adapt.config import adapt_config_from_dict
     from pipelines.tracking import StepLogger
 
     cfg = adapt_config_from_dict(config["config"])

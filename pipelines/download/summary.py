@@ -9,8 +9,8 @@ from collections import Counter
 from typing import Any
 
 from pipelines.config import DownloadConfig
-from pipelines.download_shard import PartResult, shard_done, shard_name
-from pipelines.fsspec_io import fs_path, read_json
+from pipelines.download.shard import PartResult, shard_done, shard_name
+from pipelines.data.storage import fs_path, read_json
 
 
 def summarize(cfg: DownloadConfig, manifest: dict, results: list[PartResult], skipped: int,
