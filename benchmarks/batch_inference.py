@@ -72,9 +72,9 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
 def ray_pool(model_file: str, paths: list[str], size: int, out: Path, actors: int, threads: int) -> int:
     import pyarrow.parquet as pq
 
-    from pipelines.evaluate.inference import InferenceOptions, embed_images
+    from pipelines.evaluate.inference import InferenceOptions, write_image_embeddings
 
-    folder = embed_images(model_file, paths, size, out, InferenceOptions(concurrency=actors, threads=threads))
+    folder = write_image_embeddings(model_file, paths, size, out, InferenceOptions(concurrency=actors, threads=threads))
     return pq.read_table(folder).num_rows
 
 

@@ -15,43 +15,27 @@ import sys
 import time
 from pathlib import Path
 
+from jobs.cli import config_parser, job_main
 from pipelines.adapt.config import load_adapt_config
-from pipelines.config import ConfigError
+from pipelines.adapt.evaluate import summary_lines
+from pipelines.adapt.run import adapt
+from pipelines.tracking import LOCAL_DIR
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.adapt", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="adapter YAML (see configs/probvlm_*.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser = config_parser("jobs.adapt", __doc__, "adapter YAML (see configs/probvlm_*.yaml)", "train.steps=300")
     parser.add_argument("--out", default=None, help="outputs (default .probvlp/adapt/<run name>)")
     return parser.parse_args(argv)
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_adapt_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-
-    from pipelines.adapt.run import adapt
-    from pipelines.adapt.evaluate import summary_lines
-    from pipelines.adapt.source import AdaptError
-    from pipelines.evaluate.tasks import EvaluationError
-    from pipelines.tracking import LOCAL_DIR
-
+    cfg = load_adapt_config(args.config, args.overrides)
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or LOCAL_DIR / "adapt" / cfg.run.name).resolve()
-    try:
-        result = adapt(cfg, out)
-    except AdaptError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except EvaluationError as err:  # the adapter is saved; the message says where
-        print(f"evaluation error: {err}", file=sys.stderr)
-        return 1
+    result = adapt(cfg, out)
     if result.model_file is None:
         print(f"stopped at step {int(result.train.get('step', 0))} of {cfg.train.steps} (train.stop_at_step); the same "
               f"command with --set run.name={cfg.run.name} continues from there")

@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from jobs.cli import config_parser, exits_2_on_config_error
+from jobs.cli import config_parser, job_main
 from pipelines.config import ConfigError, load_config
 
 
@@ -22,7 +22,7 @@ def log_to_mlflow(cfg, summary: dict) -> str | None:
 
     if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
         return None
-    from pipelines.tracking import git_commit, log_results, start_run, tracking_uri
+    from pipelines.tracking import finish_with_results, git_commit, start_run, tracking_uri
 
     uri = tracking_uri(cfg.tracking.uri)
     params = {f"download.{k}": v for k, v in cfg.download.model_dump(mode="json").items()}
@@ -31,11 +31,11 @@ def log_to_mlflow(cfg, summary: dict) -> str | None:
     numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for reason, n in summary["failed_by_reason"].items():
         numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
-    log_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
+    finish_with_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
     return run_id
 
 
-@exits_2_on_config_error
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.download", __doc__, "YAML with a `download:` section (see configs/)",
                          "download.image_size=128").parse_args(argv)

@@ -15,9 +15,20 @@ import argparse
 import sys
 from pathlib import Path
 
+from jobs.cli import job_main, job_parser
+from models.model_file import load_model
+from models.scoring.ann import MeanIndex
+from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.config import InputError
+from pipelines.data.reader import shard_paths
+from pipelines.evaluate.inference import (InferenceOptions, read_embeddings, write_image_embeddings,
+                                          write_text_embeddings)
+from pipelines.evaluate.embed import distinct_captions, split_captions
+from pipelines.tracking import resolve_model, tracking_uri
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.embed", description=__doc__.splitlines()[0])
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = job_parser("jobs.embed", __doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True, help="folder or URI with *.tar (or with {split}/*.tar, see --split)")
     parser.add_argument("--split", default=None)
@@ -28,37 +39,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-texts", action="store_true", help="images only")
     parser.add_argument("--index", choices=["hnsw", "ivf"], default=None, help="also write a faiss index on the images' mu")
     parser.add_argument("--tracking-uri", default=None, help="MLflow store of a run id (default as jobs.pretrain)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from models.model_file import load_model
-    from pipelines.evaluate.inference import InferenceOptions, embed_images, embed_texts, read_embeddings
-    from pipelines.evaluate.tasks import distinct_captions, split_captions
-    from pipelines.cluster.runtime import init_ray, local_cpus
-    from pipelines.data.reader import shard_paths
-    from pipelines.tracking import resolve_model, tracking_uri
 
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out).resolve()
     try:
         source = resolve_model(args.model, tracking_uri(args.tracking_uri), out / "source")
         paths = shard_paths(args.data, args.split)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise InputError(str(err)) from None
     init_ray(num_cpus=local_cpus(args.actors, 1))  # a local Ray keeps CPUs beside the actors for decoding
     model = load_model(source["model"])
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-    folder = embed_images(str(source["model"]), paths, model.img_size, out, opts, stats_name="embed")
+    folder = write_image_embeddings(str(source["model"]), paths, model.img_size, out, opts, stats_name="embed")
     cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
     print(f"{len(cols['key'])} image embeddings in {folder}")
     if args.index:
-        from models.scoring.ann import MeanIndex
-
         MeanIndex(outputs["mu"], kind=args.index).save(out / "images.faiss")
         print(f"faiss {args.index} index on the image means in {out / 'images.faiss'}")
     if not args.no_texts:
         texts = distinct_captions(split_captions(cols["captions"]))
         if texts:
-            print(f"{len(texts)} caption embeddings in {embed_texts(str(source['model']), texts, out, opts)}")
+            print(f"{len(texts)} caption embeddings in "
+                  f"{write_text_embeddings(str(source['model']), texts, out, opts)}")
     return 0
 
 

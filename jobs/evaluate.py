@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.cli import config_parser, exits_2_on_config_error
+from jobs.cli import config_parser, job_main
 from pipelines.config import load_config
 
 
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@exits_2_on_config_error
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import sys
 
-from jobs.cli import config_parser, exits_2_on_config_error
+from jobs.cli import config_parser, job_main
 from pipelines.config import load_config
 
 
-@exits_2_on_config_error
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.pretrain", __doc__, "experiment YAML (see configs/)", "train.steps=100").parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts

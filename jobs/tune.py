@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jobs.cli import config_parser, exits_2_on_config_error
+from jobs.cli import config_parser, job_main
 
 
-@exits_2_on_config_error
+@job_main
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser("jobs.tune", __doc__, "sweep YAML (see configs/tune_*.yaml)", "tune.num_samples=8")
     parser.add_argument("--best-config-out", default=None, help="where to write the best config YAML "

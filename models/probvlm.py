@@ -1,4 +1,5 @@
-"""ProbVLM (papers/004): a post-hoc probabilistic adapter on a frozen deterministic model's embeddings.
+"""ProbVLM (Upadhyay et al., "ProbVLM: Probabilistic Adapter for Frozen Vision-Language Models", arXiv:2307.00398):
+a post-hoc probabilistic adapter on a frozen deterministic model's embeddings.
 
 Per modality a small MLP (Sec. 4: embedding -> 256 -> 256 -> embedding, dropout 0.1) maps a frozen
 embedding z to a generalized Gaussian: mu_hat = z + a learned residual (the reconstructed embedding),
@@ -196,16 +197,16 @@ class AdaptedModel(nn.Module):
 
     probabilistic = True
 
-    def __init__(self, *, source: str, source_overrides: dict | None = None, head: str = "probvlm",
-                 hidden: int = 256, dropout: float = 0.1, mc_samples: int = 16, mc_seed: int = 0,
+    def __init__(self, source_model: nn.Module, *, source: str, source_overrides: dict | None = None,
+                 head: str = "probvlm", hidden: int = 256, dropout: float = 0.1, mc_samples: int = 16, mc_seed: int = 0,
                  scoring: str = "cosine"):
+        """`source_model`: the registry model `source` built with `source_overrides` (the registry builds it);
+        the keywords are what a model file records to rebuild this model."""
         super().__init__()
         if scoring not in ("cosine", "csd"):
             raise ValueError(f"scoring must be 'cosine' or 'csd', got {scoring!r}")
-        from models.registry import create_model  # the registry imports this module
-
         self.scoring = scoring
-        self.source = create_model(source, **(source_overrides or {}))
+        self.source = source_model
         problem = source_problem(self.source, source)
         if problem:
             raise ValueError(problem)

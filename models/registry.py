@@ -69,8 +69,11 @@ class ModelEntry:
         unknown = sorted(set(overrides) - set(override_types_of(self.arch)))
         if unknown:
             raise TypeError(f"{self.arch.__name__}: unknown overrides {', '.join(unknown)}")
-        if self.towers is None:
-            return self.arch(**{**self.defaults, **overrides})
+        if self.towers is None:  # an adapter: the registry builds the model it adapts
+            kwargs = {**self.defaults, **overrides}
+            if "source" not in kwargs:
+                raise TypeError(f"{self.arch.__name__}: the override `source` (the registry model it adapts) is required")
+            return self.arch(create_model(kwargs["source"], **(kwargs.get("source_overrides") or {})), **kwargs)
         towers = dataclasses.replace(self.towers, **{k: v for k, v in overrides.items() if k in TOWER_FIELDS})
         kwargs = {**self.defaults, **{k: v for k, v in overrides.items() if k not in TOWER_FIELDS}}
         return self.arch(towers, **kwargs)

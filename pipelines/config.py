@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A configuration problem, phrased as one line naming the key."""
 
 
+class InputError(ValueError):
+    """Bad input that is not the config file's (a model, a data folder), phrased as one line naming it."""
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -46,6 +50,16 @@ class DataConfig(Section):
     image_size: int = Field(32, ge=8, le=1024)
     # Train-split augmentation (RandomResizedCrop 0.8-1.0, colour jitter, grayscale); never on evaluation.
     augment: bool = True
+    # Where it runs: "device" (the training worker's GPU, as batched tensor ops on the uint8 images), "reader"
+    # (Ray Data's CPUs, OpenCV on uint8), "auto" (device with train.use_gpu, else reader).
+    augment_on: Literal["auto", "device", "reader"] = "auto"
+    # Horizontal flip probability (0: captions may say "left" or "right").
+    flip_prob: float = Field(0.0, ge=0.0, le=1.0)
+    # Side (px) images are decoded to (JPEG DCT scaling when stored larger) and, with augment_on device, shipped
+    # at; None: 8/7 of image_size (256 for 224).
+    decode_size: int | None = Field(None, ge=8, le=4096)
+    # Batches each training worker's iterator prepares ahead of the step (Ray Data prefetch_batches).
+    prefetch_batches: int = Field(4, ge=0, le=64)
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
     deterministic: bool = False
     shard_size: int = Field(500, ge=1)
@@ -267,9 +281,8 @@ class EvalConfig(Section):
                 raise ValueError(f"task names must be unique; repeated: {', '.join(dup)}")
         return tasks
 
-    def resolved_tasks(self, data_root: str) -> list[EvalTask]:
-        """Tasks with data and split filled in ({data.root} replaced)."""
-        tasks = self.tasks or [EvalTask(name="heldout", kind="retrieval"), EvalTask(name="heldout_loss", kind="loss")]
+    def resolved_tasks(self, data_root: str, tasks: list[EvalTask]) -> list[EvalTask]:
+        """`tasks` with data and split filled in ({data.root} replaced)."""
         out = []
         for t in tasks:
             data = (t.data or "{data.root}").replace("{data.root}", data_root.rstrip("/"))
@@ -392,21 +405,43 @@ class Document(Section):
         return out
 
 
-class Config(Document):
+class JobDocument(Document):
+    """The sections every training job shares (pretraining and the adapter), and what they do with them."""
+
     run: RunConfig = Field(default_factory=RunConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    # eval tasks when eval.tasks is left out
+    def default_tasks(self) -> list[EvalTask]:
+        return [EvalTask(name="heldout", kind="retrieval"), EvalTask(name="heldout_loss", kind="loss")]
+
+    def resolved_tasks(self) -> list[EvalTask]:
+        """Eval tasks with data and split filled in ({data.root} replaced)."""
+        return self.eval.resolved_tasks(self.data.root, self.eval.tasks or self.default_tasks())
+
+    def _with_absolute(self, **updates: Any) -> Any:
+        """A copy with the shared sections' local paths absolute, plus the job's own `updates`."""
+        return self.model_copy(update={
+            "run": self.run.model_copy(update={"storage_path": local_path(self.run.storage_path)}),
+            "eval": self.eval.with_local_paths(local_path),
+            "tracking": self.tracking.with_absolute_store(),
+            **updates,
+        })
+
+
+class Config(JobDocument):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
     # Only `jobs.download` needs it.
     download: DownloadConfig | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
-        from models.registry import list_models
+        from models.registry import list_models  # deferred: the registry imports timm and every model class
 
         if self.model.name not in list_models():
             raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
@@ -419,17 +454,17 @@ class Config(Document):
     def with_absolute_paths(self) -> "Config":
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
         in other working directories than the command that was started."""
-        def local(value: str | None) -> str | None:
-            if value is None or value.startswith(("{data.root}", "open_clip:")):
-                return value
-            return absolute_local(value)
+        return self._with_absolute(
+            data=self.data.model_copy(update={"root": local_path(self.data.root)}),
+            model=self.model.model_copy(update={"init_from_openclip": local_path(self.model.init_from_openclip)}))
 
-        return self.model_copy(update={
-            "data": self.data.model_copy(update={"root": local(self.data.root)}),
-            "model": self.model.model_copy(update={"init_from_openclip": local(self.model.init_from_openclip)}),
-            "eval": self.eval.with_local_paths(local),
-            "tracking": self.tracking.with_absolute_store(),
-        })
+
+def local_path(value: str | None) -> str | None:
+    """A config value that may name a local path, made absolute; None, URIs, `{data.root}...`, `open_clip:` and
+    `runs:/` references as they are."""
+    if value is None or value.startswith(("{data.root}", "open_clip:", "runs:/")):
+        return value
+    return absolute_local(value)
 
 
 def absolute_local(path: str) -> str:

@@ -1,12 +1,18 @@
-"""MLflow: where runs go, the run's params/config/tags, and rank 0's buffered step metrics."""
+"""MLflow: where runs go, the run's params/config/tags, and rank 0's buffered step metrics.
+
+MLflow itself is imported inside the functions that call it: the path and redaction helpers here are also
+used by Ray workers and config code that never log, and `import mlflow` costs seconds.
+"""
 from __future__ import annotations
 
 import os
 import re
 import subprocess
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pipelines.config import PROJECT_ROOT
 
@@ -184,7 +190,7 @@ def model_file(folder: Path) -> Path:
     return folder / "data" / "model.safetensors"
 
 
-def register_model(uri: str, run_id: str, name: str) -> str:
+def register_model_version(uri: str, run_id: str, name: str) -> str:
     """Register the run's MLflow model as a new version of `name`; returns the version."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -203,6 +209,41 @@ def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     from mlflow import MlflowClient
 
     MlflowClient(uri).set_terminated(run_id, status=status)
+
+
+@dataclass
+class TrackedRun:
+    """A training job's MLflow run while `tracked_run` holds it: the store, the run, and how it is to end."""
+
+    uri: str
+    run_id: str
+    end_status: str = "FINISHED"  # KILLED: stopped before its last step (resumable)
+    register_as: str | None = None  # a Model Registry name: the run's model becomes a new version on FINISHED
+    registered_version: str | None = None
+
+    def logger(self, flush_every: int | None = None) -> StepLogger:
+        return StepLogger(self.uri, self.run_id, flush_every)
+
+
+@contextmanager
+def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, params: dict[str, Any],
+                config_yaml: str, tags: dict[str, str], register_as: str | None = None) -> Iterator[TrackedRun]:
+    """The MLflow run of a training job (pretraining, the adapter): a resumed job reopens the run it started
+    before (its step history goes on), any other starts one. On exit the run ends with `end_status` (and its
+    model is registered under `register_as` when FINISHED); an exception ends it FAILED."""
+    existing = find_run(uri, experiment, run_name) if resumed else None
+    if existing:
+        reopen_run(uri, existing, config_yaml)
+    run = TrackedRun(uri, existing or start_run(uri, experiment, run_name, params, config_yaml, tags),
+                     register_as=register_as)
+    try:
+        yield run
+    except BaseException:
+        finish_run(uri, run.run_id, "FAILED")
+        raise
+    finish_run(uri, run.run_id, run.end_status)
+    if run.register_as and run.end_status == "FINISHED":
+        run.registered_version = register_model_version(uri, run.run_id, run.register_as)
 
 
 def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
@@ -237,8 +278,8 @@ def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
             "config": config}
 
 
-def log_results(uri: str, run_id: str, metrics: dict[str, float], files: list[tuple[Path, str | None]] = (),
-                texts: dict[str, str] | None = None) -> None:
+def finish_with_results(uri: str, run_id: str, metrics: dict[str, float], files: list[tuple[Path, str | None]] = (),
+                        texts: dict[str, str] | None = None) -> None:
     """A run's results, then end it: metrics (step 0), files (local path, artifact folder or None for the
     root) and texts (artifact file name -> text). Evaluations, downloads and sweeps' parent runs."""
     from mlflow import MlflowClient

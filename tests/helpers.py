@@ -75,7 +75,7 @@ def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> No
 
     from models.model_file import load_model
     from models.preprocess import encode_png
-    from pipelines.evaluate.tasks import EvaluationError
+    from pipelines.evaluate import EvaluationError
     from pipelines.tracking import find_run, model_file
     from pipelines.train.driver import fit
 

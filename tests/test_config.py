@@ -111,7 +111,7 @@ def test_local_paths_become_absolute_for_the_workers(tmp_path, monkeypatch):
     assert out.tracking.uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     assert [t.data for t in out.eval.tasks] == [str(tmp_path / "my_eval"), "{data.root}/eval", "s3://bucket/set"]
     assert out.eval.tasks[1].templates == str(tmp_path / "t.json")
-    assert out.eval.resolved_tasks(out.data.root)[1].data == str(tmp_path / "data" / "digits" / "eval")
+    assert out.resolved_tasks()[1].data == str(tmp_path / "data" / "digits" / "eval")
     assert out.with_absolute_paths() == out and cfg.data.root == "data/digits"  # idempotent; the original kept
     served = Config.model_validate({"tracking": {"uri": "http://127.0.0.1:5000"}}).with_absolute_paths()
     assert served.tracking.uri == "http://127.0.0.1:5000"

@@ -22,7 +22,7 @@ import yaml
 from PIL import Image
 
 from pipelines.config import DownloadConfig, load_config
-from pipelines.download.run import run_download, shard_tars
+from pipelines.download.run import run_download
 from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.download.urls import DownloadError
@@ -32,6 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 IMAGE_SIZE = 32
 REASON_404 = "HTTP Error 404: File not found"
 REASON_DECODE = "Image decoding error"
+
+
+def shard_tars(output: str | Path) -> list[Path]:
+    """The finished shards' .tar files (those with img2dataset's _stats.json beside them)."""
+    return sorted(p for p in Path(output).glob("*.tar") if p.with_name(f"{p.stem}_stats.json").exists())
 
 
 def read_samples(output: Path) -> dict[str, dict]:

@@ -19,11 +19,11 @@ from PIL import Image
 import jobs.evaluate
 import jobs.pretrain
 from models.model_file import load_model
-from models.scoring.zeroshot import class_embeddings as prompt_class_embeddings, zero_shot_accuracy
+from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 from pipelines.config import ConfigError, EvalTask
 from pipelines.data.digits import NAMES, specific_captions
 from pipelines.evaluate.data import check_task, iter_local_batches, task_paths
-from pipelines.evaluate.tasks import embed_task_locally
+from pipelines.evaluate.embed import embed_task_locally
 from pipelines.train.sweep import load_sweep
 from pipelines.tracking import model_file
 
@@ -121,7 +121,7 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
 
     # Its embeddings from the 2-actor pool equal a plain single-process loop over the same files.
     model = model_of(result, tmp_path)
-    task = cfg.eval.resolved_tasks(digits_root)[1]
+    task = cfg.eval.resolved_tasks(digits_root, cfg.eval.tasks or cfg.default_tasks())[1]
     local = embed_task_locally(model, task, iter_local_batches(task_paths(task), 32))
     table = pq.read_table(out / "digits_retrieval" / "images").sort_by("key")
     assert table.column("key").to_pylist() == local.keys
@@ -243,13 +243,13 @@ def test_zero_shot_with_per_class_prompts_file(tmp_path):
 def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path):
     """Ray Data writes its parquet files beside any already in a folder: a second embedding run into the same
     --out (a rerun of jobs.evaluate, jobs.embed or jobs.adapt) must not double the rows."""
-    from pipelines.evaluate.inference import InferenceOptions, embed_texts, read_embeddings
+    from pipelines.evaluate.inference import InferenceOptions, read_embeddings, write_text_embeddings
 
     _, result, _ = trained_clip
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
                                 tracking_uri=result.mlflow_uri)
     texts = ["a handwritten 1", "a handwritten 2", "a handwritten 3"]
     for _ in range(2):
-        written = embed_texts(str(model_file(Path(folder))), texts, tmp_path / "out", InferenceOptions(concurrency=1))
+        written = write_text_embeddings(str(model_file(Path(folder))), texts, tmp_path / "out", InferenceOptions(concurrency=1))
     columns, outputs = read_embeddings(written, "index")
     assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3

@@ -17,7 +17,8 @@ from models.scoring.metrics import rank_candidates, rank_queries
 from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
                                      weighted_ensemble)
 from pipelines.config import Config, ConfigError, EvalTask, load_config
-from pipelines.evaluate.tasks import TaskEmbeddings, class_embeddings, score_task
+from pipelines.evaluate.tasks import class_embeddings, score_task
+from pipelines.evaluate.embed import TaskEmbeddings
 
 # ------------------------------------------------------------------------------------ BPRW (ProLIP A.5)
 

@@ -174,7 +174,8 @@ def wrong_template_top1(fits, how: str, **options) -> dict[str, float]:
     """Held-out zero-shot top-1 of the ProLIP fit with deliberately wrong prompts added to every class's
     five templates: the plain ensemble and `how`."""
     from pipelines.config import EvalTask
-    from pipelines.evaluate.tasks import TaskEmbeddings, embed_texts, score_task
+    from pipelines.evaluate.tasks import score_task
+    from pipelines.evaluate.embed import TaskEmbeddings, embed_texts
 
     model, _ = trained_model(fits, "prolip")
     images = held_out_images()

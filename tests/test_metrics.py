@@ -11,7 +11,8 @@ from sklearn.metrics import balanced_accuracy_score
 from models import create_model
 from models.scoring.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
 from pipelines.config import Config, ConfigError, load_config
-from pipelines.evaluate.tasks import TaskEmbeddings, class_embeddings, metric_names, score_task, task_metric_names
+from pipelines.evaluate.tasks import class_embeddings, metric_names, score_task, task_metric_names
+from pipelines.evaluate.embed import TaskEmbeddings
 
 
 def naive_ranking(scores: np.ndarray, positives: np.ndarray):
@@ -113,13 +114,13 @@ def test_retrieval_scores_csd_and_means_and_shared_captions():
 
 
 def load_config_task(kind: str):
-    cfg = Config.model_validate({"eval": {"tasks": [{"name": "t", "kind": kind}]}})
-    return cfg.eval.resolved_tasks("/data")[0]
+    cfg = Config.model_validate({"data": {"root": "/data"}, "eval": {"tasks": [{"name": "t", "kind": kind}]}})
+    return cfg.resolved_tasks()[0]
 
 
 def test_default_tasks_are_heldout_retrieval_and_loss():
-    cfg = Config()
-    tasks = cfg.eval.resolved_tasks("/data/root/")
+    cfg = Config.model_validate({"data": {"root": "/data/root/"}})
+    tasks = cfg.resolved_tasks()
     assert [(t.name, t.kind, t.data, t.split) for t in tasks] == [
         ("heldout", "retrieval", "/data/root", "test"), ("heldout_loss", "loss", "/data/root", "test")]
     names = metric_names(cfg)

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (ConfigError, Document, EvalConfig, RayConfig, RunConfig, Section, TrackingConfig,
-                              WorkerResources, _format_error, absolute_local, read_config_file)
+from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, WorkerResources, _format_error,
+                              local_path, read_config_file)
 
 
 class SourceConfig(Section):
@@ -94,7 +94,7 @@ class EmbedConfig(Section):
     gpus_per_actor: float = Field(0.0, ge=0)
 
 
-class AdaptConfig(Document):
+class AdaptConfig(JobDocument):
     run: RunConfig = Field(default_factory=lambda: RunConfig(experiment="probvlp-adapt"))
     source: SourceConfig
     data: AdaptDataConfig = Field(default_factory=AdaptDataConfig)
@@ -102,10 +102,7 @@ class AdaptConfig(Document):
     loss: AdaptLossConfig = Field(default_factory=AdaptLossConfig)
     train: AdaptTrainConfig = Field(default_factory=AdaptTrainConfig)
     embed: EmbedConfig = Field(default_factory=EmbedConfig)
-    # Tasks scored at the end (retrieval / zeroshot; calibration of the adapter and the baseline).
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
+    # eval: tasks scored at the end (retrieval / zeroshot; calibration of the adapter and the baseline).
 
     @model_validator(mode="after")
     def _checks(self) -> "AdaptConfig":
@@ -118,28 +115,17 @@ class AdaptConfig(Document):
                                  "the adapter is scored on retrieval and zeroshot tasks")
         return self
 
-    def resolved_tasks(self):
-        """Eval tasks; without eval.tasks: retrieval on {data.root}/{eval.split} ("heldout")."""
-        from pipelines.config import EvalTask
-
-        tasks = self.eval.tasks or [EvalTask(name="heldout", kind="retrieval")]
-        return self.eval.model_copy(update={"tasks": tasks}).resolved_tasks(self.data.root)
+    def default_tasks(self) -> list[EvalTask]:
+        return [EvalTask(name="heldout", kind="retrieval")]  # no loss task: the adapter has no training loss
 
     def with_absolute_paths(self) -> "AdaptConfig":
         """Local paths absolute (Ray workers run in other directories); URIs and open_clip: as they are."""
-        def local(value: str | None) -> str | None:
-            return value if value is None or value.startswith(("open_clip:", "runs:/", "{data.root}")) else absolute_local(value)
-
         model = self.source.model
-        if Path(model).exists():
-            model = absolute_local(model)
-        return self.model_copy(update={
-            "source": self.source.model_copy(update={"model": model, "weights": local(self.source.weights)}),
-            "data": self.data.model_copy(update={"root": local(self.data.root), "embeddings": local(self.data.embeddings)}),
-            "run": self.run.model_copy(update={"storage_path": local(self.run.storage_path)}),
-            "eval": self.eval.with_local_paths(local),
-            "tracking": self.tracking.with_absolute_store(),
-        })
+        return self._with_absolute(
+            source=self.source.model_copy(update={"model": local_path(model) if Path(model).exists() else model,
+                                                  "weights": local_path(self.source.weights)}),
+            data=self.data.model_copy(update={"root": local_path(self.data.root),
+                                              "embeddings": local_path(self.data.embeddings)}))
 
 
 def load_adapt_config(path: str | Path, overrides: list[str] | None = None) -> AdaptConfig:

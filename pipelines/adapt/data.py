@@ -42,15 +42,15 @@ def has_embeddings(folder: Path) -> bool:
 
 def compute_embeddings(model_file: Path, paths: list[str], image_size: int, folder: Path, opts) -> None:
     """The source model's image and caption embeddings of the pair shards (Ray Data actor pools)."""
-    from pipelines.evaluate.inference import embed_images, embed_texts, read_embeddings
-    from pipelines.evaluate.tasks import distinct_captions, split_captions
+    from pipelines.evaluate.inference import write_image_embeddings, write_text_embeddings, read_embeddings
+    from pipelines.evaluate.embed import distinct_captions, split_captions
 
-    images = embed_images(str(model_file), paths, image_size, folder, opts, stats_name="adapt_embed")
+    images = write_image_embeddings(str(model_file), paths, image_size, folder, opts, stats_name="adapt_embed")
     cols, _ = read_embeddings(images, "key")
     texts = distinct_captions(split_captions(cols["captions"]))
     if not texts:
         raise AdaptError(f"data: no image of {paths[0]} ... has a caption; the adapter trains on image-caption pairs")
-    embed_texts(str(model_file), texts, folder, opts)
+    write_text_embeddings(str(model_file), texts, folder, opts)
 
 
 @dataclass
@@ -80,7 +80,7 @@ def _check(what: str, folder: Path, out: dict, width: int, names: list) -> np.nd
 def load_pairs(folder: Path, width: int) -> Pairs:
     """Pairs from an embeddings folder, or AdaptError naming what is wrong with it."""
     from pipelines.evaluate.inference import read_embeddings
-    from pipelines.evaluate.tasks import split_captions
+    from pipelines.evaluate.embed import split_captions
 
     try:
         image_cols, image = read_embeddings(folder / "images", "key")

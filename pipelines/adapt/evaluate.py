@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.evaluate.tasks import TaskEmbeddings, TaskResult, score_task
+from pipelines.evaluate.tasks import TaskResult, score_task
+from pipelines.evaluate.embed import TaskEmbeddings
 
 
 @torch.no_grad()

@@ -14,12 +14,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray.data
+import torch
+from safetensors.torch import load_file
 
+from models.model_file import save_model
+from models.probvlm import embedding_width
+from models.registry import create_model
 from pipelines.adapt.config import AdaptConfig
 from pipelines.adapt.data import Pairs, compute_embeddings, has_embeddings, load_pairs, write_digit_pairs
+from pipelines.adapt.evaluate import comparison_plot, score_adapted
 from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
-from pipelines.evaluate.tasks import EvaluationError
-from pipelines.tracking import StepLogger
+from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.config import ConfigError
+from pipelines.data.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
+from pipelines.data.reader import shard_paths
+from pipelines.evaluate.data import check_task, iter_tar_samples
+from pipelines.evaluate.inference import InferenceOptions, embed_task
+from pipelines.evaluate import EvaluationError
+from pipelines.evaluate.tasks import prefixed, write_plots
+from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
+from pipelines.train.trainer import run_exists, torch_trainer
 
 REGISTRY_NAMES = {"probvlm": "probvlm_adapter", "pfe": "pfe_adapter"}
 EXAMPLE_CAPTION = "a photo of a dog"
@@ -42,8 +57,6 @@ class AdaptResult:
 
 def pair_shards(cfg: AdaptConfig) -> list[str]:
     """The training pairs' shards (the digits' are written first when missing)."""
-    from pipelines.data.reader import shard_paths
-
     if cfg.data.source == "digits":
         folder = write_digit_pairs(cfg.data.root, cfg.data.split)
         return shard_paths(str(folder), None)
@@ -54,8 +67,6 @@ def pair_shards(cfg: AdaptConfig) -> list[str]:
 
 
 def prepare_digits(cfg: AdaptConfig) -> None:
-    from pipelines.data.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
-
     # Digits already written (by the source's pretraining) stay as they are: rewriting them with other parameters
     # could move the source's training images into the held-out split the adapter is scored on.
     if not digit_shards_written(cfg.data.root):
@@ -71,8 +82,6 @@ def adapter_overrides(cfg: AdaptConfig, source: Source, head: str) -> dict[str, 
 
 def build_adapted(cfg: AdaptConfig, source: Source, head: str, adapter_state: dict):
     """The adapted model: the source's exact weights + the trained adapter."""
-    from models.registry import create_model
-
     model = create_model(REGISTRY_NAMES[head], **adapter_overrides(cfg, source, head))
     model.source.load_state_dict(source.model.state_dict())
     model.adapter.load_state_dict(adapter_state)
@@ -81,9 +90,6 @@ def build_adapted(cfg: AdaptConfig, source: Source, head: str, adapter_state: di
 
 def source_unchanged(source: Source, models: list) -> bool:
     """Every source tensor of every adapted model equals the source file's, and the file is unchanged."""
-    import torch
-    from safetensors.torch import load_file
-
     original = load_file(str(source.path))
     for model in models:
         state = model.source.state_dict()
@@ -92,29 +98,8 @@ def source_unchanged(source: Source, models: list) -> bool:
     return file_sha256(source.path) == source.sha256
 
 
-def run_exists(cfg: AdaptConfig) -> bool:
-    """Whether Ray Train storage already holds this run name (then the fit resumes from its checkpoint)."""
-    import pyarrow.fs
-
-    fs, base = pyarrow.fs.FileSystem.from_uri(cfg.run.storage_path)
-    return fs.get_file_info(f"{base.rstrip('/')}/{cfg.run.name}").type != pyarrow.fs.FileType.NotFound
-
-
-def mlflow_run(cfg: AdaptConfig, uri: str, params: dict[str, Any], tags: dict[str, str]) -> str:
-    """A new MLflow run, or, for a run name trained before, that run (its step history goes on)."""
-    from pipelines.tracking import find_run, reopen_run, start_run
-
-    existing = find_run(uri, cfg.run.experiment, cfg.run.name) if run_exists(cfg) else None
-    if existing:
-        reopen_run(uri, existing, cfg.to_yaml())
-        return existing
-    return start_run(uri, cfg.run.experiment, cfg.run.name, params, cfg.to_yaml(), tags)
-
-
 def check_before_ray(cfg: AdaptConfig, out: Path, uri: str) -> tuple[Source, Path, Pairs | None]:
     """Source, embeddings folder and (if they exist) the checked pairs; AdaptError on bad input."""
-    from models.probvlm import embedding_width
-
     source = resolve_source(cfg.source, uri, out / "source")
     folder = Path(cfg.data.embeddings) if cfg.data.embeddings else out / "embeddings"
     pairs = load_pairs(folder, embedding_width(source.model)) if has_embeddings(folder) else None
@@ -122,14 +107,6 @@ def check_before_ray(cfg: AdaptConfig, out: Path, uri: str) -> tuple[Source, Pat
 
 
 def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from models.probvlm import embedding_width
-    from pipelines.evaluate.inference import InferenceOptions
-    from pipelines.cluster.runtime import init_ray, local_cpus
-    from pipelines.tracking import finish_run, git_commit, tracking_uri
-
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -140,14 +117,11 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
 
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(max(t.num_workers, cfg.embed.actors), t.cpus_per_worker))
-    from pipelines.adapt.loop import ADAPTER_FILE, adapt_loop  # after init_ray quietened the logs
+    from pipelines.adapt.loop import ADAPTER_FILE, adapt_loop  # deferred until init_ray quietened the logs
 
     if cfg.data.source == "digits":
         prepare_digits(cfg)
     tasks = cfg.resolved_tasks()
-    from pipelines.evaluate.data import check_task
-    from pipelines.config import ConfigError
-
     for task in tasks:
         try:
             check_task(task)
@@ -168,30 +142,17 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
             "mlflow.source.git.commit": git_commit() or ""}
     params = {**cfg.flat(), "source.file": str(source.path), "source.sha256": source.sha256, "data.pairs": len(pairs.image),
               "data.images": pairs.n_images, "data.texts": pairs.n_texts, "embed_dim": width}
-    run_id = mlflow_run(cfg, uri, params, tags)
-    try:
-        import ray.data
-
-        dataset = ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))
-        trainer = TorchTrainer(
-            adapt_loop,
-            train_loop_config={"config": cfg.to_dict(), "dim": width, "mlflow_uri": uri, "mlflow_run_id": run_id},
-            scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                                                   resources_per_worker=t.worker_resources),
-            run_config=ray.train.RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                                           failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
-                                           checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-                                           logging_config=ray.train.LoggingConfig(log_level="WARNING")),
-            datasets={"train": dataset},
-        )
+    with tracked_run(uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=params,
+                     config_yaml=cfg.to_yaml(), tags=tags) as run:
+        trainer = torch_trainer(
+            adapt_loop, {"config": cfg.to_dict(), "dim": width, "mlflow_uri": uri, "mlflow_run_id": run.run_id}, cfg,
+            {"train": ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))})
         result = trainer.fit()
+        train = dict(result.metrics or {})
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
-        if int((result.metrics or {}).get("step", 0)) < t.steps:  # train.stop_at_step: resumable, not scored
-            finish_run(uri, run_id, "KILLED")
-            return AdaptResult(out, None, None, {}, dict(result.metrics or {}), uri, run_id, source, len(pairs.image),
-                               seconds=seconds)
-        from safetensors.torch import load_file
-
+        if int(train.get("step", 0)) < t.steps:  # train.stop_at_step: resumable, not scored
+            run.end_status = "KILLED"
+            return AdaptResult(out, None, None, {}, train, uri, run.run_id, source, len(pairs.image), seconds=seconds)
         state = load_file(str(Path(result.checkpoint.path) / ADAPTER_FILE))
         heads = {"adapter": cfg.adapter.head, **({"baseline": cfg.adapter.baseline} if cfg.adapter.baseline != "none" else {})}
         models = {name: build_adapted(cfg, source, head, {k.removeprefix(f"{name}."): v for k, v in state.items()
@@ -200,28 +161,21 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
         if not source_unchanged(source, list(models.values())):
             raise RuntimeError("the source model's weights changed during adaptation")
         files = save_models(cfg, source, heads, models, out)
-        log_models(uri, run_id, files, paths)  # save before judging: the adapter is in MLflow whatever evaluation does
+        log_models(run, files, paths)  # save before judging: the adapter is in MLflow whatever evaluation does
         try:
             metrics, plots = evaluate_adapted(cfg, source, models, tasks, out, opts)
         except Exception as err:  # noqa: BLE001 - reported by task, the models stay
             failure = err if isinstance(err, EvaluationError) else EvaluationError.of("adapter evaluation", err)
-            StepLogger(uri, run_id, flush_every=None).tag("probvlp.failure", str(failure))
-            raise EvaluationError(f"{failure} (the adapter is saved: runs:/{run_id}/model and {files['adapter']})") \
+            run.logger().tag("probvlp.failure", str(failure))
+            raise EvaluationError(f"{failure} (the adapter is saved: runs:/{run.run_id}/model and {files['adapter']})") \
                 from err
         seconds["evaluate"] = time.perf_counter() - clock
-        log_results(uri, run_id, metrics, plots, {**dict(result.metrics or {}),
-                                                  **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
-    except BaseException:
-        finish_run(uri, run_id, "FAILED")
-        raise
-    finish_run(uri, run_id)
-    return AdaptResult(out, files["adapter"], files.get("baseline"), metrics, dict(result.metrics or {}), uri, run_id,
+        log_adapter_results(run, metrics, plots, {**train, **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
+    return AdaptResult(out, files["adapter"], files.get("baseline"), metrics, train, uri, run.run_id,
                        source, len(pairs.image), plots, seconds)
 
 
 def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:
-    from models.model_file import save_model
-
     files = {}
     for name, model in models.items():
         files[name] = out / ("model.safetensors" if name == "adapter" else f"{name}.safetensors")
@@ -231,10 +185,6 @@ def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models:
 
 def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out: Path, opts):
     """Each task: the source's embeddings by batch inference, scored for every adapted model; plots."""
-    from pipelines.adapt.evaluate import comparison_plot, score_adapted
-    from pipelines.evaluate.inference import embed_task
-    from pipelines.evaluate.tasks import prefixed, write_plots
-
     metrics: dict[str, float] = {}
     plots: list[Path] = []
     adapter_results = {}
@@ -259,12 +209,9 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def log_models(uri: str, run_id: str, files: dict[str, Path], paths: list[str]) -> None:
+def log_models(run: TrackedRun, files: dict[str, Path], paths: list[str]) -> None:
     """The MLflow model of the adapted model and the baseline's file."""
-    from pipelines.evaluate.data import iter_tar_samples
-    from pipelines.tracking import save_mlflow_model
-
-    logger = StepLogger(uri, run_id, flush_every=None)
+    logger = run.logger()
     example = next(iter_tar_samples(paths, limit=1))
     image = next(example[k] for k in ("jpg", "jpeg", "png", "webp") if k in example)
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,10 +222,10 @@ def log_models(uri: str, run_id: str, files: dict[str, Path], paths: list[str]) 
             logger.artifact(path, name)
 
 
-def log_results(uri: str, run_id: str, metrics: dict[str, float], plots: list[Path], train: dict[str, Any],
-                out: Path) -> None:
+def log_adapter_results(run: TrackedRun, metrics: dict[str, float], plots: list[Path], train: dict[str, Any],
+                        out: Path) -> None:
     """Eval metrics, results and plots."""
-    logger = StepLogger(uri, run_id, flush_every=None)
+    logger = run.logger()
     logger.log({**metrics, **{k: v for k, v in train.items() if k.startswith("seconds_")}}, int(train.get("step", 0)))
     logger.tag("probvlp.source_unchanged", "true")
     logger.flush()

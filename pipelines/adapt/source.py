@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from pipelines.adapt.config import SourceConfig
+from pipelines.config import InputError
 
 # open_clip architecture -> our registry model and the overrides that give it the same shapes
 # (open_clip's 77-token text context is cut to ours: its first rows are kept).
@@ -20,7 +21,7 @@ OPENCLIP_ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 
-class AdaptError(ValueError):
+class AdaptError(InputError):
     """Bad input to the adapter job, phrased as one line naming what is wrong."""
 
 

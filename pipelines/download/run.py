@@ -20,8 +20,8 @@ from typing import Any
 from pipelines.config import DownloadConfig
 from pipelines.download.plan import plan
 from pipelines.download.shard import TMP_DIR, shard_done, shard_name
-from pipelines.download.summary import summarize
-from pipelines.data.storage import fs_path, uri, write_bytes_atomic
+from pipelines.download.summary import summarize_download
+from pipelines.data.storage import fs_path, write_bytes_atomic
 from pipelines.download.scheduler import run_parts
 
 SUMMARY_FILE = "_summary.json"
@@ -47,16 +47,9 @@ def run_download(cfg: DownloadConfig, local_only: bool = False, log=print) -> di
         f"{len(todo)} to download")
     t1 = time.perf_counter()
     results = run_parts(cfg, manifest, todo, local_only=local_only, log=log)
-    summary = summarize(cfg, manifest, results, skipped, time.perf_counter() - t1)
+    summary = summarize_download(cfg, manifest, results, skipped, time.perf_counter() - t1)
     summary["plan_seconds"] = round(t1 - t0, 3)
     if fs.exists(f"{out}/{TMP_DIR}") and not fs.ls(f"{out}/{TMP_DIR}"):
         fs.rm(f"{out}/{TMP_DIR}", recursive=True)
     write_bytes_atomic(fs, f"{out}/{SUMMARY_FILE}", json.dumps(summary, indent=1).encode())
     return summary
-
-
-def shard_tars(output: str) -> list[str]:
-    """The finished shards' .tar paths (what a reader should be given), as URIs for remote stores."""
-    fs, out = fs_path(output)
-    names = sorted(p for p in fs.glob(f"{out}/*.tar"))
-    return [uri(fs, p) for p in names if fs.exists(p[: -len(".tar")] + "_stats.json")]

@@ -13,7 +13,7 @@ from pipelines.download.shard import PartResult, shard_done, shard_name
 from pipelines.data.storage import fs_path, read_json
 
 
-def summarize(cfg: DownloadConfig, manifest: dict, results: list[PartResult], skipped: int,
+def summarize_download(cfg: DownloadConfig, manifest: dict, results: list[PartResult], skipped: int,
               seconds: float) -> dict[str, Any]:
     fs, out = fs_path(cfg.output)
     reasons: Counter = Counter()

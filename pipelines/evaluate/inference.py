@@ -100,7 +100,7 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def embed_images(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
+def write_image_embeddings(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
                  stats_name: str | None = None) -> Path:
     """Shards -> {out}/images/*.parquet through an actor pool; returns the folder."""
     from pipelines.evaluate.data import read_eval_shards
@@ -113,7 +113,7 @@ def embed_images(model_file: str, paths: list[str], image_size: int, out: str | 
     return folder
 
 
-def embed_texts(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> Path:
+def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> Path:
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
     import ray.data
 
@@ -147,13 +147,13 @@ def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, o
     """One eval task's embeddings through the actor pools, written under {out} and read back
     (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order as the in-process path)."""
     from pipelines.evaluate.data import task_paths
-    from pipelines.evaluate.tasks import TaskEmbeddings, split_captions, task_texts
+    from pipelines.evaluate.embed import TaskEmbeddings, split_captions, task_texts
 
     mixture_tokens = getattr(model, "mixture_tokens", None)
-    folder = embed_images(model_file, task_paths(task), model.img_size, out, opts, stats_name=f"embed:{task.name}")
+    folder = write_image_embeddings(model_file, task_paths(task), model.img_size, out, opts, stats_name=f"embed:{task.name}")
     cols, image = read_embeddings(folder, "key", mixture_tokens)
     captions = split_captions(cols["captions"])
     texts, counts, classnames = task_texts(task, captions)
-    _, text = read_embeddings(embed_texts(model_file, texts, out, opts), "index")
+    _, text = read_embeddings(write_text_embeddings(model_file, texts, out, opts), "index")
     return TaskEmbeddings(cols["key"], image, captions, torch.tensor(cols["cls"], dtype=torch.long), texts, text,
                           counts, classnames)

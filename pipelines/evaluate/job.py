@@ -55,10 +55,10 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
     """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
     from models.model_file import load_model
     from pipelines.evaluate.tasks import prefixed, score_task, write_plots
-    from pipelines.tracking import log_results, start_run, tracking_uri
+    from pipelines.tracking import finish_with_results, start_run, tracking_uri
 
     model = load_model(source["model"])
-    tasks = cfg.eval.resolved_tasks(cfg.data.root)
+    tasks = cfg.resolved_tasks()
     metrics: dict[str, float] = {}
     results = {}
     for task in tasks:
@@ -82,5 +82,5 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
     params = {"model": str(source["model"]), **{f"eval.tasks.{t.name}": f"{t.kind} {t.data}/{t.split}" for t in tasks}}
     run_id = start_run(uri, cfg.run.experiment, cfg.run.name or f"eval-{tags['probvlp.model']}", params, cfg.to_yaml(),
                        tags)
-    log_results(uri, run_id, metrics, [(out / "results.json", "eval"), *((png, "plots") for png in plots)])
+    finish_with_results(uri, run_id, metrics, [(out / "results.json", "eval"), *((png, "plots") for png in plots)])
     return {"metrics": metrics, "records": records, "results": results, "mlflow_run_id": run_id}

@@ -24,32 +24,31 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
+import matplotlib
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from models.scoring.metrics import Calibration, Ranked, calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
+from models.gather import World
 from models.preprocess import to_device
-from models.tokenizer import tokenize
+from models.registry import model_arch
+from models.scoring.ann import MeanIndex, pair_scores, rerank
+from models.scoring.metrics import (Calibration, Ranked, calibration, mean_per_class_recall, rank_candidates, rank_queries,
+                                    retrieval_summary, topk_accuracy)
+from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, weighted_ensemble
 from pipelines.config import Config, EvalTask
+from pipelines.evaluate.embed import TaskEmbeddings, autocast, model_device, on_device
+from pipelines.evaluate.uncertainty import Analyses, analyse, write_analyses
 
-if TYPE_CHECKING:
-    from pipelines.evaluate.uncertainty import Analyses
+matplotlib.use("Agg")  # plots are written to files, on machines without a display
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 DIRECTIONS = ("i2t", "t2i")
 RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
 CALIBRATION_METRICS = ("calib_rho", "calib_r2", "calib_score")
 SCORE_ELEMENTS = 2**24  # queries x gallery scores held at once
-
-
-class EvaluationError(RuntimeError):
-    """An eval task that could not be computed; the message is one line naming the task."""
-
-    @classmethod
-    def of(cls, task: str, err: BaseException) -> "EvaluationError":
-        first = (str(err).strip().splitlines() or [""])[0]
-        return cls(f"evaluation task {task!r} failed: {type(err).__name__}: {first}"[:500])
 
 
 # ------------------------------------------------------------------------------------ names
@@ -75,120 +74,8 @@ def task_metric_names(task: EvalTask, probabilistic: bool) -> list[str]:
 
 def metric_names(cfg: Config) -> list[str]:
     """Every `{task}/{metric}` a run of `cfg` reports."""
-    from models.registry import model_arch
-
     probabilistic = bool(getattr(model_arch(cfg.model.name), "probabilistic", False))
-    return [f"{t.name}/{m}" for t in cfg.eval.resolved_tasks(cfg.data.root) for m in task_metric_names(t, probabilistic)]
-
-
-# ------------------------------------------------------------------------------------ embeddings
-
-
-@dataclass
-class TaskEmbeddings:
-    """One task's embeddings: images with their captions / class, and the texts scored against them
-    (retrieval: the distinct captions; zeroshot: every class's prompts, flat, `prompt_counts` per class)."""
-
-    keys: list[str]
-    image: dict[str, torch.Tensor]
-    captions: list[list[str]]
-    cls: torch.Tensor
-    texts: list[str]
-    text: dict[str, torch.Tensor]
-    prompt_counts: list[int] | None = None
-    classnames: list[str] | None = None
-    # per image, its captions by generality level (json "captions": level -> captions); None: the data has none
-    levels: list[dict[str, list[str]]] | None = None
-
-
-def distinct_captions(captions: list[list[str]]) -> list[str]:
-    """Every caption string once, in order of first appearance."""
-    return list(dict.fromkeys(c for caps in captions for c in caps))
-
-
-def split_captions(column: Iterable[str]) -> list[list[str]]:
-    return [[c for c in str(s).split("\n") if c] for s in column]
-
-
-def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], dict[str, torch.Tensor],
-                                                                           list[list[str]], torch.Tensor]:
-    """Decoded eval batches (pipelines.evaluate.data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
-    return _embed_images(model, batches)[:4]
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(iter(model.parameters()), torch.empty(0)).device
-
-
-def _on(out: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in out.items()}
-
-
-def autocast(device: torch.device, bf16: bool):
-    """The training run's autocast (bf16 matmuls in the towers), or none."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
-
-
-@torch.no_grad()
-def _embed_images(model: torch.nn.Module, batches: Iterable[dict], bf16: bool = False):
-    """embed_images, plus each image's caption levels (None when no sample has any). The model runs on its own
-    device (under bf16 autocast if asked); the outputs come back to the CPU as float32."""
-    from pipelines.evaluate.data import parse_levels
-
-    device = model_device(model)
-    keys, outs, captions, classes, levels = [], [], [], [], []
-    for batch in batches:
-        if len(batch["key"]) == 0:
-            continue
-        with autocast(device, bf16):
-            out = model.encode_image(to_device(torch.as_tensor(batch["image"]), device))
-        outs.append({k: v.float().cpu() for k, v in out.items()})
-        keys += [str(k) for k in batch["key"]]
-        captions += split_captions(batch["captions"])
-        classes.append(torch.as_tensor(np.asarray(batch["cls"], dtype=np.int64)))
-        levels += [parse_levels(v) for v in batch.get("levels", [""] * len(batch["key"]))]
-    if not keys:
-        raise ValueError("no decodable images")
-    # canonical order (by key), whatever order the batches came in: Ray Data batch inference gives the same
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    idx = torch.tensor(order, dtype=torch.long)
-    image = {k: torch.cat([o[k] for o in outs])[idx] for k in outs[0]}
-    ordered_levels = [levels[i] for i in order] if any(levels) else None
-    return [keys[i] for i in order], image, [captions[i] for i in order], torch.cat(classes)[idx], ordered_levels
-
-
-@torch.no_grad()
-def embed_texts(model: torch.nn.Module, texts: list[str], batch_size: int = 256, bf16: bool = False) -> dict[str, torch.Tensor]:
-    device = model_device(model)
-    outs = []
-    for i in range(0, len(texts), batch_size):
-        with autocast(device, bf16):
-            out = model.encode_text(to_device(tokenize(texts[i : i + batch_size], model.context_length), device))
-        outs.append({k: v.float().cpu() for k, v in out.items()})
-    return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
-
-
-def task_texts(task: EvalTask, captions: list[list[str]]) -> tuple[list[str], list[int] | None, list[str] | None]:
-    """The texts a task scores: distinct captions (retrieval) or the flat prompts (zeroshot)."""
-    if task.kind == "zeroshot":
-        from pipelines.evaluate.data import zeroshot_prompts
-
-        classnames, prompts = zeroshot_prompts(task)
-        return [p for per_class in prompts for p in per_class], [len(p) for p in prompts], classnames
-    texts = distinct_captions(captions)
-    if not texts:
-        raise ValueError(f"eval task {task.name!r} (retrieval): no image has a caption")
-    return texts, None, None
-
-
-def embed_task_locally(model: torch.nn.Module, task: EvalTask, batches: Iterable[dict],
-                       batch_size: int = 256, bf16: bool = False) -> TaskEmbeddings:
-    """In-process embeddings of a task's decoded batches (the training run's evaluation, and the
-    single-process reference for Ray Data batch inference), on the model's device; the embeddings on the CPU."""
-    keys, image, captions, cls, levels = _embed_images(model, batches, bf16)
-    texts, counts, classnames = task_texts(task, captions)
-    return TaskEmbeddings(keys, image, captions, cls, texts, embed_texts(model, texts, batch_size, bf16), counts,
-                          classnames, levels)
+    return [f"{t.name}/{m}" for t in cfg.resolved_tasks() for m in task_metric_names(t, probabilistic)]
 
 
 # ------------------------------------------------------------------------------------ scoring
@@ -227,7 +114,7 @@ def rank_retrieval(model, image: dict, text: dict, image_pos: list[list[int]]) -
         pos[i, p] = True
     i2t, t2i = [], []
     device = model_device(model)  # scores on the model's device, ranks on the CPU
-    image, text = _on(image, device), _on(text, device)
+    image, text = on_device(image, device), on_device(text, device)
     step = max(1, SCORE_ELEMENTS // max(n_txt, 1))
     for a in range(0, len(queries), step):
         q = queries[a : a + step]
@@ -242,9 +129,6 @@ def rank_retrieval(model, image: dict, text: dict, image_pos: list[list[int]]) -
 @torch.no_grad()
 def rank_retrieval_ann(image: dict, text: dict, image_pos: list[list[int]], candidates: tuple, views: list):
     """Per view (e.g. the model's score, the means' score): i2t and t2i from the index's candidates re-ranked."""
-    from models.scoring.ann import pair_scores, rerank
-    from models.scoring.metrics import rank_candidates
-
     n_img, n_txt = next(iter(image.values())).shape[0], next(iter(text.values())).shape[0]
     queries = torch.tensor([i for i, p in enumerate(image_pos) if p], dtype=torch.long)
     # positive pairs as sorted keys query * gallery + item (i2t queries numbered by position among the queries)
@@ -266,8 +150,6 @@ def rank_retrieval_ann(image: dict, text: dict, image_pos: list[list[int]], cand
 
 def ann_candidates(task: EvalTask, image: dict, text: dict, image_pos: list[list[int]]) -> tuple:
     """(i2t candidate text rows, t2i candidate image rows) from faiss indexes on the means."""
-    from models.scoring.ann import MeanIndex
-
     opts = task.faiss
     kwargs = dict(kind=opts.kind, hnsw_m=opts.hnsw_m, ef_construction=opts.ef_construction, ef_search=opts.ef_search,
                   nlist=opts.nlist, nprobe=opts.nprobe)
@@ -299,8 +181,6 @@ def score_retrieval(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> Ta
             for direction, var, ranking in (("i2t", image_var[queries.numpy()], i2t), ("t2i", text_var, t2i)):
                 result.calibrations[direction] = _calibrate(task, direction, var, ranking.first_hit == 0, bins)
     if model.probabilistic and task.analyses:
-        from pipelines.evaluate.uncertainty import analyse
-
         result.analyses = analyse(model, task, emb, image_pos)
     return _with_uncertainty(result, model)
 
@@ -329,12 +209,10 @@ def score_zeroshot(model, task: EvalTask, emb: TaskEmbeddings, bins: int) -> Tas
 def zeroshot_scores(model, image: dict[str, torch.Tensor], classes: dict[str, torch.Tensor], score: str) -> torch.Tensor:
     """(N, C) image-class scores: the model's own (`model`) or the cosine of the means (`mean`)."""
     if score == "mean":
-        import torch.nn.functional as F
-
         return F.normalize(image["mu"].float(), dim=-1) @ F.normalize(classes["mu"].float(), dim=-1).T
     n, device = next(iter(image.values())).shape[0], model_device(model)
-    classes = _on(classes, device)
-    return torch.cat([model.class_scores(_on(_rows(image, slice(a, a + 1024)), device), classes).float().cpu()
+    classes = on_device(classes, device)
+    return torch.cat([model.class_scores(on_device(_rows(image, slice(a, a + 1024)), device), classes).float().cpu()
                       for a in range(0, n, 1024)])
 
 
@@ -346,8 +224,6 @@ def per_class_prompts(text: dict[str, torch.Tensor], counts: list[int]) -> list[
 @torch.no_grad()
 def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[str, torch.Tensor], list | None]:
     """Class embeddings by `task.prompts`, and the prompt weights (None for the model's own ensemble)."""
-    from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, weighted_ensemble
-
     base = class_embeddings(model, emb.text, emb.prompt_counts)
     if task.prompts == "mean":
         return base, None
@@ -372,10 +248,10 @@ def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[s
 def class_embeddings(model, text: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
     """Flat prompt outputs -> one embedding per class through the model's prompt ensemble (on the CPU)."""
     device = model_device(model)
-    text = _on(text, device)
+    text = on_device(text, device)
     if len(set(counts)) == 1:  # one call on (C, T, D)
         out = model.class_embeddings({k: v.reshape(len(counts), counts[0], *v.shape[1:]) for k, v in text.items()})
-        return _on(out, torch.device("cpu"))
+        return on_device(out, torch.device("cpu"))
     parts, start = [], 0
     for n in counts:
         parts.append(model.class_embeddings({k: v[start : start + n][None] for k, v in text.items()}))
@@ -413,8 +289,6 @@ def score_task(model, task: EvalTask, emb: TaskEmbeddings, bins: int = 10) -> Ta
 def held_out_loss(objective: torch.nn.Module, batches: Iterable[dict], bf16: bool = False) -> float:
     """Mean training loss over held-out batches (single process: each batch is its own negatives), on the
     objective's device."""
-    from models.gather import World
-
     objective.eval()
     device = model_device(objective)
     total, count = 0.0, 0
@@ -441,11 +315,6 @@ def prefixed(task: EvalTask, result: TaskResult) -> dict[str, float]:
 
 def write_plots(results: dict[str, TaskResult], folder: Path) -> list[Path]:
     """Per task with uncertainty: calibration curve(s) and sigma^2 histograms, as PNGs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = []
     for name, res in results.items():
         if not res.calibrations:
@@ -471,8 +340,6 @@ def write_plots(results: dict[str, TaskResult], folder: Path) -> list[Path]:
         paths.append(path)
     for name, res in results.items():
         if res.analyses is not None:
-            from pipelines.evaluate.uncertainty import write_analyses
-
             paths += write_analyses(name, res.analyses, folder)
         if res.prompt_weights is not None:
             path = folder / f"{name}_prompt_weights.json"

@@ -18,14 +18,21 @@ plot and printed), never reported as a number.
 from __future__ import annotations
 
 import json
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import torch
+from scipy import stats
 
 from models.distributions import inclusion_test
+from pipelines.evaluate.embed import embed_texts
+
+matplotlib.use("Agg")  # plots are written to files, on machines without a display
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 
 @dataclass
@@ -36,8 +43,6 @@ class Analyses:
 
 
 def spearman(x, y) -> float:
-    from scipy import stats
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return float(stats.spearmanr(x, y).statistic)
@@ -87,8 +92,6 @@ def analyse(model, task, emb, image_pos: list[list[int]]) -> Analyses:
 
 def _levels(model, task, emb, out: Analyses) -> tuple[list[str], np.ndarray]:
     """The per-level analyses; returns the level captions and their sigma^2 (empty when skipped)."""
-    from pipelines.evaluate.tasks import embed_texts
-
     none = ([], np.zeros(0))
     if emb.levels is None:
         out.skipped["levels"] = ("the data has no caption levels (sample json \"captions\": level -> captions, "
@@ -127,11 +130,6 @@ def _levels(model, task, emb, out: Analyses) -> tuple[list[str], np.ndarray]:
 
 def write_analyses(name: str, analyses: Analyses, folder: Path) -> list[Path]:
     """`{name}_analyses.png` (four panels; a skipped one says why) and `{name}_analyses.json` (numbers, reasons)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     for what, reason in analyses.skipped.items():
         print(f"uncertainty analyses, task {name}: {what} skipped: {reason}")
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -183,8 +181,6 @@ def write_analyses(name: str, analyses: Analyses, folder: Path) -> list[Path]:
 
 
 def _skipped(ax, title: str, reason: str) -> None:
-    import textwrap
-
     ax.set_title(title)
     ax.text(0.5, 0.5, "skipped:\n" + textwrap.fill(reason, 50), ha="center", va="center", fontsize=9,
             transform=ax.transAxes)

@@ -6,7 +6,8 @@ import torch
 
 from pipelines.config import EvalTask
 from pipelines.evaluate.data import iter_local_batches, task_paths
-from pipelines.evaluate.tasks import class_embeddings, embed_texts, sigma2, split_captions, task_texts
+from pipelines.evaluate.tasks import class_embeddings, sigma2
+from pipelines.evaluate.embed import embed_texts, split_captions, task_texts
 
 
 def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:
@@ -63,7 +64,7 @@ def run_summary(cfg, result) -> list[str]:
     lines.append(f"model: {model_uri} (mlflow.pyfunc.load_model; weights in model/data/model.safetensors)")
     if result.registered_version:
         lines.append(f"  registered as models:/{cfg.tracking.register_as}/{result.registered_version}")
-    task = showcase_task(cfg.eval.resolved_tasks(cfg.data.root))
+    task = showcase_task(cfg.resolved_tasks())
     if task is not None:
         try:  # the run is done and logged: a sample that cannot be shown must not turn it into a failure
             with tempfile.TemporaryDirectory() as tmp:

@@ -207,7 +207,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
                            run_config=tune.RunConfig(name=s.name, storage_path=root,
                                                      callbacks=[trial_progress(s.num_samples, s.metric)]))
     grid = tuner.fit()
-    summary = summarize(grid, sweep, base, uri, parent)
+    summary = summarize_sweep(grid, sweep, base, uri, parent)
     return grid, parent, summary
 
 
@@ -268,7 +268,7 @@ def _scheduler(sweep: SweepConfig):
                          reduction_factor=s.reduction_factor)
 
 
-def summarize(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
+def summarize_sweep(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
     import pandas as pd
 
@@ -306,7 +306,7 @@ def log_sweep_results(uri: str, parent: str, table, sweep: SweepConfig, best_cfg
     """The parent run's results table, knob plot, best config and `metrics`; then the parent run ends."""
     import tempfile
 
-    from pipelines.tracking import log_results
+    from pipelines.tracking import finish_with_results
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -315,7 +315,7 @@ def log_sweep_results(uri: str, parent: str, table, sweep: SweepConfig, best_cfg
         (tmp / "best_config.yaml").write_text(best_cfg.to_yaml())
         plot_knobs(table, list(sweep.space), sweep.tune.metric, tmp / "metric_vs_knobs.png")
         names = ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png")
-        log_results(uri, parent, metrics, [(tmp / name, None) for name in names])
+        finish_with_results(uri, parent, metrics, [(tmp / name, None) for name in names])
 
 
 def _plain(value: Any) -> Any:

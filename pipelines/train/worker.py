@@ -22,12 +22,15 @@ from models.gather import World
 from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.train import state as train_state
+from pipelines.train.trainer import eval_dataset_name
 from pipelines.train.state import Progress
 from pipelines.config import Config, EvalTask
-from pipelines.evaluate.tasks import (EvaluationError, TaskResult, embed_task_locally, held_out_loss, model_device, prefixed,
-                                  score_task, write_plots)
+from pipelines.evaluate import EvaluationError
+from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
+from pipelines.evaluate.embed import embed_task_locally, model_device
 from pipelines.train.optim import adamw, param_groups, warmup_cosine
 from pipelines.train.progress import ProgressLine
+from pipelines.data.device_augment import model_images
 from pipelines.tracking import StepLogger, save_mlflow_model
 
 
@@ -77,11 +80,6 @@ def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None
 def device_name(device: torch.device) -> str:
     """e.g. `cuda:0 (NVIDIA H200)` or `cpu`: where the run trained and evaluated."""
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
-
-
-def eval_dataset_name(task: EvalTask) -> str:
-    """The Ray Train dataset that carries an eval task's data to the workers (rank 0 reads it)."""
-    return f"eval_{task.name}"
 
 
 def eval_batches(task: EvalTask, batch_size: int):
@@ -165,7 +163,7 @@ class TrainWorker:
             torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
         self.failure_marker = failure_marker
         self.wait = DataWait()
-        self.tasks = cfg.eval.resolved_tasks(cfg.data.root)
+        self.tasks = cfg.resolved_tasks()
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
         self.progress = train_state.restore(self.engine) or Progress()
@@ -219,6 +217,7 @@ class TrainWorker:
             p = self.progress
             stream = shard.iter_torch_batches(
                 batch_size=self.t.batch_size, drop_last=True, device=self.device, pin_memory=self.use_gpu,
+                prefetch_batches=self.cfg.data.prefetch_batches,
                 local_shuffle_buffer_size=4 * self.t.batch_size, local_shuffle_seed=self.cfg.run.seed + p.epoch,
             )
             for i, batch in enumerate(stream):
@@ -237,7 +236,8 @@ class TrainWorker:
         bad_in_a_row = 0
         self.wait.start()
         for batch in self.wait.timed(self.batches()):
-            images = batch["image"].float()  # bf16: the engine's autocast casts inside the towers
+            # uint8 from the reader, augmented here when it shipped the parameters; bf16: the engine's autocast casts
+            images = model_images(batch, self.cfg.data.image_size)
             out = engine(images, batch["text"], self.world)
             if not self._finite_on_all_ranks(out["loss"]):
                 # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.

@@ -1,12 +1,13 @@
 """Zero-shot prompt weighting with deliberately wrong prompts, on models trained in this process (no Ray):
-the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts". Not collected by pytest; run it as a module:
+the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts" (it reuses the tests' in-process
+digit fits, tests/digit_fit.py). Run it as a module:
 
-    .venv/bin/python -m tests.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
-    .venv/bin/python -m tests.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps
-    .venv/bin/python -m tests.prompt_study --source clip_adapter --seed 0
+    .venv/bin/python -m studies.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
+    .venv/bin/python -m studies.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps
+    .venv/bin/python -m studies.prompt_study --source clip_adapter --seed 0
       # configs/demo.yaml's CLIP (600 steps), then configs/probvlm_demo.yaml's ProbVLM adapter and PFE-style
       # baseline (1,500 steps) on its embeddings of the digits' training pairs
-    .venv/bin/python -m tests.prompt_study --source prolip --unrelated 0.2
+    .venv/bin/python -m studies.prompt_study --source prolip --unrelated 0.2
       # 20% of the training captions replaced by unrelated alt-text ("my new guitar"), as web data has: does
       # the model learn a larger sigma^2 for captions that match no image? (its words are not the test's)
 
@@ -28,7 +29,8 @@ import torch
 from models.registry import create_model
 from pipelines.config import EvalTask, load_config
 from pipelines.data.digits import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
-from pipelines.evaluate.tasks import TaskEmbeddings, embed_texts, score_task
+from pipelines.evaluate.tasks import score_task
+from pipelines.evaluate.embed import TaskEmbeddings, embed_texts
 from tests.digit_fit import config_sampler, digit_arrays, fit_in_process
 from tests.helpers import OFF_DOMAIN
 

@@ -1,4 +1,5 @@
-"""Zero-shot classification with a prompt ensemble (ProLIP §4.2 for probabilistic models)."""
+"""A plain zero-shot loop (no Ray, no evaluation pipeline): the reference the evaluation's zeroshot task is
+checked against in tests/test_evaluation.py."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -10,20 +11,13 @@ from models.tokenizer import tokenize
 
 
 @torch.no_grad()
-def encode_texts(model: nn.Module, texts: list[str], context_length: int | None = None) -> dict[str, torch.Tensor]:
-    return model.encode_text(tokenize(texts, context_length or model.context_length))
-
-
-@torch.no_grad()
-def class_embeddings(model: nn.Module, prompts: list[list[str]], context_length: int) -> dict[str, torch.Tensor]:
+def prompt_class_embeddings(model: nn.Module, prompts: list[list[str]], context_length: int) -> dict[str, torch.Tensor]:
     """prompts[c] are class c's templated captions (same count per class) -> the model's class embeddings."""
     n_cls, n_tpl = len(prompts), len(prompts[0])
     if any(len(p) != n_tpl for p in prompts):
         raise ValueError("every class needs the same number of prompts")
-    flat = [p for per_class in prompts for p in per_class]
-    out = encode_texts(model, flat, context_length)
-    per_template = {k: v.reshape(n_cls, n_tpl, *v.shape[1:]) for k, v in out.items()}
-    return model.class_embeddings(per_template)
+    out = model.encode_text(tokenize([p for per_class in prompts for p in per_class], context_length))
+    return model.class_embeddings({k: v.reshape(n_cls, n_tpl, *v.shape[1:]) for k, v in out.items()})
 
 
 @torch.no_grad()

@@ -1,0 +1,48 @@
+"""The Ray Train side every training job shares (pretraining, the adapter): its storage and its TorchTrainer."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pyarrow.fs
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from pipelines.config import EvalTask, JobDocument
+
+
+def eval_dataset_name(task: EvalTask) -> str:
+    """The Ray Train dataset that carries an eval task's data to the workers (rank 0 reads it)."""
+    return f"eval_{task.name}"
+
+
+def run_exists(cfg: JobDocument) -> bool:
+    """Whether Ray Train storage already holds this run name (then the trainer resumes from its checkpoint)."""
+    fs, base = pyarrow.fs.FileSystem.from_uri(cfg.run.storage_path)
+    return fs.get_file_info(f"{base.rstrip('/')}/{cfg.run.name}").type != pyarrow.fs.FileType.NotFound
+
+
+def torch_trainer(loop: Callable[[dict], None], loop_config: dict[str, Any], cfg: JobDocument,
+                  datasets: dict[str, Any], callbacks: list | None = None,
+                  dataset_config: ray.train.DataConfig | None = None) -> TorchTrainer:
+    """A TorchTrainer for `cfg` (absolute paths): workers and resources from cfg.train, name, storage, failures
+    and checkpoints from cfg.run."""
+    t = cfg.train
+    scaling = {"num_workers": t.num_workers, "use_gpu": t.use_gpu, "resources_per_worker": t.worker_resources}
+    if getattr(t, "elastic_resize_interval_s", None) is not None:
+        # [min, max] workers: Ray Train's elastic scaling reconsiders the size every this many seconds
+        scaling["elastic_resize_monitor_interval_s"] = t.elastic_resize_interval_s
+    return TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(**scaling),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name, storage_path=cfg.run.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            callbacks=callbacks,
+            # Ray Train's routine INFO lines (worker group started, checkpoint saved) stay in its log files.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        ),
+        datasets=datasets,
+        **({"dataset_config": dataset_config} if dataset_config is not None else {}),
+    )
