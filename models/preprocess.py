@@ -8,6 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+try:  # optional: libjpeg-turbo's decoder with DCT-domain downscaling; OpenCV decodes everything otherwise
+    import simplejpeg
+except ImportError:  # pragma: no cover - e.g. a GPU machine's carried packages without it
+    simplejpeg = None
+
 if TYPE_CHECKING:
     import torch
 
@@ -15,16 +20,27 @@ MEAN, STD = 0.5, 0.5
 
 
 def _cv2():
-    import cv2
+    import cv2  # deferred: OpenCV's import costs every Ray worker that never decodes an image
 
     cv2.setNumThreads(1)
     return cv2
 
 
-def decode_image(data: bytes) -> np.ndarray:
-    """Encoded bytes -> HWC uint8 RGB. Raises ValueError on undecodable or truncated data."""
-    if data[:2] == b"\xff\xd8" and b"\xff\xd9" not in data[-64:]:
+def decode_image(data: bytes, min_size: int | None = None) -> np.ndarray:
+    """Encoded bytes -> HWC uint8 RGB. Raises ValueError on undecodable or truncated data.
+
+    min_size: a JPEG may come back smaller than stored, by libjpeg-turbo's DCT scaling (M/8), but with both
+    sides >= min_size: a 512 px image decodes at 256 px in about half the time when 224 px is all the model
+    needs. None: full size (what evaluation and serving use)."""
+    is_jpeg = data[:2] == b"\xff\xd8"
+    if is_jpeg and b"\xff\xd9" not in data[-64:]:
         raise ValueError("truncated JPEG (no end-of-image marker)")  # libjpeg would pad it silently
+    # EXIF may rotate the picture: OpenCV applies its orientation, libjpeg-turbo alone would not
+    if is_jpeg and simplejpeg is not None and b"Exif\x00\x00" not in data[:65536]:
+        try:  # the same libjpeg-turbo settings as OpenCV's (same pixels), ~30% faster here (benchmarks/ingest.py)
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_size or 0, min_width=min_size or 0)
+        except ValueError:
+            pass  # e.g. CMYK, which OpenCV converts
     cv2 = _cv2()
     arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)  # grayscale -> 3 channels
     if arr is None:

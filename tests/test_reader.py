@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from PIL import Image
 from models.preprocess import decode_image, resize
 from pipelines.data.augmentation import augment_batch, color_maps, random_crop_boxes
 from pipelines.data.captions import CaptionSampler
+from pipelines.data.device_augment import model_images
 from pipelines.data.reader import read_shards, read_split
 from pipelines.data.stats import reader_stats
 
@@ -52,6 +54,16 @@ def write_shards(folder: Path, n_good: int, per_shard: int, corrupt: bool = True
     return paths, set(range(n_good)), len(bad)
 
 
+def settled_stats(name: str, decoded: int) -> dict:
+    """Reader tasks send their counts without waiting for them: the last may arrive just after the data."""
+    for _ in range(200):
+        stats = reader_stats(name)
+        if stats["decoded"] >= decoded:
+            break
+        time.sleep(0.05)
+    return stats
+
+
 def test_corrupt_samples_are_counted_not_fatal(ray_local, tmp_path):
     paths, good, n_bad = write_shards(tmp_path / "shards", n_good=30, per_shard=7)
     ds = read_shards(paths, SIZE, CONTEXT, stats_name="corrupt-test", batch_size=8)
@@ -59,7 +71,7 @@ def test_corrupt_samples_are_counted_not_fatal(ray_local, tmp_path):
     assert sorted(r["sample_id"] for r in rows) == sorted(good)
     assert all(r["image"].shape == (3, SIZE, SIZE) and r["text"].shape == (CONTEXT,) for r in rows)
     assert {r["label"] for r in rows} == set(range(10))
-    stats = reader_stats("corrupt-test")
+    stats = settled_stats("corrupt-test", len(good))
     assert stats["decoded"] == len(good) and stats["corrupt"] == n_bad == 4
     assert stats["corrupt_examples"] == ["900000", "900001", "900002", "900003"]
 
@@ -167,14 +179,16 @@ def streams(ray_local, tmp_path_factory) -> dict:
                 rows = []
                 for batch in shard.iter_torch_batches(batch_size=8, local_shuffle_buffer_size=16,
                                                       local_shuffle_seed=epoch):
-                    assert batch["image"].shape[1:] == (3, SIZE, SIZE)
+                    images = model_images(batch, SIZE)  # the training path: augmented on the worker's device
+                    assert images.shape[1:] == (3, SIZE, SIZE)
                     rows += [[int(i), t.tolist(), round(float(im.double().sum()), 6)]
-                             for i, t, im in zip(batch["sample_id"], batch["text"], batch["image"])]
+                             for i, t, im in zip(batch["sample_id"], batch["text"], images)]
                 Path(config["out"], f"{name}-{epoch}-{ctx.get_world_rank()}.json").write_text(json.dumps(rows))
         ray.train.report({"done": 1})
 
     datasets = {name: read_shards(paths["ordered" if ordered else "split"][0], SIZE, CONTEXT, seed=0, augment=True,
-                                  shuffle=True, stats_name=f"streams-{name}", batch_size=16, ordered=ordered)
+                                  shuffle=True, stats_name=f"streams-{name}", batch_size=16, ordered=ordered,
+                                  uint8=True, augment_on="device")
                 for name, ordered in STREAMS.items()}
     trainer = TorchTrainer(
         loop, train_loop_config={"epochs": 2, "out": str(out), "datasets": list(STREAMS)},
@@ -198,7 +212,7 @@ def test_every_sample_reaches_exactly_one_worker_per_epoch(streams):
         assert len(ids[0]) + len(ids[1]) == len(good)  # nothing twice
         assert set(ids[0]) | set(ids[1]) == good  # nothing missing, corrupt samples skipped
         assert not set(ids[0]) & set(ids[1])
-    assert reader_stats("streams-split")["corrupt_unique"] == 4
+    assert settled_stats("streams-split", 2 * len(good))["corrupt_unique"] == 4
 
 
 def test_ordered_reads_repeat_exactly(streams):

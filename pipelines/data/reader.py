@@ -30,7 +30,7 @@ import json
 import numpy as np
 
 from models.preprocess import decode_image, resize, to_model_input
-from pipelines.data.augmentation import augment_batch
+from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_uint8, device_params
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.storage import fs_path, total_bytes, uri
 from pipelines.data.stats import stats_actor
@@ -60,34 +60,64 @@ def _seed_of(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest(), "big")
 
 
-def decode_row(image_cols: list, metas: list, i: int) -> tuple[np.ndarray, dict]:
-    """Row i's image (HWC uint8 RGB) and json object; ValueError when either is missing or unreadable."""
+def row_data(image_cols: list, metas: list, i: int) -> tuple[bytes, dict]:
+    """Row i's encoded image and json object; ValueError when either is missing or unreadable."""
     data = next((col[i] for col in image_cols if col[i] is not None), None)
     if data is None:
         raise ValueError("no image")
     meta = json.loads(metas[i]) if metas[i] is not None else {}
     if not isinstance(meta, dict):
         raise ValueError("json is not an object")
+    return data, meta
+
+
+def decode_row(image_cols: list, metas: list, i: int) -> tuple[np.ndarray, dict]:
+    """Row i's image (HWC uint8 RGB, full size) and json object; ValueError when either is missing or unreadable."""
+    data, meta = row_data(image_cols, metas, i)
     return decode_image(data), meta
 
 
 class Preprocess:
-    """Row batch of raw webdataset bytes -> image (B,3,H,W) float32, text (B,L) int64, label, sample_id."""
+    """Row batch of raw webdataset bytes -> image, text (B,L) int64, label, sample_id (and augment).
+
+    uint8=False: image (B,3,S,S) float32 in [-1, 1], augmented by the float reference (`augment_batch`).
+    uint8=True: image (B,S,S,3) uint8, augmented here (`augment_uint8`) or, with augment_on="device", image
+    (B,D,D,3) uint8 at the decode size D and `augment` (B, PARAM_COLUMNS) float32: the drawn parameters that
+    `pipelines.data.device_augment` applies on the training worker's device.
+    """
 
     def __init__(self, image_size: int, context_length: int, captions: CaptionSampler = CaptionSampler(),
-                 seed: int | None = None, augment: bool = False, stats=None, stats_name: str | None = None):
+                 seed: int | None = None, augment: bool = False, stats=None, stats_name: str | None = None,
+                 uint8: bool = False, augment_on: str = "reader", decode_size: int | None = None, flip_p: float = 0.0):
         self.image_size, self.context_length, self.captions = image_size, context_length, captions
-        self.seed, self.augment = seed, augment
+        self.seed, self.augment, self.uint8, self.flip_p = seed, augment, uint8, flip_p
+        self.on_device = augment and uint8 and augment_on == "device"
+        self.decode_size = decode_size or default_decode_size(image_size)
         self.stats, self.stats_name = stats, stats_name
         self.rng = np.random.default_rng(seed)
 
-    def images(self, decoded: list[np.ndarray]) -> np.ndarray:
-        size = self.image_size
+    def decode(self, data: bytes) -> tuple[np.ndarray, tuple[int, int]]:
+        """The image to batch, and the (height, width) its crop box is drawn on (the decoded image's)."""
+        # Augmented crops keep 80-100% of the area: decoding at >= the decode size keeps them at full resolution.
+        # Unaugmented images decode in full, as evaluation and serving decode them.
+        image = decode_image(data, self.decode_size if self.augment and self.uint8 else None)
+        shape = image.shape[:2]
+        return (resize(image, self.decode_size) if self.on_device else image), shape
+
+    def images(self, decoded: list[np.ndarray], shapes: np.ndarray) -> dict[str, np.ndarray]:
+        size = self.decode_size if self.on_device else self.image_size
         if not decoded:
-            return np.zeros((0, 3, size, size), np.float32)
+            empty = {"image": np.zeros((0, size, size, 3), np.uint8) if self.uint8 else
+                     np.zeros((0, 3, size, size), np.float32)}
+            return {**empty, "augment": np.zeros((0, PARAM_COLUMNS), np.float32)} if self.on_device else empty
+        if self.on_device:
+            return {"image": np.stack(decoded), "augment": device_params(shapes[:, 0], shapes[:, 1], self.rng, self.flip_p)}
+        if self.augment and self.uint8:
+            return {"image": augment_uint8(decoded, size, self.rng, self.flip_p)}
         if self.augment:
-            return to_model_input(augment_batch(decoded, size, self.rng))
-        return to_model_input([resize(im, size) for im in decoded])
+            return {"image": to_model_input(augment_batch(decoded, size, self.rng, self.flip_p))}
+        resized = np.stack([resize(im, size) for im in decoded])
+        return {"image": resized if self.uint8 else to_model_input(resized)}
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(next(iter(batch.values())))
@@ -97,35 +127,42 @@ class Preprocess:
         image_cols = [batch[c] for c in IMAGE_COLUMNS if c in batch]
         texts_in = batch.get("txt", [None] * n)
         metas_in = batch.get("json", [None] * n)
-        decoded, texts, labels, ids, corrupt = [], [], [], [], []
+        decoded, shapes, texts, labels, ids, corrupt = [], [], [], [], [], []
         for i in range(n):
             try:
-                img, meta = decode_row(image_cols, metas_in, i)
+                data, meta = row_data(image_cols, metas_in, i)
+                img, shape = self.decode(data)
             except Exception:  # noqa: BLE001 - any undecodable sample is skipped and counted
                 corrupt.append(keys[i])
                 continue
             txt = texts_in[i]
             txt = txt.decode("utf-8", errors="replace") if isinstance(txt, bytes) else ("" if txt is None else str(txt))
             decoded.append(img)
+            shapes.append(shape)
             texts.append(self.captions.draw(meta, txt, self.rng))
             labels.append(int(meta.get("label", -1)))
             ids.append(sample_id(keys[i]))
         if self.stats is not None:
-            import ray
-
-            ray.get(self.stats.add.remote(self.stats_name, len(decoded), corrupt))
+            # Not waited for: a synchronous call per batch would stall the reader on the (head-node) actor.
+            self.stats.add.remote(self.stats_name, len(decoded), corrupt)
         return {
-            "image": self.images(decoded),
+            **self.images(decoded, np.array(shapes, np.int64).reshape(-1, 2)),
             "text": tokenize_cached(texts, self.context_length),
             "label": np.asarray(labels, dtype=np.int64),
             "sample_id": np.asarray(ids, dtype=np.int64),
         }
 
 
+def default_decode_size(image_size: int) -> int:
+    """8/7 of the output (256 px for 224): a crop keeping 80% of the area still has >= the output's pixels."""
+    return -(-image_size * 8 // 7)
+
+
 def read_shards(paths: list[str], image_size: int, context_length: int, seed: int | None = None, *,
                 captions: CaptionSampler = CaptionSampler(), augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
-                cache_max_mb: float = 512.0, ordered: bool = False):
+                cache_max_mb: float = 512.0, ordered: bool = False, uint8: bool = False, augment_on: str = "reader",
+                decode_size: int | None = None, flip_p: float = 0.0):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
     cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
@@ -133,6 +170,7 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     handful of small tar files each epoch costs more than preprocessing them).
     ordered: the cached blocks keep the file order (else they come in read-task completion order,
     which differs between runs); needed, with a seed and ordered execution, for exact resumes.
+    uint8, augment_on, decode_size, flip_p: see `Preprocess`.
     """
     import ray.data
 
@@ -150,7 +188,8 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     # Tasks rather than an actor pool: each epoch re-executes the pipeline, and tasks start cheaply.
     return ds.map_batches(
         _preprocess, fn_kwargs=dict(image_size=image_size, context_length=context_length, captions=captions,
-                                    seed=seed, augment=augment, stats=stats, stats_name=stats_name),
+                                    seed=seed, augment=augment, stats=stats, stats_name=stats_name, uint8=uint8,
+                                    augment_on=augment_on, decode_size=decode_size, flip_p=flip_p),
         batch_size=batch_size, batch_format="numpy",
     )
 
@@ -158,12 +197,20 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
 def read_split(root: str, split: str, image_size: int, context_length: int, seed: int | None = None, *,
                captions: CaptionSampler = CaptionSampler(), augment: bool | None = None,
                shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None,
-               ordered: bool = False):
-    """{root}/{split}/*.tar; augmentation and file shuffling default to on for "train" only."""
+               ordered: bool = False, **image_options):
+    """{root}/{split}/*.tar; augmentation and file shuffling default to on for "train" only. image_options:
+    read_shards' uint8, augment_on, decode_size, flip_p (`train_options`)."""
     train = split == "train"
     return read_shards(shard_paths(root, split), image_size, context_length, seed, captions=captions,
                        augment=train if augment is None else augment, shuffle=train if shuffle is None else shuffle,
-                       stats_name=stats_name or split, cache=cache, ordered=ordered)
+                       stats_name=stats_name or split, cache=cache, ordered=ordered, **image_options)
+
+
+def train_options(cfg) -> dict:
+    """read_split's image options for a training run's train split (`cfg`: a `pipelines.config.Config`): uint8
+    images, augmented where data.augment_on says."""
+    where = cfg.data.augment_on if cfg.data.augment_on != "auto" else ("device" if cfg.train.use_gpu else "reader")
+    return dict(uint8=True, augment_on=where, decode_size=cfg.data.decode_size, flip_p=cfg.data.flip_prob)
 
 
 def _preprocess(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:

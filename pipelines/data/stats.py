@@ -1,7 +1,8 @@
 """Decoded and corrupt sample counts of the reader, kept in one small named Ray actor per cluster.
 
 Counts are keyed by the dataset's ``stats_name``. A corrupt sample is counted each time it is met
-(once per epoch); ``corrupt_unique`` counts distinct keys.
+(once per epoch); ``corrupt_unique`` counts distinct keys. Reader tasks send their counts without waiting for
+them (no round trip per batch), so the counts of a read that just ended may arrive a moment after its data.
 """
 from __future__ import annotations
 
