@@ -17,9 +17,6 @@ from pathlib import Path
 
 from jobs.cli import config_parser, job_main
 from pipelines.adapt.config import load_adapt_config
-from pipelines.adapt.evaluate import summary_lines
-from pipelines.adapt.run import adapt
-from pipelines.tracking import LOCAL_DIR
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_adapt_config(args.config, args.overrides)
+
+    from pipelines.adapt.evaluate import summary_lines  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.adapt.run import adapt
+    from pipelines.tracking import LOCAL_DIR
+
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or LOCAL_DIR / "adapt" / cfg.run.name).resolve()

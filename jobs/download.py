@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.download is None:
         raise ConfigError(f"{args.config}: no `download:` section")
 
+    from pipelines.cluster.runtime import init_ray  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.download.run import run_download
     from pipelines.download.summary import format_summary
-    from pipelines.cluster.runtime import init_ray
     from pipelines.download.urls import DownloadError
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)

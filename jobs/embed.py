@@ -16,15 +16,7 @@ import sys
 from pathlib import Path
 
 from jobs.cli import job_main, job_parser
-from models.model_file import load_model
-from models.scoring.ann import MeanIndex
-from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import InputError
-from pipelines.data.reader import shard_paths
-from pipelines.evaluate.inference import (InferenceOptions, read_embeddings, write_image_embeddings,
-                                          write_text_embeddings)
-from pipelines.evaluate.embed import distinct_captions, split_captions
-from pipelines.tracking import resolve_model, tracking_uri
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +37,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from models.model_file import load_model  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from models.scoring.ann import MeanIndex
+    from pipelines.cluster.runtime import init_ray, local_cpus
+    from pipelines.data.reader import shard_paths
+    from pipelines.evaluate.embed import distinct_captions, split_captions
+    from pipelines.evaluate.inference import (InferenceOptions, read_embeddings, write_image_embeddings,
+                                              write_text_embeddings)
+    from pipelines.tracking import resolve_model, tracking_uri
+
     out = Path(args.out).resolve()
     try:
         source = resolve_model(args.model, tracking_uri(args.tracking_uri), out / "source")

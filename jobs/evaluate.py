@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import load_config
+from pipelines.config import InputError, load_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,20 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
 
-    from pipelines.train.summary import headline
+    from pipelines.cluster.runtime import init_ray, local_cpus  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions
     from pipelines.evaluate.job import evaluate_model
-    from pipelines.cluster.runtime import init_ray, local_cpus
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
     from pipelines.train.driver import check_eval_tasks, prepare_data
+    from pipelines.train.summary import headline
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
         source = resolve_model(args.model, tracking_uri(cfg.tracking.uri), out / "source")
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise InputError(str(err)) from None
     # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(args.actors, 1))
     prepare_data(cfg)

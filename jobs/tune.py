@@ -19,12 +19,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: .probvlp/tune/<name>_best.yaml)")
     args = parser.parse_args(argv)
 
-    from pipelines.train.sweep import load_sweep
+    from pipelines.train.sweep import load_sweep, run_sweep  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.tracking import LOCAL_DIR
 
     sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before any trial
-
-    from pipelines.train.sweep import run_sweep
-    from pipelines.tracking import LOCAL_DIR
 
     # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
     _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())

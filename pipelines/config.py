@@ -497,7 +497,7 @@ def _validate(data: dict[str, Any]) -> Config:
 
 def _check_loss(cfg: Config) -> None:
     """Validate loss params and model overrides against what their constructors take."""
-    from models.losses import list_losses, loss_class
+    from models.losses import list_losses, loss_class  # deferred, as in Config._cross_checks
     from models.objective import loss_name
     from models.registry import override_types
 
@@ -515,8 +515,7 @@ def _check_openclip_init(cfg: Config) -> None:
         return
     if not source.startswith("open_clip:") and not Path(source).is_file():
         raise ConfigError(f"model.init_from_openclip: no such file {source!r} (or use open_clip:<arch>/<tag>)")
-    import torch
-
+    import torch  # deferred, as in Config._cross_checks: only configs that start from open_clip weights
     from models.objective import build_objective
 
     with torch.device("meta"):

@@ -1,8 +1,4 @@
-"""MLflow: where runs go, the run's params/config/tags, and rank 0's buffered step metrics.
-
-MLflow itself is imported inside the functions that call it: the path and redaction helpers here are also
-used by Ray workers and config code that never log, and `import mlflow` costs seconds.
-"""
+"""MLflow: where runs go, the run's params/config/tags, and rank 0's buffered step metrics."""
 from __future__ import annotations
 
 import os
@@ -11,9 +7,16 @@ import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterator
 
+from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+
+import models
 from pipelines.config import PROJECT_ROOT
 
 LOCAL_DIR = PROJECT_ROOT / ".probvlp"
@@ -77,9 +80,6 @@ def git_commit() -> str | None:
 def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], config_yaml: str,
               tags: dict[str, str]) -> str:
     """Create the run (driver side); returns its id, which Ray workers use to log into it."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Param
-
     client = MlflowClient(uri)
     run = client.create_run(experiment_id(client, uri, experiment), run_name=run_name,
                             tags={k: v for k, v in tags.items() if v})
@@ -92,8 +92,6 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
 
 def find_run(uri: str, experiment: str, run_name: str) -> str | None:
     """The latest MLflow run created for `run_name` (tag probvlp.run_name), if any."""
-    from mlflow import MlflowClient
-
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -106,8 +104,6 @@ def find_run(uri: str, experiment: str, run_name: str) -> str | None:
 def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
     """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the
     resumed config next to the original. Returns the resume's number (1 for the first)."""
-    from mlflow import MlflowClient
-
     client = MlflowClient(uri)
     attempt = int(client.get_run(run_id).data.tags.get("probvlp.resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
@@ -120,14 +116,10 @@ class StepLogger:
     """Buffers per-step metrics and writes them in batches (one MLflow call per flush)."""
 
     def __init__(self, uri: str, run_id: str, flush_every: int | None = 500):
-        from mlflow import MlflowClient
-
         self.client, self.run_id, self.flush_every = MlflowClient(uri), run_id, flush_every
         self.buffer: list = []
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
         if self.flush_every is not None and len(self.buffer) >= self.flush_every:
@@ -149,8 +141,6 @@ class StepLogger:
 
 
 def _requirement(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return f"{package}=={version(package).split('+')[0]}"
     except PackageNotFoundError:
@@ -164,13 +154,12 @@ def save_mlflow_model(model_file: Path, dst: Path, example_image: bytes, example
                       probabilistic: bool) -> Path:
     """An MLflow pyfunc model folder for a probvlp model file (models/serving.py), with its code, signature,
     input example and pip requirements; log it with `StepLogger.artifacts(dst, "model")`."""
-    import mlflow.pyfunc
-    import pandas as pd
-    from mlflow.models import ModelSignature
-    from mlflow.types import DataType
-    from mlflow.types.schema import Array, ColSpec, Schema
-
-    import models
+    # deferred: mlflow.pyfunc and pandas are only needed where a model is saved (rank 0, once per run)
+    import mlflow.pyfunc  # noqa: I001
+    import pandas as pd  # (see above)
+    from mlflow.models import ModelSignature  # (see above)
+    from mlflow.types import DataType  # (see above)
+    from mlflow.types.schema import Array, ColSpec, Schema  # (see above)
 
     outputs = ["image_mu", "text_mu"] + (["image_sigma2", "text_sigma2"] if probabilistic else [])
     signature = ModelSignature(
@@ -192,9 +181,6 @@ def model_file(folder: Path) -> Path:
 
 def register_model_version(uri: str, run_id: str, name: str) -> str:
     """Register the run's MLflow model as a new version of `name`; returns the version."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
         client.create_registered_model(name)
@@ -206,8 +192,6 @@ def register_model_version(uri: str, run_id: str, name: str) -> str:
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
-    from mlflow import MlflowClient
-
     MlflowClient(uri).set_terminated(run_id, status=status)
 
 
@@ -251,8 +235,6 @@ def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
 
     Returns {"model": path, "loss": path or None (loss.safetensors beside the model), "run_id": source run
     or None, "config": the source run's config.yaml text or None}."""
-    from mlflow.artifacts import download_artifacts
-
     path = Path(source)
     if path.is_file():
         # beside the weights, or, for the weights of a downloaded MLflow model (<model>/data/), in <model>/
@@ -282,9 +264,6 @@ def finish_with_results(uri: str, run_id: str, metrics: dict[str, float], files:
                         texts: dict[str, str] | None = None) -> None:
     """A run's results, then end it: metrics (step 0), files (local path, artifact folder or None for the
     root) and texts (artifact file name -> text). Evaluations, downloads and sweeps' parent runs."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
     client = MlflowClient(uri)
     now = int(time.time() * 1000)
     items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
@@ -301,8 +280,6 @@ def end_trial_runs(uri: str, experiment: str, trial_id: str, trial_status: str, 
     """Tag a sweep trial's MLflow run (tag probvlp.trial_id) with how the trial ended, and end it if still
     running (Tune stopped the trial before its fit() returned) with `run_status`. Earlier runs of the trial
     (an interrupted sweep's) are tagged "interrupted" and end as KILLED."""
-    from mlflow import MlflowClient
-
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

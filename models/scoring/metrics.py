@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy import stats
 
 
 @dataclass
@@ -107,8 +108,6 @@ class Calibration:
 def calibration(uncertainty: np.ndarray, correct: np.ndarray, bins: int = 10) -> Calibration:
     """PCME++ Sec. 3.4 / ProbVLM Sec. 4.1: bin queries by uncertainty (equal counts), metric per bin,
     Spearman rho and R^2 between bin level and metric. NaN where the bins' metric is constant."""
-    from scipy import stats
-
     uncertainty, correct = np.asarray(uncertainty, np.float64), np.asarray(correct, np.float64)
     if len(uncertainty) < bins:
         raise ValueError(f"calibration needs at least {bins} queries (one per bin), got {len(uncertainty)}")

@@ -14,15 +14,16 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.adapt.source import AdaptError
+from pipelines.data.digits import digit_shards_marker, retrieval_captions, write_tar
+from pipelines.data.reader import shard_paths
+from pipelines.evaluate.data import iter_tar_samples
+from pipelines.evaluate.embed import distinct_captions, split_captions
+from pipelines.evaluate.inference import read_embeddings, write_image_embeddings, write_text_embeddings
 
 
 def write_digit_pairs(root: str | Path, split: str) -> Path:
     """{root}/pairs/{split}/0.tar: each digit image of `split` with the digits retrieval task's two captions
     (a class template and its instance caption). Redone only when the digit shards changed."""
-    from pipelines.data.digits import digit_shards_marker, retrieval_captions, write_tar
-    from pipelines.evaluate.data import iter_tar_samples
-    from pipelines.data.reader import shard_paths
-
     root = Path(root)
     folder = root / "pairs" / split
     marker, source = folder / "_SOURCE.json", digit_shards_marker(root).read_text()
@@ -42,9 +43,6 @@ def has_embeddings(folder: Path) -> bool:
 
 def compute_embeddings(model_file: Path, paths: list[str], image_size: int, folder: Path, opts) -> None:
     """The source model's image and caption embeddings of the pair shards (Ray Data actor pools)."""
-    from pipelines.evaluate.inference import write_image_embeddings, write_text_embeddings, read_embeddings
-    from pipelines.evaluate.embed import distinct_captions, split_captions
-
     images = write_image_embeddings(str(model_file), paths, image_size, folder, opts, stats_name="adapt_embed")
     cols, _ = read_embeddings(images, "key")
     texts = distinct_captions(split_captions(cols["captions"]))
@@ -79,9 +77,6 @@ def _check(what: str, folder: Path, out: dict, width: int, names: list) -> np.nd
 
 def load_pairs(folder: Path, width: int) -> Pairs:
     """Pairs from an embeddings folder, or AdaptError naming what is wrong with it."""
-    from pipelines.evaluate.inference import read_embeddings
-    from pipelines.evaluate.embed import split_captions
-
     try:
         image_cols, image = read_embeddings(folder / "images", "key")
         text_cols, text = read_embeddings(folder / "texts", "index")

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from pipelines.evaluate.tasks import TaskResult, score_task
 from pipelines.evaluate.embed import TaskEmbeddings
+from pipelines.evaluate.tasks import TaskResult, score_task
 
 
 @torch.no_grad()
@@ -31,10 +33,7 @@ LABELS = {"i2t": "image->text R@1", "t2i": "text->image R@1", "top1": "zero-shot
 
 def comparison_plot(task: str, results: dict[str, TaskResult], folder: Path) -> Path | None:
     """Metric per uncertainty bin (ProbVLM Fig. 3 style), one panel per direction, one line per model."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     directions = sorted({d for r in results.values() for d in r.calibrations})
     if not directions:

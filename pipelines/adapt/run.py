@@ -29,9 +29,9 @@ from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import ConfigError
 from pipelines.data.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import shard_paths
+from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.data import check_task, iter_tar_samples
 from pipelines.evaluate.inference import InferenceOptions, embed_task
-from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
 from pipelines.train.trainer import run_exists, torch_trainer

@@ -3,13 +3,20 @@ always ending as a probvlp model file, checked to be deterministic before any wo
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.nn as nn
+from safetensors import safe_open
 
+from models.model_file import load_model, save_model
+from models.openclip_weights import load_openclip_weights, read_openclip_state
+from models.probvlm import source_problem
+from models.registry import create_model
 from pipelines.adapt.config import SourceConfig
 from pipelines.config import InputError
+from pipelines.tracking import resolve_model
 
 # open_clip architecture -> our registry model and the overrides that give it the same shapes
 # (open_clip's 77-token text context is cut to ours: its first rows are kept).
@@ -50,10 +57,6 @@ def _first_line(err: Exception) -> str:
 
 def model_metadata(path: Path) -> dict | None:
     """The probvlp metadata (registry name, overrides) of a safetensors file, or None if it is not one."""
-    import json
-
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -65,10 +68,6 @@ def model_metadata(path: Path) -> dict | None:
 
 
 def _from_openclip(spec: SourceConfig, folder: Path) -> Source:
-    from models.model_file import save_model
-    from models.openclip_weights import load_openclip_weights, read_openclip_state
-    from models.registry import create_model
-
     arch = spec.model.removeprefix("open_clip:").split("/")[0]
     name, overrides = spec.build, dict(spec.overrides)
     if name is None:
@@ -100,10 +99,6 @@ def _from_openclip(spec: SourceConfig, folder: Path) -> Source:
 
 def resolve_source(spec: SourceConfig, tracking_uri: str, folder: Path) -> Source:
     """The source as a probvlp model file + its model, or AdaptError naming the problem (no Ray needed)."""
-    from models.model_file import load_model
-    from models.probvlm import source_problem
-    from pipelines.tracking import resolve_model
-
     if spec.model.startswith("open_clip:"):
         source = _from_openclip(spec, folder)
     else:

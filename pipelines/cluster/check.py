@@ -2,6 +2,9 @@
 hold one worker? Without this check a job asking for GPUs on a CPU-only cluster waits with no word of why."""
 from __future__ import annotations
 
+import ray
+import ray._private.state
+
 from pipelines.config import ConfigError
 
 
@@ -18,8 +21,6 @@ def _shape(resources: dict[str, float]) -> str:
 def autoscaler_node_types() -> dict[str, dict[str, float]] | None:
     """The node types the autoscaler may launch, as Ray's GCS knows them (autoscaler v2 reports them);
     None when no autoscaler reported any."""
-    import ray._private.state
-
     config = ray._private.state.state.get_cluster_config()
     if not config or not config.node_group_configs:
         return None
@@ -32,8 +33,6 @@ def check_cluster_holds_a_worker(need: dict[str, float], joined: bool, log=print
     of which none fits. A warning line when no node can now and a joined cluster's autoscaler, whose node types
     Ray does not expose (v1, Ray's default), may add one: then Ray's autoscaler reports an infeasible request
     in the job's log, and Ray Train's start times out every minute, retrying."""
-    import ray
-
     nodes = {f"node {n['NodeManagerAddress']} {n['NodeID'][:8]}": n["Resources"] for n in ray.nodes() if n["Alive"]}
     if any(_fits(need, have) for have in nodes.values()):
         return

@@ -4,9 +4,10 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import logging
-import tempfile
 import os
 import socket
+import tempfile
+import warnings
 from pathlib import Path
 
 import ray
@@ -55,8 +56,6 @@ def quiet_logs() -> None:
     """Keep Ray's routine per-epoch and per-report INFO lines and known harmless warnings out of the console
     (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, as Ray's
     worker_process_setup_hook, in every worker process before it imports ray.data."""
-    import warnings
-
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact download
     spec = importlib.util.find_spec(_TRAIN_REPORT_LOGGER)
@@ -85,7 +84,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
         os.environ.setdefault(key, value)
     quiet_logs()  # before ray.data is imported here, so its logging config is ours
     # The env var is read when ray.data is imported, which may already have happened.
-    from ray.data import DataContext
+    from ray.data import DataContext  # deferred: after RAY_DATA_LOGGING_CONFIG is set (read at import)
 
     DataContext.get_current().enable_progress_bars = False
     quiet_logs()  # and again, for a ray.data that was imported earlier with Ray's own console handler
@@ -101,7 +100,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     local_env = {key: os.environ[key] for key in _LOCAL_ENV}  # a value the user set wins
     os.environ.update(_LOOPBACK_ENV)  # for the processes Ray starts (they import ray afresh)
     # This process imported ray before the variable was set; its constant is read at import time.
-    from ray._private import ray_constants
+    from ray._private import ray_constants  # deferred: the same module re-read after _LOOPBACK_ENV is set
 
     ray_constants.ENABLE_RAY_CLUSTER = False
     # The dashboard (on 127.0.0.1) serves the state API, which Ray Train's placement-group cleaner needs:

@@ -15,6 +15,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
 
 from pipelines.config import DownloadConfig
 from pipelines.data.storage import fs_path, read_json, total_bytes, write_bytes_atomic
@@ -73,9 +76,6 @@ def _normalize(batch: pa.Table, url_col: str, caption_col: str | None, extras: l
 
 def _write_part(group: pa.Table, parts_uri: str, has_caption: bool) -> pa.Table:
     """One bucket: drop rows without URL, sort, keep the first row per URL, write the part file."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     bucket = group["_bucket"][0].as_py()
     rows_in = group.num_rows
     group = group.filter(pc.invert(group["_missing"]))
@@ -122,8 +122,6 @@ def _buckets(cfg: DownloadConfig, rows: int) -> int:
 
 def _part_stats(cfg: DownloadConfig, parts_uri: str) -> tuple[int, list[dict]]:
     """(input rows, per-bucket stats): the parts written with Ray Data or, for small tables, in this process."""
-    import ray
-
     normalize = dict(url_col=cfg.url_col, caption_col=cfg.caption_col, extras=list(cfg.additional_columns))
     write = dict(parts_uri=parts_uri, has_caption=cfg.caption_col is not None)
     if planner(cfg) == "ray_data":

@@ -8,24 +8,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from pipelines.config import DownloadConfig
 from pipelines.download.shard import PartResult, download_part, shard_name
+from pipelines.train.progress import ProgressLine
 
 
 def _slots(cfg: DownloadConfig) -> int:
-    import ray
-
     if cfg.max_parts_in_flight:
         return cfg.max_parts_in_flight
     return max(1, int(ray.cluster_resources().get("CPU", 1) // cfg.cpus_per_task))
 
 
 def _task(cfg: DownloadConfig, local_only: bool):
-    import ray
-
     options: dict[str, Any] = {"num_cpus": cfg.cpus_per_task, "max_retries": 1, "retry_exceptions": False}
     if local_only:  # URLs on this machine's loopback: keep the tasks on this node
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # and ask for no CPU: the driver's node may offer none (a cluster head runs no work), and a task pinned
         # there would never start
@@ -43,11 +43,6 @@ def _failure(part: dict, err: Exception, seconds: float) -> PartResult:
 def run_parts(cfg: DownloadConfig, manifest: dict, todo: list[dict], local_only: bool = False,
               log=print) -> list[PartResult]:
     """Every part of `todo` once, in order of submission; one log line per finished part."""
-    import ray
-    from ray.exceptions import RayError
-
-    from pipelines.train.progress import ProgressLine
-
     task = _task(cfg, local_only)
     settings = cfg.model_dump(mode="json")
     pending, inflight, results = list(todo), {}, []

@@ -5,10 +5,14 @@ downstream rather than failing the read; jsonl is parsed here for the same reaso
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import ray.data
 
 from pipelines.config import DownloadConfig
 from pipelines.data.storage import fs_path, uri
@@ -54,8 +58,6 @@ def _columns(cfg: DownloadConfig) -> list[str]:
 
 def _csv_options(cfg: DownloadConfig, fmt: str) -> dict:
     """pyarrow.csv options shared by the Ray Data and the in-process reader, so both give the same table."""
-    import pyarrow.csv as pacsv
-
     return dict(
         parse_options=pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(column_types={c: pa.binary() for c in _text_columns(cfg)},
@@ -65,8 +67,6 @@ def _csv_options(cfg: DownloadConfig, fmt: str) -> dict:
 
 def read_table(cfg: DownloadConfig):
     """Ray Dataset of the URL table: url and caption as binary (decoded later), additional columns as they are."""
-    import ray.data
-
     files, fmt = input_files(cfg)
     wanted = _columns(cfg)
     if fmt == "parquet":
@@ -78,9 +78,6 @@ def read_table(cfg: DownloadConfig):
 
 def read_table_local(cfg: DownloadConfig) -> pa.Table:
     """The same table as `read_table`, read in this process (small inputs)."""
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
     files, fmt = input_files(cfg)
     wanted = _columns(cfg)
     tables = []
@@ -98,8 +95,6 @@ def read_table_local(cfg: DownloadConfig) -> pa.Table:
 
 def check_columns(cfg: DownloadConfig) -> None:
     """Fail before any Ray work when the first file lacks a configured column."""
-    import pyarrow.parquet as pq
-
     files, fmt = input_files(cfg)
     fs, path = fs_path(files[0])
     with fs.open(path, "rb") as f:
@@ -113,8 +108,6 @@ def check_columns(cfg: DownloadConfig) -> None:
                 except ValueError:
                     raise DownloadError(f"download.input: first line of {files[0]} is not a JSON object") from None
             else:
-                import csv
-
                 delimiter = "\t" if fmt == "tsv" else ","
                 names = next(csv.reader([first.decode("utf-8", errors="replace")], delimiter=delimiter), [])
     absent = [c for c in _columns(cfg) if c not in names]

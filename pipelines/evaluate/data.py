@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 import tarfile
 
+import fsspec
 import numpy as np
+import ray
+import ray.data
 
 from models.preprocess import resize, to_model_input
 from pipelines.config import ConfigError, EvalTask
-from pipelines.data.storage import total_bytes
 from pipelines.data.reader import IMAGE_COLUMNS, decode_row, shard_paths
 from pipelines.data.stats import stats_actor
+from pipelines.data.storage import total_bytes
 
 CLASSNAMES, TEMPLATES = "classnames.txt", "zeroshot_classification_templates.txt"
 
@@ -66,8 +69,6 @@ class EvalDecode:
             labels.append(label)
             levels.append(levels_of(meta))
         if self.stats is not None:
-            import ray
-
             ray.get(self.stats.add.remote(self.stats_name, len(images), corrupt))
         size = self.image_size
         image = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
@@ -118,8 +119,6 @@ def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None =
     """Ray Dataset of decoded evaluation batches, in file order. Sets read every epoch (a training run's eval
     tasks) are cached still encoded when small; a one-pass reader (batch inference) sets cache_max_mb=0 and
     streams."""
-    import ray.data
-
     ds = ray.data.read_webdataset(paths, decoder=None)
     if total_bytes(paths) <= cache_max_mb * 2**20:
         ds.context.execution_options.preserve_order = True
@@ -155,8 +154,6 @@ def _columns(rows: dict[str, list]) -> dict[str, np.ndarray]:
 
 def iter_tar_samples(paths: list[str], limit: int | None = None):
     """Webdataset samples ({"__key__": key, ext: bytes}) from tar files, in order (fsspec paths too)."""
-    import fsspec
-
     seen = 0
     for path in paths:
         with fsspec.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
@@ -191,8 +188,6 @@ def _rekey(sample: dict) -> dict:
 
 def read_text(uri: str) -> str | None:
     """A text file's content (local path or fsspec URI); None if it does not exist."""
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.exists(path):
         return None

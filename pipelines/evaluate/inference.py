@@ -14,9 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
 import torch
 
+from models.model_file import load_model
 from models.preprocess import to_device, to_model_input
+from models.tokenizer import tokenize
+from pipelines.evaluate.data import read_eval_shards, task_paths
+from pipelines.evaluate.embed import TaskEmbeddings, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
 
@@ -34,8 +41,6 @@ def _device(num_gpus: float) -> torch.device:
 
 
 def _fixed_lists(out: dict[str, torch.Tensor]) -> dict:
-    import pyarrow as pa
-
     cols = {}
     for k in OUTPUT_KEYS:
         if k in out:
@@ -46,8 +51,6 @@ def _fixed_lists(out: dict[str, torch.Tensor]) -> dict:
 
 class _Embedder:
     def __init__(self, model_file: str, num_gpus: float = 0.0, threads: int = 1):
-        from models.model_file import load_model
-
         if num_gpus <= 0:
             torch.set_num_threads(max(1, threads))
         self.device = _device(num_gpus)
@@ -64,8 +67,6 @@ class ImageEmbedder(_Embedder):
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, np.ndarray]):
-        import pyarrow as pa
-
         out = self.model.encode_image(to_device(torch.from_numpy(to_model_input(batch["image"])), self.device))
         return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
                          "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
@@ -77,10 +78,6 @@ class TextEmbedder(_Embedder):
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, np.ndarray]):
-        import pyarrow as pa
-
-        from models.tokenizer import tokenize
-
         texts = [str(t) for t in batch["text"]]
         out = self.model.encode_text(to_device(tokenize(texts, self.model.context_length), self.device))
         return pa.table({"index": pa.array(np.asarray(batch["index"], np.int64)), "text": pa.array(texts, pa.string()),
@@ -103,8 +100,6 @@ def _fresh(folder: Path) -> Path:
 def write_image_embeddings(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
                  stats_name: str | None = None) -> Path:
     """Shards -> {out}/images/*.parquet through an actor pool; returns the folder."""
-    from pipelines.evaluate.data import read_eval_shards
-
     folder = _fresh(Path(out) / "images")
     # streamed (one pass), images moved as uint8 and scaled in the actor
     ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
@@ -115,8 +110,6 @@ def write_image_embeddings(model_file: str, paths: list[str], image_size: int, o
 
 def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> Path:
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
-    import ray.data
-
     folder = _fresh(Path(out) / "texts")
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
     ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)).write_parquet(str(folder))
@@ -125,8 +118,6 @@ def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, op
 
 def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | None = None):
     """Parquet written above -> (table columns as numpy / lists, outputs as tensors), rows sorted by `order_by`."""
-    import pyarrow.parquet as pq
-
     table = pq.read_table(str(folder))
     if table.num_rows == 0:
         raise ValueError(f"{folder}: no embeddings")
@@ -146,9 +137,6 @@ def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | Non
 def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, opts: InferenceOptions):
     """One eval task's embeddings through the actor pools, written under {out} and read back
     (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order as the in-process path)."""
-    from pipelines.evaluate.data import task_paths
-    from pipelines.evaluate.embed import TaskEmbeddings, split_captions, task_texts
-
     mixture_tokens = getattr(model, "mixture_tokens", None)
     folder = write_image_embeddings(model_file, task_paths(task), model.img_size, out, opts, stats_name=f"embed:{task.name}")
     cols, image = read_embeddings(folder, "key", mixture_tokens)

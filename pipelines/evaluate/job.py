@@ -10,9 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from pipelines.evaluate.inference import InferenceOptions, embed_task
+from models import default_loss
+from models.losses import create_loss
+from models.model_file import load_model
+from models.objective import Objective
 from pipelines.config import Config, ConfigError
+from pipelines.data.reader import read_shards
+from pipelines.evaluate.data import read_caption_levels, task_paths
+from pipelines.evaluate.inference import InferenceOptions, embed_task
+from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
+from pipelines.tracking import finish_with_results, start_run, tracking_uri
 
 
 def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, dict]:
@@ -24,15 +34,6 @@ def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, di
 
 
 def held_out_loss_of(cfg: Config, model, source: dict, task) -> float:
-    from safetensors.torch import load_file
-
-    from models import default_loss
-    from models.losses import create_loss
-    from models.objective import Objective
-    from pipelines.evaluate.data import task_paths
-    from pipelines.evaluate.tasks import held_out_loss
-    from pipelines.data.reader import read_shards
-
     if source["loss"] is None:
         raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
                           f"{source['model']}")
@@ -45,18 +46,12 @@ def held_out_loss_of(cfg: Config, model, source: dict, task) -> float:
 
 
 def model_name(path: Path) -> str:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         return (f.metadata() or {})["model"]
 
 
 def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
     """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
-    from models.model_file import load_model
-    from pipelines.evaluate.tasks import prefixed, score_task, write_plots
-    from pipelines.tracking import finish_with_results, start_run, tracking_uri
-
     model = load_model(source["model"])
     tasks = cfg.resolved_tasks()
     metrics: dict[str, float] = {}
@@ -67,8 +62,6 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
             continue
         emb = embed_task(str(source["model"]), model, task, out / task.name, opts)
         if task.kind == "retrieval" and model.probabilistic and task.analyses:
-            from pipelines.evaluate.data import read_caption_levels
-
             emb.levels = read_caption_levels(task, emb.keys)  # json only; the actors' parquet carries no levels
         results[task.name] = score_task(model, task, emb, cfg.eval.calibration_bins)
         metrics.update(prefixed(task, results[task.name]))

@@ -35,8 +35,8 @@ from models.gather import World
 from models.preprocess import to_device
 from models.registry import model_arch
 from models.scoring.ann import MeanIndex, pair_scores, rerank
-from models.scoring.metrics import (Calibration, Ranked, calibration, mean_per_class_recall, rank_candidates, rank_queries,
-                                    retrieval_summary, topk_accuracy)
+from models.scoring.metrics import (Calibration, Ranked, calibration, mean_per_class_recall, rank_candidates,
+                                    rank_queries, retrieval_summary, topk_accuracy)
 from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, weighted_ensemble
 from pipelines.config import Config, EvalTask
 from pipelines.evaluate.embed import TaskEmbeddings, autocast, model_device, on_device

@@ -17,8 +17,8 @@ from pipelines.config import Config
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.digits import write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import read_shards, read_split, train_options
-from pipelines.evaluate.data import check_task, read_eval_shards, task_paths
 from pipelines.evaluate import EvaluationError
+from pipelines.evaluate.data import check_task, read_eval_shards, task_paths
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
 

@@ -11,17 +11,17 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ray.train
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 TAG = "state"
 
 
 def _safe_globals() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
@@ -48,8 +48,6 @@ class Progress:
 
 def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:
     """Every rank writes its DeepSpeed shard; Ray Train merges the ranks' files into one checkpoint."""
-    import ray.train
-
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
@@ -57,8 +55,6 @@ def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:
 
 def restore(engine) -> Progress | None:
     """Load Ray Train's latest checkpoint (after a worker failure, or a re-run with the same run name)."""
-    import ray.train
-
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None

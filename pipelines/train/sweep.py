@@ -8,14 +8,30 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
+import matplotlib
+import pandas as pd
 import yaml
 from pydantic import Field, ValidationError, model_validator
+from ray import tune
+from ray.tune import Callback
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides,
-                              load_config, set_dotted)
+from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
+                              set_dotted)
+from pipelines.evaluate.tasks import metric_names
+from pipelines.tracking import end_trial_runs, find_run, finish_with_results, start_run, tracking_uri
+from pipelines.train.driver import check_eval_tasks, fit, prepare_data
+from pipelines.train.progress import ProgressLine
+
+matplotlib.use("Agg")  # plots are written to files, on machines without a display
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 
 class Domain(Section):
@@ -53,8 +69,6 @@ class Domain(Section):
         return [low, high - 1] if self.kind == "randint" else [low, high]
 
     def to_tune(self):
-        from ray import tune
-
         if self.kind == "choice":
             return tune.choice(self.choice)
         low, high = getattr(self, self.kind)
@@ -127,7 +141,6 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         if unknown:
             raise ConfigError(f"tune.points_to_evaluate[{i}]: keys not in space: {', '.join(sorted(unknown))}")
         trial_config(base_dict, point)
-    from pipelines.evaluate.tasks import metric_names
 
     reported = metric_names(base)
     if sweep.tune.metric not in reported:
@@ -150,11 +163,6 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
 def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, storage_path: str,
               parent_run_id: str) -> None:
     """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer."""
-    from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from pipelines.train.driver import fit
-
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
@@ -170,12 +178,6 @@ def finite(value: Any) -> bool:
 
 def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict)."""
-    from ray import tune
-
-    from pipelines.cluster.runtime import init_ray, local_cpus
-    from pipelines.train.driver import check_eval_tasks, prepare_data
-    from pipelines.tracking import find_run, start_run, tracking_uri
-
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
@@ -213,10 +215,6 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
 
 def trial_progress(total: int, metric: str):
     """A Tune callback printing `[sweep] trial 3/8 (38%) | <id> completed | <metric> ... | elapsed | ETA`."""
-    from ray.tune import Callback
-
-    from pipelines.train.progress import ProgressLine
-
     class TrialProgress(Callback):
         def __init__(self):
             self.line, self.done = ProgressLine("sweep", total, unit="trial"), 0
@@ -242,12 +240,10 @@ def trial_progress(total: int, metric: str):
 
 
 def _searcher(sweep: SweepConfig):
-    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
-
     s = sweep.tune
     points = [dict(p) for p in s.points_to_evaluate]
     if s.search_alg == "optuna":
-        from ray.tune.search.optuna import OptunaSearch
+        from ray.tune.search.optuna import OptunaSearch  # deferred: optuna is needed only by this search
 
         searcher = OptunaSearch(metric=s.metric, mode=s.mode, seed=s.seed, points_to_evaluate=points or None)
         return ConcurrencyLimiter(searcher, max_concurrent=s.max_concurrent)
@@ -256,8 +252,6 @@ def _searcher(sweep: SweepConfig):
 
 
 def _scheduler(sweep: SweepConfig):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
     s = sweep.tune
     if s.scheduler == "fifo":
         return FIFOScheduler()
@@ -270,10 +264,6 @@ def _scheduler(sweep: SweepConfig):
 
 def summarize_sweep(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
-    import pandas as pd
-
-    from pipelines.tracking import end_trial_runs
-
     s = sweep.tune
     rows = [trial_row(result, sweep, base) for result in grid]
     for row in rows:
@@ -304,10 +294,6 @@ def trial_row(result, sweep: SweepConfig, base: Config) -> dict[str, Any]:
 def log_sweep_results(uri: str, parent: str, table, sweep: SweepConfig, best_cfg: Config,
                       metrics: dict[str, float]) -> None:
     """The parent run's results table, knob plot, best config and `metrics`; then the parent run ends."""
-    import tempfile
-
-    from pipelines.tracking import finish_with_results
-
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         table.to_csv(tmp / "results.csv", index=False)
@@ -331,11 +317,6 @@ def markdown_table(table) -> str:
 
 
 def plot_knobs(table, knobs: list[str], metric: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False)
     for ax, knob in zip(axes[0], knobs):
         for status, marker in (("completed", "o"), ("stopped early", "x"), ("error", "s")):
