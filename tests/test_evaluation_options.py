@@ -17,7 +17,7 @@ from models.scoring.metrics import rank_candidates, rank_queries
 from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
                                      weighted_ensemble)
 from pipelines.config import Config, ConfigError, EvalTask, load_config
-from pipelines.evaluate.tasks import class_embeddings, score_task
+from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.embed import TaskEmbeddings
 
 # ------------------------------------------------------------------------------------ BPRW (ProLIP A.5)
@@ -199,7 +199,7 @@ def test_score_mean_is_the_cosine_of_the_means():
     model, emb = create_model("prolip_tiny").eval(), toy_zeroshot(seed=1)
     # very different sigma^2 per class: CSD and the means' cosine then rank differently
     emb.text["logvar"] = emb.text["logvar"] + torch.arange(4).repeat_interleave(6)[:, None].float()
-    classes = class_embeddings(model, emb.text, emb.prompt_counts)
+    classes = classes_from_prompts(model, emb.text, emb.prompt_counts)
     cos = F.normalize(emb.image["mu"], dim=-1) @ F.normalize(classes["mu"], dim=-1).T
     by_mean = score_task(model, zs_task(score="mean"), emb, bins=4)
     by_model = score_task(model, zs_task(), emb, bins=4)

@@ -11,7 +11,7 @@ from sklearn.metrics import balanced_accuracy_score
 from models import create_model
 from models.scoring.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
 from pipelines.config import Config, ConfigError, load_config
-from pipelines.evaluate.tasks import class_embeddings, metric_names, score_task, task_metric_names
+from pipelines.evaluate.tasks import classes_from_prompts, metric_names, score_task, task_metric_names
 from pipelines.evaluate.embed import TaskEmbeddings
 
 
@@ -86,10 +86,10 @@ def test_class_embeddings_with_unequal_prompt_counts_match_per_class_ensembles()
     torch.manual_seed(0)
     model = create_model("prolip_tiny").eval()
     text = {"mu": torch.nn.functional.normalize(torch.randn(7, 64), dim=-1), "logvar": torch.randn(7, 64)}
-    got = class_embeddings(model, text, [3, 4])
+    got = classes_from_prompts(model, text, [3, 4])
     first = model.class_embeddings({k: v[:3][None] for k, v in text.items()})
     assert torch.allclose(got["mu"][0], first["mu"][0]) and torch.allclose(got["logvar"][0], first["logvar"][0])
-    equal = class_embeddings(model, {k: v[:6] for k, v in text.items()}, [3, 3])
+    equal = classes_from_prompts(model, {k: v[:6] for k, v in text.items()}, [3, 3])
     assert torch.allclose(equal["mu"][1], model.class_embeddings({k: v[3:6][None] for k, v in text.items()})["mu"][0])
 
 

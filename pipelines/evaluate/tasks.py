@@ -224,7 +224,7 @@ def per_class_prompts(text: dict[str, torch.Tensor], counts: list[int]) -> list[
 @torch.no_grad()
 def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[str, torch.Tensor], list | None]:
     """Class embeddings by `task.prompts`, and the prompt weights (None for the model's own ensemble)."""
-    base = class_embeddings(model, emb.text, emb.prompt_counts)
+    base = classes_from_prompts(model, emb.text, emb.prompt_counts)
     if task.prompts == "mean":
         return base, None
     if not model.probabilistic or "logvar" not in emb.text:
@@ -245,7 +245,7 @@ def zeroshot_classes(model, task: EvalTask, emb: TaskEmbeddings) -> tuple[dict[s
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}, [w.tolist() for w in weights]
 
 
-def class_embeddings(model, text: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
+def classes_from_prompts(model, text: dict[str, torch.Tensor], counts: list[int]) -> dict[str, torch.Tensor]:
     """Flat prompt outputs -> one embedding per class through the model's prompt ensemble (on the CPU)."""
     device = model_device(model)
     text = on_device(text, device)

@@ -6,7 +6,7 @@ import torch
 
 from pipelines.config import EvalTask
 from pipelines.evaluate.data import iter_local_batches, task_paths
-from pipelines.evaluate.tasks import class_embeddings, sigma2
+from pipelines.evaluate.tasks import classes_from_prompts, sigma2
 from pipelines.evaluate.embed import embed_texts, split_captions, task_texts
 
 
@@ -24,7 +24,7 @@ def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> li
     counts = counts or [1] * len(texts)
     labels = classnames or texts
     text = embed_texts(model, texts)
-    scores = model.class_scores(image, class_embeddings(model, text, counts))
+    scores = model.class_scores(image, classes_from_prompts(model, text, counts))
     best = scores.argmax(dim=1).tolist()
     starts = [sum(counts[:i]) for i in range(len(counts))]
     lines = [f"sample predictions: {len(best)} held-out images of eval task {task.name!r} ({task.kind})"]
