@@ -21,8 +21,10 @@ trainer uses: ours the fused AdamW of `pipelines.train.optim.adamw`, open_clip's
 runs the whole context) and "full" (every caption fills the context: the same text work for both).
 The verdict uses the median over rounds of the two back-to-back steps' ratio.
 
-The data side (``--data``): samples/s of our Ray Data reader (``pipelines.data.reader.read_shards``,
-iterated with ``iter_torch_batches`` as a Train worker does) against open_clip's own webdataset
+The data side (``--data``): samples/s of our Ray Data reader (``pipelines.data.reader.read_shards`` as a CPU
+training run reads its train split: uint8 images, augmented in the reader; iterated with ``iter_torch_batches``
+as a Train worker does and made the model's float32 input in this process, as the worker does on its device,
+``pipelines.data.device_augment.model_images``) against open_clip's own webdataset
 loader (``open_clip_train.data.get_wds_dataset``: shard shuffle, sample shuffle buffer, PIL decode,
 its train transform, its tokenizer, ``WebLoader`` with worker processes), on the same shards
 (photo-like JPEGs written by this script), the same output size and batch, two CPUs each (two
@@ -181,6 +183,7 @@ def measure_loaders(n: int, per_shard: int, source_size: int, image_size: int, b
     open_clip_train.data.tar_file_expander = functools.partial(tar_file_expander, eof_value=None)
 
     from pipelines.cluster.runtime import init_ray
+    from pipelines.data.device_augment import model_images
     from pipelines.data.reader import read_shards
 
     settings = {"no augmentation": False, "training augmentation": True}
@@ -194,13 +197,15 @@ def measure_loaders(n: int, per_shard: int, source_size: int, image_size: int, b
 
         loaders = {}
         for name, augment in settings.items():
-            ours = read_shards(paths, image_size, context_length, augment=augment, shuffle=augment, stats_name=None)
+            ours = read_shards(paths, image_size, context_length, augment=augment, shuffle=augment, stats_name=None,
+                               uint8=True, augment_on="reader")
             args = Namespace(train_data="::".join(paths), val_data="::".join(paths), train_num_samples=n,
                              val_num_samples=n, dataset_resampled=False, train_data_upsampling_factors=None,
                              seed=0, workers=2, world_size=1, batch_size=batch)
             transform = open_clip.image_transform(image_size, is_train=augment)
             theirs = get_wds_dataset(args, transform, is_train=augment, tokenizer=tokenizer).dataloader
-            loaders[name] = {"ours": lambda ds=ours: ds.iter_torch_batches(batch_size=batch),
+            loaders[name] = {"ours": lambda ds=ours: ({"image": model_images(b, image_size)}
+                                                      for b in ds.iter_torch_batches(batch_size=batch)),
                              "open_clip": lambda dl=theirs: dl}
 
         def epoch(make) -> float:
