@@ -13,7 +13,7 @@ import re
 import sys
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import ConfigError, load_config
+from pipelines.config import load_download_config
 
 
 def log_to_mlflow(cfg, summary: dict) -> str | None:
@@ -39,9 +39,7 @@ def log_to_mlflow(cfg, summary: dict) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.download", __doc__, "YAML with a `download:` section (see configs/)",
                          "download.image_size=128").parse_args(argv)
-    cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
-    if cfg.download is None:
-        raise ConfigError(f"{args.config}: no `download:` section")
+    cfg = load_download_config(args.config, args.overrides)  # fail fast, before Ray starts
 
     from pipelines.cluster.runtime import init_ray  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.download.run import run_download

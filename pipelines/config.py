@@ -459,6 +459,30 @@ class Config(JobDocument):
             model=self.model.model_copy(update={"init_from_openclip": local_path(self.model.init_from_openclip)}))
 
 
+class DownloadDocument(Document):
+    """What `jobs.download` reads of a config file: its download, run, tracking and ray sections. The other
+    sections of an experiment file may stand beside them (unchecked here: the model registry, and with it torch,
+    is not imported for a download)."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    download: DownloadConfig
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+
+def load_download_config(path: str | Path, overrides: list[str] | None = None) -> DownloadDocument:
+    data = read_config_file(path, overrides)
+    unknown = sorted(set(data) - set(Config.model_fields))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key")
+    if data.get("download") is None:
+        raise ConfigError(f"{path}: no `download:` section")
+    try:
+        return DownloadDocument.model_validate({k: v for k, v in data.items() if k in DownloadDocument.model_fields})
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
 def local_path(value: str | None) -> str | None:
     """A config value that may name a local path, made absolute; None, URIs, `{data.root}...`, `open_clip:` and
     `runs:/` references as they are."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import Config, ConfigError, load_config
+from pipelines.config import Config, ConfigError, load_config, load_download_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,3 +115,22 @@ def test_local_paths_become_absolute_for_the_workers(tmp_path, monkeypatch):
     assert out.with_absolute_paths() == out and cfg.data.root == "data/digits"  # idempotent; the original kept
     served = Config.model_validate({"tracking": {"uri": "http://127.0.0.1:5000"}}).with_absolute_paths()
     assert served.tracking.uri == "http://127.0.0.1:5000"
+
+
+def test_download_config_reads_its_sections_without_the_model_registry(tmp_path):
+    """jobs.download's config: the download, run, tracking and ray sections are checked, the training sections of an
+    experiment file may stand beside them, and torch is not imported (start-up counts in a download's wall time)."""
+    path = tmp_path / "dl.yaml"
+    path.write_text(yaml.safe_dump({"run": {"name": "d"}, "model": {"name": "clip_tiny"},
+                                    "download": {"input": "urls.parquet", "output": "out"}}))
+    code = ("import sys; from pipelines.config import load_download_config; "
+            f"c = load_download_config({str(path)!r}, ['download.image_size=64']); "
+            "print(c.download.image_size, c.run.name, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["64", "d", "False"]
+    for data, message in (({"download": {"input": "u", "output": "o"}, "modle": {}}, "modle: unknown key"),
+                          ({"run": {"name": "d"}}, "no `download:` section"),
+                          ({"download": {"input": "u", "output": "o", "threads": 3}}, "download.threads: unknown key")):
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(ConfigError, match=message):
+            load_download_config(path)

@@ -17,13 +17,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
-from img2dataset.downloader import Downloader
-from img2dataset.resizer import Resizer
-from img2dataset.writer import WebDatasetSampleWriter
 
 from pipelines.config import DownloadConfig
-from pipelines.data.storage import fs_path, read_json, uri
 from pipelines.download.plan import PARTS_DIR
+from pipelines.data.storage import fs_path, read_json, uri
 
 TMP_DIR = "_tmp"
 
@@ -48,6 +45,8 @@ class PartResult:
 
 
 def _resizer(cfg: DownloadConfig):
+    from img2dataset.resizer import Resizer  # deferred, as in download_part
+
     return Resizer(
         image_size=cfg.image_size, resize_mode=cfg.resize_mode, resize_only_if_bigger=False,
         encode_quality=cfg.encode_quality if cfg.encode_quality is not None else 9 if cfg.encode_format == "png" else 95,
@@ -59,6 +58,9 @@ def _resizer(cfg: DownloadConfig):
 def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: int, key_digits: int) -> dict:
     """img2dataset's per-shard downloader on one part, then move the shard into place (a PartResult as a dict)."""
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would check PyPI on import
+    # deferred: img2dataset and albumentations load in the Ray task that downloads, after the variable above
+    from img2dataset.downloader import Downloader
+    from img2dataset.writer import WebDatasetSampleWriter
 
     cfg = DownloadConfig.model_validate(settings)
     node = ray.get_runtime_context().get_node_id()
