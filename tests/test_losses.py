@@ -315,6 +315,33 @@ def test_llip_mixer_chunked_equals_naive_values_and_gradients(chunk):
     assert results[0][0].abs().max() <= 1 + 1e-12
 
 
+@pytest.mark.parametrize("heads,k,chunk", [(2, 3, 2), (4, 3, 0), (2, 5, 1)])
+def test_llip_mixer_factored_form_equals_naive_values_and_gradients(heads, k, chunk):
+    """The factored cosines (values' Gram matrices, checkpointed chunks) equal the naive loops, with H K below
+    and above D."""
+    torch.manual_seed(heads + k)
+    mixer = LlipMixer(8, heads=heads, tau=0.9, chunk_size=chunk, pair_form="factored").double()
+    tokens, query, text = _llip_inputs(20 + heads + k, k=k)
+    leaves = [tokens, query, text, *mixer.parameters()]
+    cos, ref = mixer(tokens, query, text), naive_llip_cos(mixer, tokens, query, text)
+    torch.testing.assert_close(cos, ref, rtol=1e-10, atol=1e-12)
+    w = torch.randn(cos.shape, dtype=f64)
+    for a, b in zip(torch.autograd.grad((cos * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    with torch.no_grad():
+        torch.testing.assert_close(mixer(tokens, query, text), ref.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_llip_mixer_picks_the_factored_form_where_it_is_cheaper():
+    from models.llip_mixer import cheaper_pair_form
+
+    assert cheaper_pair_form(8, 16, 768, 256) == "factored"  # ViT-B/16, K = 16: H K = 128 << D
+    assert cheaper_pair_form(8, 64, 768, 256) == "direct"  # K = 64: (H K)^2 = 262k vs D^2 = 590k per pair
+    assert cheaper_pair_form(8, 16, 256, 64) == "direct"  # the CPU "small" size: counts too close to pay
+    with pytest.raises(ValueError):
+        LlipMixer(8, heads=2, pair_form="gram")
+
+
 def test_llip_mixer_without_grad_and_validation():
     mixer = LlipMixer(8, heads=4, tau=5.0, chunk_size=2).double()
     tokens, query, text = _llip_inputs(9)
