@@ -22,7 +22,7 @@ class SourceConfig(Section):
     # None: open_clip downloads `open_clip:<arch>/<pretrained tag>` itself.
     weights: str | None = None
     # open_clip sources: the registry model the weights load into and its overrides (None: from the
-    # known-architecture table in models.adapter_source).
+    # known-architecture table, pipelines.adapt.source.OPENCLIP_ARCHS).
     build: str | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)
 
