@@ -55,33 +55,55 @@ class GPO(nn.Module):
         self.gru = nn.GRU(d_pe, d_hidden, batch_first=True, bidirectional=True)
         self.score = nn.Linear(d_hidden, 1, bias=False)
 
-    def weights(self, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-        """(B, max_len) pooling weights for sequences of the given lengths (computed once per distinct length)."""
-        uniq, inverse = torch.unique(lengths, return_inverse=True)
+    def position_weights(self, max_len: int, device=None) -> torch.Tensor:
+        """(max_len, max_len): row n - 1 holds the pooling weights of a sequence of n tokens (zero past n).
+
+        One packed GRU pass over the sequences of every length 1 .. max_len: their lengths are known on the
+        host, so nothing waits for the device (``torch.unique`` of the batch's lengths and the packing's
+        ``lengths.cpu()`` would each stop the host until the GPU has caught up)."""
+        return self._weights_of(torch.arange(1, max_len + 1), max_len, device)
+
+    def _weights_of(self, lengths_cpu: torch.Tensor, max_len: int, device) -> torch.Tensor:
+        """(len(lengths_cpu), max_len) weights for the given distinct lengths (a CPU tensor)."""
+        n = len(lengths_cpu)
         dtype = self.score.weight.dtype
-        pe = sinusoid(max_len, self.d_pe, lengths.device).to(dtype).unsqueeze(0).expand(len(uniq), -1, -1)
-        packed = pack_padded_sequence(pe, uniq.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.gru(packed)
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=max_len)
+        pe = sinusoid(max_len, self.d_pe, device).to(dtype).unsqueeze(0).expand(n, -1, -1)
+        if n == 1 and int(lengths_cpu[0]) == max_len:  # one full-length sequence (an image's tokens): no packing
+            out, _ = self.gru(pe)
+        else:
+            packed = pack_padded_sequence(pe, lengths_cpu, batch_first=True, enforce_sorted=False)
+            out, _ = self.gru(packed)
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=max_len)
         out = (out[..., : self.d_hidden] + out[..., self.d_hidden :]) / 2  # average of both directions
-        scores = self.score(out).squeeze(-1)  # (U, max_len)
-        valid = torch.arange(max_len, device=lengths.device)[None, :] < uniq[:, None]
-        scores = scores.float().masked_fill(~valid, float("-inf"))
-        return torch.softmax(scores / self.temperature, dim=1)[inverse]
+        scores = self.score(out).squeeze(-1)  # (n, max_len)
+        valid = torch.arange(max_len)[None, :] < lengths_cpu[:, None]
+        scores = scores.float().masked_fill(~valid.to(scores.device), float("-inf"))
+        return torch.softmax(scores / self.temperature, dim=1)
+
+    def weights(self, lengths: torch.Tensor | None, max_len: int, device=None) -> torch.Tensor:
+        """Pooling weights for sequences of the given lengths, (B, max_len); ``lengths`` None: every sequence has
+        max_len tokens, and the result is one (1, max_len) row for all."""
+        if lengths is None:
+            return self._weights_of(torch.tensor([max_len]), max_len, device)
+        return self.position_weights(max_len, lengths.device)[lengths - 1]
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D) in float32."""
         with float32_region(features.device):
-            return self._pool(features if features.dtype == torch.float64 else features.float(), lengths)
+            return self._pool(features, lengths)
 
     def _pool(self, features: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         b, length, _ = features.shape
+        # Sorted in the input's own precision, then upcast: a bf16 value converts to float32 exactly and in the
+        # same order, so this equals sorting the float32 copy, with half the sort's memory traffic.
+        out_dtype = torch.float64 if features.dtype == torch.float64 else torch.float32
         if lengths is None:
-            lengths = torch.full((b,), length, device=features.device, dtype=torch.long)
-        valid = torch.arange(length, device=features.device)[None, :] < lengths[:, None]
-        low = torch.finfo(features.dtype).min
-        ordered = features.masked_fill(~valid[..., None], low).sort(dim=1, descending=True).values
-        ordered = ordered.masked_fill(~valid[..., None], 0.0)  # padding sorts to the end
-        w = self.weights(lengths, length).to(features.dtype)
+            ordered = features.sort(dim=1, descending=True).values.to(out_dtype)
+        else:
+            valid = (torch.arange(length, device=features.device)[None, :] < lengths[:, None])[..., None]
+            low = torch.finfo(features.dtype).min
+            ordered = features.masked_fill(~valid, low).sort(dim=1, descending=True).values.to(out_dtype)
+            ordered = ordered.masked_fill(~valid, 0.0)  # padding sorts to the end
+        w = self.weights(lengths, length, features.device).to(out_dtype)
         # VSE-infinity Eq. 2: f = sum_k theta_k * max_k(features), theta from the GRU position model
         return (ordered * w.unsqueeze(-1)).sum(dim=1)

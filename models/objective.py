@@ -16,6 +16,7 @@ import torch.nn as nn
 from models.gather import World
 from models.losses import create_loss
 from models.registry import create_model, default_loss
+from models.towers import compile_blocks, set_grad_checkpointing
 
 
 class Objective(nn.Module):
@@ -40,6 +41,17 @@ def build_objective(cfg: Any) -> Objective:
     """A fresh model and loss for a config (``pipelines.config.Config``, or anything with ``model.name``,
     ``model.overrides``, ``loss.name`` and ``loss.params``)."""
     return Objective(create_model(cfg.model.name, **cfg.model.overrides), create_loss(loss_name(cfg), **cfg.loss.params))
+
+
+def build_training_objective(cfg: Any) -> Objective:
+    """``build_objective`` with the training-only knobs of ``cfg.train``: ``grad_checkpointing`` (activation
+    checkpointing of the towers' blocks) and ``compile`` (torch.compile of every block). Evaluation builds
+    its objective with ``build_objective``: no backward to save memory for, no compile time to pay."""
+    objective = build_objective(cfg)
+    set_grad_checkpointing(objective.model, cfg.train.grad_checkpointing)
+    if cfg.train.compile:
+        compile_blocks(objective.model)
+    return objective
 
 
 @torch.no_grad()

@@ -115,12 +115,10 @@ class PCMEPP(nn.Module):
         self.msda_fraction, self.msda_beta = msda_fraction, msda_beta
 
     def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        vit = self.visual.vit
-        h = self.visual.embed(images)
-        for blk in vit.blocks[:-1]:
-            h = blk(h)
-        mu = self.image_gpo(self.image_proj(vit.norm(vit.blocks[-1](h))))
-        logvar = self.image_var_gpo(self.image_var_proj(self.image_var_norm(self.image_var_block(h))))
+        vit, run = self.visual.vit, self.visual.run  # run: the tower's block loop (checkpointed if set)
+        h = run(self.visual.embed(images), vit.blocks[:-1])
+        mu = self.image_gpo(self.image_proj(vit.norm(run(h, vit.blocks[-1:]))))
+        logvar = self.image_var_gpo(self.image_var_proj(self.image_var_norm(run(h, [self.image_var_block]))))
         return {"mu": F.normalize(mu, dim=-1), "logvar": logvar}
 
     def encode_text(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:

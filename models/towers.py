@@ -22,10 +22,39 @@ from functools import partial
 import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Block, VisionTransformer
+from torch.utils.checkpoint import checkpoint
 
 from models.tokenizer import VOCAB_SIZE
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-5)  # CLIP's LayerNorm eps
+
+
+def run_blocks(blocks, x: torch.Tensor, checkpointed: bool = False, **kwargs) -> torch.Tensor:
+    """Apply transformer blocks in turn; ``checkpointed``: activation checkpointing per block (non-reentrant
+    torch.utils.checkpoint), which stores each block's input only and recomputes the block in the backward."""
+    checkpointed = checkpointed and torch.is_grad_enabled()
+    for blk in blocks:
+        x = checkpoint(blk, x, use_reentrant=False, **kwargs) if checkpointed else blk(x, **kwargs)
+    return x
+
+
+def set_grad_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Turn activation checkpointing of every tower's blocks in `model` on or off (``train.grad_checkpointing``):
+    the image and text towers' block loops, and the blocks that models run on the towers' tokens themselves
+    (PCME++'s last and variance blocks follow their tower's setting)."""
+    for m in model.modules():
+        if isinstance(m, (ImageTower, TextTower)):
+            m.grad_checkpointing = enabled
+    return model
+
+
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """torch.compile every transformer block of `model`, in place (``train.compile``): parameter names and the
+    state dict stay as they are, and every method's own block loops (PCME++'s, the masked copies) use them."""
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.compile()
+    return model
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,7 @@ class ImageTower(nn.Module):
         self.width = width
         self.num_prefix = int(class_token) + extra_tokens
         self.num_patches = self.vit.patch_embed.num_patches
+        self.grad_checkpointing = False  # set_grad_checkpointing
 
     def embed(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Prefix + patch tokens after position embedding and the pre-norm; `keep` (B, n) selects patches."""
@@ -103,7 +133,10 @@ class ImageTower(nn.Module):
 
     def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """(B, num_prefix + kept patches, width), final LayerNorm applied."""
-        return self.vit.norm(self.vit.blocks(self.embed(images, keep)))
+        return self.vit.norm(self.run(self.embed(images, keep), self.vit.blocks))
+
+    def run(self, x: torch.Tensor, blocks) -> torch.Tensor:
+        return run_blocks(blocks, x, self.grad_checkpointing)
 
 
 MASK_COUNTS = ("round", "floor")
@@ -173,6 +206,7 @@ class TextTower(nn.Module):
         self.context_length = context_length
         self.causal, self.pad_attention = causal, pad_attention
         self.width = width
+        self.grad_checkpointing = False  # set_grad_checkpointing
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.randn(context_length, width) * 0.01)
         self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio=4.0, qkv_bias=True, norm_layer=LayerNorm)
@@ -215,9 +249,8 @@ class TextTower(nn.Module):
         return x, allowed.unsqueeze(1)
 
     def run(self, x: torch.Tensor, blocks, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        for blk in blocks:
-            x = blk(x, is_causal=True) if attn_mask is None else blk(x, attn_mask=attn_mask)
-        return x
+        kwargs = {"is_causal": True} if attn_mask is None else {"attn_mask": attn_mask}
+        return run_blocks(blocks, x, self.grad_checkpointing, **kwargs)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x, attn_mask = self.embed(tokens, mask)

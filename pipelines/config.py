@@ -147,6 +147,12 @@ class TrainConfig(WorkerResources):
     stop_at_step: int | None = Field(None, ge=1)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.
     fail_once_at_step: int | None = Field(None, ge=1)
+    # Activation checkpointing of the towers' transformer blocks (non-reentrant torch.utils.checkpoint): only each
+    # block's input is kept and the block is recomputed in the backward, so twice the per-GPU batch fits for ~1/3
+    # more tower compute (docs/BENCHMARKS.md, "Memory").
+    grad_checkpointing: bool = False
+    # torch.compile of every transformer block (models.towers.compile_blocks); off: docs/BENCHMARKS.md measures it.
+    compile: bool = False
 
     @field_validator("num_workers")
     @classmethod

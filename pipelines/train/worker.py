@@ -19,7 +19,7 @@ from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.preprocess import encode_png, to_device
 from models.model_file import save_model
 from models.gather import World
-from models.objective import build_objective
+from models.objective import build_objective, build_training_objective
 from models.tokenizer import tokenize
 from pipelines.train import state as train_state
 from pipelines.train.trainer import eval_dataset_name
@@ -182,7 +182,7 @@ class TrainWorker:
     def _build_engine(self):
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        objective = build_objective(cfg)
+        objective = build_training_objective(cfg)  # with train.grad_checkpointing / train.compile
         if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
             fresh = load_openclip_weights(objective.model, self._read_openclip_state(cfg.model.init_from_openclip))
             if self.rank == 0:
