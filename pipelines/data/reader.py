@@ -7,7 +7,10 @@
   encoded; every epoch then only decodes, augments and tokenizes.
 - Decode: a sample whose image cannot be decoded (or has no image, or unreadable json) is skipped
   and counted (`pipelines.data.stats`), never fatal.
-- Augment (`pipelines.data.augmentation`): train only by default; off for evaluation.
+- Augment (`pipelines.data.augmentation`): train only by default; off for evaluation. Training reads images as
+  uint8 (a quarter of float32's bytes through the object store), augmented here (OpenCV) or, with
+  ``augment_on="device"``, on the training worker's device from the parameters drawn here
+  (`pipelines.data.device_augment`).
 - Caption (`pipelines.data.captions`): one drawn per sample from the levels in its json.
 - Randomness: with ``seed`` set, each batch's generator is seeded from (seed, the batch's first
   key), so captions and augmentations do not depend on task scheduling; with ``seed=None`` they
@@ -19,8 +22,8 @@
   ``DataConfig(datasets_to_split=["train"])``; each worker reads ``get_dataset_shard("train")``.
   Every sample reaches exactly one worker per epoch (tests/test_reader.py).
 
-Output columns: ``image`` (B,3,H,W) float32, ``text`` (B,L) int64, ``label`` (B,) int64 (-1 when the
-sample has none) and ``sample_id`` (B,) int64 (the webdataset key as a number).
+Output columns: ``image`` (B,3,H,W) float32 (uint8=False; uint8=True: see `Preprocess`), ``text`` (B,L) int64,
+``label`` (B,) int64 (-1 when the sample has none) and ``sample_id`` (B,) int64 (the webdataset key as a number).
 """
 from __future__ import annotations
 
