@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# A tiny ProLIP (probabilistic: sigma^2 per image and caption) on the bundled digits; configs/demo.yaml is the tiny CLIP.
 demo: $(STAMP)
-	$(PY) -m jobs.pretrain --config configs/demo.yaml
+	$(PY) -m jobs.pretrain --config configs/prolip_demo.yaml
 
 # Two pytest workers, one per core: the long Ray runs go to one while the other takes the short tests.
 # Modules sharing a trained fixture run in one worker, longest first (tests/conftest.py; xdist would

@@ -27,10 +27,11 @@ def config_sampler(cfg: Config) -> CaptionSampler:
     return CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob)
 
 
-def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sampler=None):
+def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0):
     """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
     on the train split with cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw);
-    returns the model in eval mode."""
+    returns the model in eval mode. loss_sign -1 climbs the objective instead: the broken loss that
+    tests/test_learning.py's targets must reject."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     images, _, metas = digit_arrays("train")
@@ -44,7 +45,7 @@ def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sam
     for _ in range(steps):
         rows = rng.choice(len(images), batch, replace=False)
         tokens = tokenize([sampler.draw(metas[i], "", rng) for i in rows], context)
-        loss = objective(images[rows], tokens)["loss"]
+        loss = loss_sign * objective(images[rows], tokens)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(objective.parameters(), t.grad_clip)

@@ -2,7 +2,8 @@
 and reaches held-out zero-shot top-1 >= 0.70, with the papers' choices and with the official code's
 (configs/*_tiny_official.yaml, docs/FIDELITY.md); ProLIP's uncertainty behaves as the paper reports.
 
-One fit per method (cached for the module); CLIP's own run is tests/test_pretrain.py.
+One fit per method (cached for the module); CLIP's own run is tests/test_pretrain.py. `make test` checks that every
+method learns with short in-process fits (tests/test_learning.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from models.towers import random_keep
 from pipelines.config import load_config
 from pipelines.data.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
 from pipelines.train.driver import fit
+from pipelines.train.summary import run_summary
 from pipelines.tracking import model_file
 from tests.helpers import OFF_DOMAIN
 
@@ -165,6 +167,11 @@ def test_prolip_uncertainty_analyses_are_in_its_mlflow_run(fits):
     pairs = json.loads((folder / "digits_retrieval_analyses.json").read_text())
     assert "no caption levels" in pairs["skipped"]["levels"]
     assert "digits_retrieval/unc_level_rho" not in logged and "digits_retrieval/unc_length_rho" in logged
+    # jobs.pretrain's summary prints them (from the run's metrics) and where the plots are
+    lines = run_summary(cfg, result)
+    for level in ("instance", "specific", "mid", "general"):
+        assert [level, f"{logged[f'heldout/unc_level_{level}_sigma2']:.4g}"] in [line.split()[:2] for line in lines]
+    assert any(line.strip() == "heldout_analyses.png" for line in lines)
     print("\nProLIP analyses:", {k: round(v, 3) for k, v in heldout["metrics"].items()})
     # ProLIP Sec. 4.3 on the digits: captions wider than their images (the image-in-text inclusion loss)
     assert heldout["metrics"]["unc_caption_wider_frac"] > 0.5

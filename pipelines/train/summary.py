@@ -1,10 +1,14 @@
-"""What a finished run prints about its model: a few held-out images, what the model predicts for them,
-and sigma^2 for the images and the predicted texts (probabilistic models)."""
+"""What a finished run prints about its model: its eval tasks' numbers, for probabilistic models the uncertainty
+the final evaluation measured (sigma^2 by caption level, where the plots are), and a few held-out images with what the
+model predicts for them and their sigma^2. Everything but the sample predictions comes from the run's final metrics."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from pipelines.config import EvalTask
+from pipelines.tracking import sqlite_artifact_root
 from pipelines.evaluate.data import iter_local_batches, task_paths
 from pipelines.evaluate.tasks import classes_from_prompts, sigma2
 from pipelines.evaluate.embed import embed_texts, split_captions, task_texts
@@ -38,7 +42,7 @@ def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> li
         line = f"  image {batch['key'][i]} (true: {truth!r}) -> {labels[j]!r}"
         if image_s2 is not None:
             prompts_s2 = text_s2[starts[j] : starts[j] + counts[j]].mean()
-            line += f" | sigma^2 image {image_s2[i]:.4g}, text {prompts_s2:.4g}"
+            line += f" | sigma^2 image {image_s2[i]:.4g}, its class prompts {prompts_s2:.4g}"
         lines.append(line)
     if not model.probabilistic:
         lines.append(f"  (no sigma^2: {type(model).__name__} is a deterministic model)")
@@ -55,6 +59,7 @@ def run_summary(cfg, result) -> list[str]:
     lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
              f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
              "final metrics:", *headline(result.metrics)]
+    lines += uncertainty_lines(result.metrics, cfg.resolved_tasks())
     if "data_wait_frac_mean" in result.metrics:
         lines.append(f"  the training loop waited for data {result.metrics['data_wait_frac_mean']:.0%} of its time "
                      "(data_wait_frac in MLflow; above ~10% the reader, not the model, sets the pace)")
@@ -64,6 +69,7 @@ def run_summary(cfg, result) -> list[str]:
     lines.append(f"model: {model_uri} (mlflow.pyfunc.load_model; weights in model/data/model.safetensors)")
     if result.registered_version:
         lines.append(f"  registered as models:/{cfg.tracking.register_as}/{result.registered_version}")
+    lines += plot_lines(result)
     task = showcase_task(cfg.resolved_tasks())
     if task is not None:
         try:  # the run is done and logged: a sample that cannot be shown must not turn it into a failure
@@ -86,3 +92,55 @@ def headline(metrics: dict) -> list[str]:
         if name in HEADLINE and isinstance(value, (int, float)):
             tasks.setdefault(task, []).append(f"{name} {value:.4g}")
     return [f"  {task}: {', '.join(parts)}" for task, parts in tasks.items()]
+
+
+# What each caption level (pipelines.data.captions; the bundled digits carry all four) says about an image.
+LEVEL_MEANING = {
+    "instance": "this image's own look (digits: class + ink, width, slant)",
+    "specific": "its class (digits: 'the digit seven')",
+    "mid": "a group of classes (digits: 'an odd digit', 'a small digit')",
+    "general": "any image of the set (digits: 'a handwritten digit')",
+}
+
+
+def uncertainty_lines(metrics: dict, tasks: list[EvalTask]) -> list[str]:
+    """sigma^2 by caption level, as the final evaluation's uncertainty analyses measured it (retrieval tasks of a
+    probabilistic model on data with caption levels: pipelines.evaluate.uncertainty); nothing for other runs."""
+    lines = []
+    for task in tasks:
+        p = f"{task.name}/"
+        levels = [lv for lv in task.caption_levels if f"{p}unc_level_{lv}_sigma2" in metrics]
+        if not levels:
+            continue
+        lines.append(f"uncertainty (eval task {task.name!r}): mean sigma^2 of the held-out captions by level, "
+                     "specific -> general, and of the images")
+        for lv in levels:
+            lines.append(f"  {lv:<9} {metrics[f'{p}unc_level_{lv}_sigma2']:.4g}  {LEVEL_MEANING.get(lv, '')}")
+        if f"{p}image_sigma2_mean" in metrics:
+            lines.append(f"  {'images':<9} {metrics[f'{p}image_sigma2_mean']:.4g}  the held-out images; a caption is "
+                         f"wider than its image in {metrics.get(f'{p}unc_caption_wider_frac', float('nan')):.0%} "
+                         "of the pairs")
+        rho = metrics.get(f"{p}unc_level_rho", float("nan"))
+        lines.append(f"  sigma^2 is how far a caption's embedding spreads: a caption that fits more varied images "
+                     f"should spread more (ProLIP Fig. 7: Spearman rho(level, sigma^2) > 0); this run: rho {rho:+.2f}")
+    return lines
+
+
+def plot_lines(result) -> list[str]:
+    """Where the run's plots are: the local folder of a sqlite store's artifacts when it holds them, else the
+    run's `plots/` in MLflow."""
+    root = sqlite_artifact_root(result.mlflow_uri)
+    folder = Path(root.removeprefix("file://")) / result.mlflow_run_id / "artifacts" / "plots" if root else None
+    pngs = sorted(p.name for p in folder.glob("*.png")) if folder is not None and folder.is_dir() else []
+    if not pngs:
+        return [f"plots: plots/ in the run's artifacts ({result.mlflow_run_id}, mlflow ui)"]
+    return [f"plots ({_plot_legend(pngs)}): {folder}/", *(f"  {name}" for name in pngs)]
+
+
+def _plot_legend(pngs: list[str]) -> str:
+    parts = []
+    if any(n.endswith("_uncertainty.png") for n in pngs):
+        parts.append("*_uncertainty: top-1 / R@1 per sigma^2 bin, sigma^2 histograms")
+    if any(n.endswith("_analyses.png") for n in pngs):
+        parts.append("*_analyses: sigma^2 by caption level and length, images vs captions")
+    return "; ".join(parts) or "MLflow artifacts"

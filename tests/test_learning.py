@@ -1,0 +1,82 @@
+"""Every method learns, in `make test`: a short fit of each method's own tiny config (its model, loss and
+hyperparameters; tests/digit_fit.py: in this process, no Ray) on the digits' class captions, then held-out
+zero-shot top-1 (the test split, 359 images; chance 0.10) against a per-method target.
+
+The targets sit well above chance and well below what the fits reach, so that a loss with the wrong sign or a
+gradient that never reaches the towers fails them: the negative controls below (the untrained model and a fit
+that climbs CLIP's loss instead of descending it) stay under the lowest target. The long Ray Train fits of the same
+configs to 0.70 are `make test-long` (tests/test_methods.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.objective import build_objective
+from pipelines.config import load_config
+from pipelines.data.digits import NAMES, specific_captions
+from tests.digit_fit import digit_arrays, fit_in_process
+from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # trains (in process, a few minutes in all): `make test`, not `make test-fast`
+BATCH = 64
+# method: (config, steps, held-out zero-shot top-1 to reach). Steps: past each method's initial collapse (all
+# images on one point, docs/RESULTS.md "Training each method"), where its top-1 climbs fast.
+TARGETS = {
+    "clip": ("demo.yaml", 150, 0.50),
+    "siglip": ("siglip_tiny.yaml", 250, 0.40),
+    "prolip": ("prolip_tiny.yaml", 200, 0.40),
+    "pcmepp": ("pcmepp_tiny.yaml", 250, 0.40),
+    "llip": ("llip_tiny.yaml", 250, 0.40),
+    "prolip_llip": ("prolip_llip_tiny.yaml", 250, 0.40),
+}
+# Class captions only ("the digit seven" and its templates, the zero-shot prompts): the fastest signal.
+CLASS_CAPTIONS = ["data.mid_caption_prob=0", "data.general_caption_prob=0", "data.instance_caption_prob=0"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One core per pytest worker (`make test` runs two): no oversubscription against the other worker."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    images, labels, _ = digit_arrays("test")
+    return images, labels
+
+
+def top1(model, held_out) -> float:
+    images, labels = held_out
+    classes = prompt_class_embeddings(model, [specific_captions(c) for c in range(len(NAMES))], model.context_length)
+    return zero_shot_accuracy(model, classes, [(images, labels)])
+
+
+def config(method: str):
+    return load_config(ROOT / "configs" / TARGETS[method][0], CLASS_CAPTIONS)
+
+
+@pytest.mark.parametrize("method", list(TARGETS))
+def test_method_learns(method, held_out):
+    _, steps, target = TARGETS[method]
+    got = top1(fit_in_process(config(method), steps, batch=BATCH), held_out)
+    print(f"\n{method}: held-out zero-shot top-1 {got:.3f} after {steps} steps (target {target})")
+    assert got >= target
+
+
+def test_broken_training_misses_the_targets(held_out):
+    """The negative controls: without training, and trained up its own loss, CLIP stays below every target."""
+    lowest = min(target for _, _, target in TARGETS.values())
+    cfg = config("clip")
+    torch.manual_seed(0)
+    untrained = top1(build_objective(cfg).model.eval(), held_out)
+    steps = TARGETS["clip"][1]
+    climbed = top1(fit_in_process(cfg, steps, batch=BATCH, loss_sign=-1.0), held_out)
+    print(f"\nclip untrained {untrained:.3f}, {steps} steps up its loss {climbed:.3f} (lowest target {lowest})")
+    assert untrained < lowest and climbed < lowest
