@@ -4,7 +4,7 @@ Run (each size writes its own section of docs/BENCHMARKS.md):
 
     .venv/bin/python -m benchmarks.peers                              # CPU, the "small" backbone
     .venv/bin/python -m benchmarks.peers --size b16 --batch 8 --repeats 5 --warmup 1
-    .venv/bin/python -m benchmarks.peers --size b16 --device cuda --batch 256 --bf16   # on a GPU
+    .venv/bin/python -m benchmarks.peers --gpu        # on a GPU: b16, batch 256, bf16, full captions; section peers_gpu
     .venv/bin/python -m benchmarks.peers --quick                      # tiny size, prints only
     .venv/bin/python -m benchmarks.peers --data                       # the loaders (section peers_data)
     .venv/bin/python -m benchmarks.peers --size b16 --batch 8 --towers  # each tower alone (prints only)
@@ -44,7 +44,8 @@ import time
 import torch
 import torch.nn as nn
 
-from benchmarks.train_step import SIZES, build, captions, round_ratio, setup_text, step_arguments, step_times
+from benchmarks.train_step import (SIZES, build, captions, card, fill_defaults, round_ratio, setup_text, step_arguments,
+                                   step_times)
 from models.tokenizer import VOCAB_SIZE, tokenize
 from models.towers import TowerConfig
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--towers", action="store_true", help="time each tower alone (forward + backward), print only")
     parser.add_argument("--samples", type=int, default=4000, help="--data: images in the shards")
     parser.add_argument("--rounds", type=int, default=3, help="--data: alternating epochs per loader")
-    args = parser.parse_args(argv)
+    args = fill_defaults(parser.parse_args(argv))
     if args.data:
         args.batch = args.batch or 128
         return data_main(args, argv)
@@ -288,8 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.report import write_section
 
     setup = setup_text(args, argv, "peers")
-    write_section(f"peers_{args.size}",
-                  f"## Training step against open_clip, `{args.size}` backbone (`benchmarks/peers.py`)\n\n"
+    if args.gpu and not args.device.startswith("cuda"):
+        print("\n(not written: the peers_gpu section is refreshed from a CUDA device)")
+        return
+    where = f"on a GPU: {card(args.device)[0]}" if args.gpu else f"`{args.size}` backbone"
+    write_section("peers_gpu" if args.gpu else f"peers_{args.size}",
+                  f"## Training step against open_clip, {where} (`benchmarks/peers.py`)\n\n"
                   "One full CLIP step (forward, InfoNCE, backward, AdamW) of ours and of open_clip's `CLIP` with a "
                   "model config of the same shape, same batch, precision and threads. Target: ours <= 1.0x.\n\n"
                   + setup + "\n\n" + text + "\n")

@@ -31,7 +31,8 @@ class CLIP(nn.Module):
         return {"mu": F.normalize(self.text_proj(pooled), dim=-1)}
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
-        img, txt = self.encode_image(images), self.encode_text(tokens)
+        txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
+        img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
         return {"image_mu": img["mu"], "text_mu": txt["mu"]}
 
     @staticmethod

@@ -87,7 +87,8 @@ class Llip(nn.Module):
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
         world = world or World.current()
-        img, txt = self.encode_image(images), self.encode_text(tokens)
+        txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
+        img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
         return {"image_mu": img["mu"], "text_mu": txt["mu"], "pair_cos": self.pair_cos(img["mix"], txt, world)}
 
     def class_embeddings(self, template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

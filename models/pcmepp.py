@@ -136,7 +136,8 @@ class PCMEPP(nn.Module):
         if self.training and self.msda_fraction > 0:
             images, lam, partner = mixed_sample(images, self.msda_fraction, self.msda_beta, **self.msda)
             out.update(mix_lambda=lam, mix_partner=partner)
-        img, txt = self.encode_image(images), self.encode_text(tokens)
+        txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
+        img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"], **out}
 

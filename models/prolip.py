@@ -117,15 +117,17 @@ class ProLIP(nn.Module):
         b = tokens.shape[0]
         if self.training and self.mask_fraction > 0:
             rows, keep, text_mask = self.masked_inputs(images, tokens)
-            img, img_m = self.encode_image(images), self.encode_image(images[rows], keep)
-            # masked captions share the full captions' pass (same length): one batch of B + M rows
+            # masked captions share the full captions' pass (same length): one batch of B + M rows. Text first:
+            # its padding trim reads the batch's length on the host, before the image towers' work is queued.
             no_mask = torch.zeros_like(tokens, dtype=torch.bool)
             both = self.encode_text(torch.cat([tokens, tokens[rows]]), torch.cat([no_mask, text_mask]))
+            img, img_m = self.encode_image(images), self.encode_image(images[rows], keep)
             txt = {k: v[:b] for k, v in both.items()}
             masked = {"masked_rows": rows, "image_masked_mu": img_m["mu"], "image_masked_logvar": img_m["logvar"],
                       "text_masked_mu": both["mu"][b:], "text_masked_logvar": both["logvar"][b:]}
         else:
-            img, txt, masked = self.encode_image(images), self.encode_text(tokens), {}
+            txt, masked = self.encode_text(tokens), {}
+            img = self.encode_image(images)
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"], **masked, **self.extra_out(img, txt, world)}
 
