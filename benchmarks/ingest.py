@@ -48,8 +48,9 @@ from models.tokenizer import tokenize
 
 PATHS = {"today": dict(uint8=False), "reader": dict(uint8=True, augment_on="reader"),
          "device": dict(uint8=True, augment_on="device")}
-MODEL_SIZES = {"tiny": dataclasses.replace(TINY, img_size=224, patch_size=32), "b16": SIZES["b16"]}
 CONTEXT = 32
+MODEL_SIZES = {"tiny": dataclasses.replace(TINY, img_size=224, patch_size=32, context_length=CONTEXT),
+               "b16": SIZES["b16"]}
 
 
 class CpuClock:

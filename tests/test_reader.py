@@ -238,3 +238,21 @@ def test_caption_levels_are_drawn_at_their_shares():
     assert sampler.draw({}, "fallback", rng) == "fallback"
     for odd in (["a list"], {"general": []}, {"specific": "not a list"}):
         assert sampler.draw({"captions": odd}, "fallback", rng) == "fallback"
+
+
+def test_jpeg_decoding_matches_opencv_and_shrinks_in_the_dct_when_asked():
+    import cv2
+
+    rng = np.random.default_rng(0)
+    arr = (rng.random((97, 131, 3)) * 255).astype(np.uint8)
+    for mode, options in (("RGB", {}), ("RGB", {"subsampling": 0, "progressive": True}), ("L", {})):
+        buf = io.BytesIO()
+        Image.fromarray(arr).convert(mode).save(buf, format="JPEG", **options)
+        data = buf.getvalue()
+        opencv = cv2.cvtColor(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+        assert np.array_equal(decode_image(data), opencv)  # evaluation and serving see the same pixels as before
+    big = image_bytes(0, (512, 384))
+    assert decode_image(big).shape == (384, 512, 3)
+    small = decode_image(big, min_size=150)
+    assert small.shape == (192, 256, 3)  # DCT scaling by 1/2: both sides still >= 150
+    assert np.abs(small.astype(float).mean() - decode_image(big).astype(float).mean()) < 2
