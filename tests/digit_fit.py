@@ -8,8 +8,8 @@ import torch
 from models.objective import build_objective
 from models.preprocess import to_model_input
 from models.tokenizer import tokenize
-from pipelines.data.captions import CaptionSampler
 from pipelines.config import Config
+from pipelines.data.captions import CaptionSampler
 
 
 def digit_arrays(split: str):

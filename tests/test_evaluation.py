@@ -20,13 +20,13 @@ from PIL import Image
 import jobs.evaluate
 import jobs.pretrain
 from models.model_file import load_model
-from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 from pipelines.config import ConfigError, EvalTask
 from pipelines.data.digits import NAMES, specific_captions
 from pipelines.evaluate.data import check_task, iter_local_batches, task_paths
 from pipelines.evaluate.embed import embed_task_locally
-from pipelines.train.sweep import load_sweep
 from pipelines.tracking import model_file
+from pipelines.train.sweep import load_sweep
+from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -269,7 +269,11 @@ def test_zero_shot_with_per_class_prompts_file(tmp_path):
 def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path):
     """Ray Data writes its parquet files beside any already in a folder: a second embedding run into the same
     --out (a rerun of jobs.evaluate, jobs.embed or jobs.adapt) must not double the rows."""
-    from pipelines.evaluate.inference import InferenceOptions, read_embeddings, write_text_embeddings
+    from pipelines.evaluate.inference import (
+        InferenceOptions,
+        read_embeddings,
+        write_text_embeddings,
+    )
 
     _, result, _ = trained_clip
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),

@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # trains (in process, a few minutes in all): `make test`, not `make test-fast`
 BATCH = 64
 # method: (config, steps, held-out zero-shot top-1 to reach). Steps: past each method's initial collapse (all
-# images on one point, docs/RESULTS.md "Training each method"), where its top-1 climbs fast.
+# images on one point, docs/RESULTS.md "Training each method"), where top-1 climbs fast. The fits are seeded; on
+# 2026-11-26 they reached CLIP 0.66, SigLIP 0.60, ProLIP 0.68, PCME++ 0.79, Llip 0.60, probabilistic Llip 0.54.
 TARGETS = {
     "clip": ("demo.yaml", 150, 0.50),
-    "siglip": ("siglip_tiny.yaml", 250, 0.40),
-    "prolip": ("prolip_tiny.yaml", 200, 0.40),
-    "pcmepp": ("pcmepp_tiny.yaml", 250, 0.40),
-    "llip": ("llip_tiny.yaml", 250, 0.40),
+    "siglip": ("siglip_tiny.yaml", 300, 0.45),
+    "prolip": ("prolip_tiny.yaml", 300, 0.50),
+    "pcmepp": ("pcmepp_tiny.yaml", 250, 0.55),
+    "llip": ("llip_tiny.yaml", 250, 0.45),
     "prolip_llip": ("prolip_llip_tiny.yaml", 250, 0.40),
 }
 # Class captions only ("the digit seven" and its templates, the zero-shot prompts): the fastest signal.

@@ -15,15 +15,20 @@ import pytest
 import torch
 from mlflow.artifacts import download_artifacts
 
-from models.model_file import load_model
 from models.distributions import inclusion_test
+from models.model_file import load_model
 from models.tokenizer import tokenize
 from models.towers import random_keep
 from pipelines.config import load_config
-from pipelines.data.digits import GENERAL_CAPTIONS, NAMES, iter_digits, specific_captions
+from pipelines.data.digits import (
+    GENERAL_CAPTIONS,
+    NAMES,
+    iter_digits,
+    specific_captions,
+)
+from pipelines.tracking import model_file
 from pipelines.train.driver import fit
 from pipelines.train.summary import run_summary
-from pipelines.tracking import model_file
 from tests.helpers import OFF_DOMAIN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,8 +186,8 @@ def wrong_template_top1(fits, how: str, **options) -> dict[str, float]:
     """Held-out zero-shot top-1 of the ProLIP fit with deliberately wrong prompts added to every class's
     five templates: the plain ensemble and `how`."""
     from pipelines.config import EvalTask
-    from pipelines.evaluate.tasks import score_task
     from pipelines.evaluate.embed import TaskEmbeddings, embed_texts
+    from pipelines.evaluate.tasks import score_task
 
     model, _ = trained_model(fits, "prolip")
     images = held_out_images()

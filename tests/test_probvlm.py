@@ -15,12 +15,16 @@ from scipy import stats
 
 import jobs.adapt
 from models import create_model
-from models.model_file import load_model, save_model
 from models.distributions import ggd_variance, negative_mls
 from models.losses import create_loss
+from models.model_file import load_model, save_model
 from models.probvlm import ProbVLMAdapter
+from models.scoring.metrics import calibration
 from pipelines.adapt.config import load_adapt_config
-from pipelines.config import ConfigError
+from pipelines.config import ConfigError, EvalTask
+from pipelines.evaluate.data import iter_local_batches, task_paths
+from pipelines.evaluate.embed import embed_task_locally
+from pipelines.evaluate.tasks import rank_retrieval, sigma2
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "probvlm_demo.yaml"
@@ -277,7 +281,6 @@ def adapted(trained_clip, digits_root, tmp_path_factory):
 @pytest.fixture(scope="module")
 def held_out(trained_clip, digits_root, tmp_path_factory):
     """An adapter trained LONG_STEPS, its source and the held-out digit images (test split)."""
-    from pipelines.evaluate.data import iter_local_batches
     from pipelines.data.reader import shard_paths
 
     res, _, root, _ = run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt_long"), "test_adapt_long",
@@ -368,8 +371,8 @@ def test_adapted_mlflow_model_loads_in_a_fresh_python(adapted, tmp_path):
 
     from models.preprocess import encoded_to_model_input
     from models.tokenizer import tokenize
-    from pipelines.evaluate.data import iter_tar_samples
     from pipelines.data.reader import shard_paths
+    from pipelines.evaluate.data import iter_tar_samples
 
     res, _, root, _ = adapted
     samples = list(iter_tar_samples(shard_paths(f"{root}/eval/retrieval", "test"), limit=4))
@@ -396,11 +399,6 @@ def test_adapted_mlflow_model_loads_in_a_fresh_python(adapted, tmp_path):
 def held_out_calibration_inputs(model_file: Path, root: str):
     """Per query of the held-out digits retrieval, the model's sigma^2 and whether its top-1 is a positive
     (i2t: images, t2i: captions), embedded and ranked in this process as the evaluation does."""
-    from pipelines.config import EvalTask
-    from pipelines.evaluate.data import iter_local_batches, task_paths
-    from pipelines.evaluate.embed import embed_task_locally
-    from pipelines.evaluate.tasks import rank_retrieval, sigma2
-
     model = load_model(model_file).eval()
     task = EvalTask(name="digits_retrieval", kind="retrieval", data=f"{root}/eval/retrieval", split="test")
     emb = embed_task_locally(model, task, iter_local_batches(task_paths(task), model.img_size))
@@ -421,8 +419,6 @@ def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted):
     any query): the PFE-style baseline's is calibrated (R@1 falls as sigma^2 rises), the adapter's rises with R@1 (the
     captions many images match, the class templates, get the larger sigma^2: docs/RESULTS.md "ProbVLM adapter").
     The image side (i2t) is printed, not asserted: neither model's is reliably tied to R@1 on the digits."""
-    from models.scoring.metrics import calibration
-
     res, _, root, _ = adapted
     m = res.metrics
     rng = np.random.default_rng(0)

@@ -20,7 +20,7 @@ def test_sigma2_by_caption_level_comes_from_the_logged_analyses():
     rows = [line.split() for line in lines[1:5]]  # one per level, in the task's order (specific -> general)
     assert [r[0] for r in rows] == LEVELS and [float(r[1]) for r in rows] == [0.001, 0.002, 0.003, 0.004]
     assert lines[5].split()[:2] == ["images", "0.0005"] and "90% of the pairs" in lines[5]
-    assert "rho +0.50" in lines[6] and len(lines) == 7
+    assert "rho +0.50 here" in lines[6] and len(lines) == 7
     # a deterministic model's run has no sigma^2 metrics: nothing printed
     assert uncertainty_lines({"digits_zeroshot/top1": 0.9, "heldout/rsum": 300.0}, TASKS) == []
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from pipelines.config import EvalTask
-from pipelines.tracking import sqlite_artifact_root
 from pipelines.evaluate.data import iter_local_batches, task_paths
-from pipelines.evaluate.tasks import classes_from_prompts, sigma2
 from pipelines.evaluate.embed import embed_texts, split_captions, task_texts
+from pipelines.evaluate.tasks import classes_from_prompts, sigma2
+from pipelines.tracking import sqlite_artifact_root
 
 
 def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:
@@ -59,10 +59,10 @@ def run_summary(cfg, result) -> list[str]:
     lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
              f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
              "final metrics:", *headline(result.metrics)]
-    lines += uncertainty_lines(result.metrics, cfg.resolved_tasks())
     if "data_wait_frac_mean" in result.metrics:
         lines.append(f"  the training loop waited for data {result.metrics['data_wait_frac_mean']:.0%} of its time "
                      "(data_wait_frac in MLflow; above ~10% the reader, not the model, sets the pace)")
+    lines += uncertainty_lines(result.metrics, cfg.resolved_tasks())
     if result.metrics.get("step", 0) < cfg.train.steps:
         return lines + [f"stopped at step {result.metrics.get('step', 0)} of {cfg.train.steps}: no final model"]
     model_uri = f"runs:/{result.mlflow_run_id}/model"
@@ -121,8 +121,8 @@ def uncertainty_lines(metrics: dict, tasks: list[EvalTask]) -> list[str]:
                          f"wider than its image in {metrics.get(f'{p}unc_caption_wider_frac', float('nan')):.0%} "
                          "of the pairs")
         rho = metrics.get(f"{p}unc_level_rho", float("nan"))
-        lines.append(f"  sigma^2 is how far a caption's embedding spreads: a caption that fits more varied images "
-                     f"should spread more (ProLIP Fig. 7: Spearman rho(level, sigma^2) > 0); this run: rho {rho:+.2f}")
+        lines.append(f"  sigma^2: how far an embedding spreads; a caption that fits more varied images should spread more "
+                     f"(ProLIP Fig. 7: Spearman rho(level, sigma^2) > 0): rho {rho:+.2f} here")
     return lines
 
 
