@@ -250,7 +250,9 @@ def data_main(args, argv) -> None:
 
     write_section("peers_data",
                   "## Data loader against open_clip's (`benchmarks/peers.py --data`)\n\n"
-                  f"{n} JPEGs of 256x256 in shards of {per_shard}, output 224x224 float32 images and 32-token captions, "
+                  f"{n} JPEGs of 256x256 in shards of {per_shard}, output 224x224 float32 images and 32-token captions "
+                  "(ours: uint8 through the object store, augmented in Ray Data's tasks as a CPU training run reads "
+                  "them, made float32 in the consuming process), "
                   f"batches of {args.batch}, two CPUs for each loader, {rounds} alternating rounds of one epoch each "
                   f"after a warm-up epoch. Machine: {machine()}; {load()}. Command: `python -m benchmarks.peers "
                   f"{' '.join(argv if argv is not None else sys.argv[1:])}`. Target: ours >= 1.0x.\n\n"
