@@ -33,49 +33,19 @@ import torch.nn.functional as F
 
 from models.gather import World
 from models.preprocess import to_device
-from models.registry import model_arch
 from models.scoring.ann import MeanIndex, pair_scores, rerank
 from models.scoring.metrics import (Calibration, Ranked, calibration, mean_per_class_recall, rank_candidates,
                                     rank_queries, retrieval_summary, topk_accuracy)
 from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, weighted_ensemble
-from pipelines.config import Config, EvalTask
+from pipelines.config import EvalTask
 from pipelines.evaluate.embed import TaskEmbeddings, autocast, model_device, on_device
+from pipelines.evaluate.names import DIRECTIONS
 from pipelines.evaluate.uncertainty import Analyses, analyse, write_analyses
 
 matplotlib.use("Agg")  # plots are written to files, on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
-DIRECTIONS = ("i2t", "t2i")
-RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
-CALIBRATION_METRICS = ("calib_rho", "calib_r2", "calib_score")
 SCORE_ELEMENTS = 2**24  # queries x gallery scores held at once
-
-
-# ------------------------------------------------------------------------------------ names
-
-
-def task_metric_names(task: EvalTask, probabilistic: bool) -> list[str]:
-    """The metrics a task logs (without the `{task}/` prefix)."""
-    if task.kind == "loss":
-        return ["loss"]
-    if task.kind == "retrieval":
-        names = list(RETRIEVAL_METRICS)
-        if probabilistic:
-            names += [f"cos_{m}" for m in RETRIEVAL_METRICS]
-            names += [f"{d}_{c}" for d in DIRECTIONS for c in CALIBRATION_METRICS]
-    else:
-        names = ["top1", "top5", "mean_per_class_recall"]
-        if probabilistic:
-            names += [f"top1_{c}" for c in CALIBRATION_METRICS]
-    if probabilistic:
-        names += ["image_sigma2_mean", "text_sigma2_mean"]
-    return names
-
-
-def metric_names(cfg: Config) -> list[str]:
-    """Every `{task}/{metric}` a run of `cfg` reports."""
-    probabilistic = bool(getattr(model_arch(cfg.model.name), "probabilistic", False))
-    return [f"{t.name}/{m}" for t in cfg.resolved_tasks() for m in task_metric_names(t, probabilistic)]
 
 
 # ------------------------------------------------------------------------------------ scoring

@@ -3,6 +3,9 @@
 One trial is a Ray Tune function trainable that runs `pipelines.train.driver.fit` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
+
+Ray Tune and the trainer are imported in the functions that run a sweep: `load_sweep` checks a whole sweep file
+(space, points, metric) in a process that never loads Ray, so a mistake answers at once.
 """
 from __future__ import annotations
 
@@ -16,18 +19,11 @@ import matplotlib
 import pandas as pd
 import yaml
 from pydantic import Field, ValidationError, model_validator
-from ray import tune
-from ray.tune import Callback
-from ray.tune.integration.ray_train import TuneReportCallback
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
                               set_dotted)
-from pipelines.evaluate.tasks import metric_names
+from pipelines.evaluate.names import metric_names
 from pipelines.tracking import end_trial_runs, find_run, finish_with_results, start_run, tracking_uri
-from pipelines.train.driver import check_eval_tasks, fit, prepare_data
 from pipelines.train.progress import ProgressLine
 
 matplotlib.use("Agg")  # plots are written to files, on machines without a display
@@ -69,6 +65,8 @@ class Domain(Section):
         return [low, high - 1] if self.kind == "randint" else [low, high]
 
     def to_tune(self):
+        from ray import tune  # deferred: see the module docstring
+
         if self.kind == "choice":
             return tune.choice(self.choice)
         low, high = getattr(self, self.kind)
@@ -163,6 +161,11 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
 def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, storage_path: str,
               parent_run_id: str) -> None:
     """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer."""
+    from ray import tune  # deferred: see the module docstring
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from pipelines.train.driver import fit
+
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
@@ -178,6 +181,11 @@ def finite(value: Any) -> bool:
 
 def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict)."""
+    from ray import tune  # deferred: see the module docstring
+
+    from pipelines.cluster.runtime import init_ray, local_cpus
+    from pipelines.train.driver import check_eval_tasks, prepare_data
+
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
@@ -215,6 +223,8 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
 
 def trial_progress(total: int, metric: str):
     """A Tune callback printing `[sweep] trial 3/8 (38%) | <id> completed | <metric> ... | elapsed | ETA`."""
+    from ray.tune import Callback  # deferred: see the module docstring
+
     class TrialProgress(Callback):
         def __init__(self):
             self.line, self.done = ProgressLine("sweep", total, unit="trial"), 0
@@ -240,6 +250,8 @@ def trial_progress(total: int, metric: str):
 
 
 def _searcher(sweep: SweepConfig):
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter  # deferred: see the module docstring
+
     s = sweep.tune
     points = [dict(p) for p in s.points_to_evaluate]
     if s.search_alg == "optuna":
@@ -252,6 +264,8 @@ def _searcher(sweep: SweepConfig):
 
 
 def _scheduler(sweep: SweepConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler  # deferred: see the module docstring
+
     s = sweep.tune
     if s.scheduler == "fifo":
         return FIFOScheduler()

@@ -26,6 +26,7 @@ from pipelines.train.trainer import eval_dataset_name
 from pipelines.train.state import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluate import EvaluationError
+from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.evaluate.embed import embed_task_locally, model_device
 from pipelines.train.optim import adamw, param_groups, warmup_cosine
@@ -316,8 +317,9 @@ class TrainWorker:
 
     def validate(self) -> dict[str, float]:
         """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them). A task that
-        fails is reported (printed, MLflow tag `probvlp.eval_error`) and training goes on: the final evaluation
-        decides the run's status."""
+        fails is reported (printed, MLflow tag `probvlp.eval_error`) and training goes on with every metric NaN in
+        this report (a sweep's scheduler needs its metric in each report; NaN is never a score): the final
+        evaluation decides the run's status."""
         weights, loss_weights = self._gathered_weights()
         result: list[Any] = [None]
         if self.rank == 0:
@@ -326,7 +328,7 @@ class TrainWorker:
             except EvaluationError as err:
                 print(f"[probvlp] step {self.progress.step}: {err}", flush=True)
                 self.logger.tag("probvlp.eval_error", f"step {self.progress.step}: {err}")
-                result = [{}]
+                result = [{name: float("nan") for name in metric_names(self.cfg)}]
             del weights, loss_weights
         torch.distributed.broadcast_object_list(result, src=0)
         return result[0]
