@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -262,7 +263,9 @@ def memory_rows(names: list[str], size: TowerConfig, mixture_tokens: int, batche
                             times[ckpt].append(time.perf_counter() - t0)
                     except torch.OutOfMemoryError:
                         peaks[ckpt] = "OOM"
+                    if peaks.get(ckpt) == "OOM":  # outside the handler: its traceback no longer pins the activations
                         run[1].zero_grad(set_to_none=True)
+                        gc.collect()
                         torch.cuda.empty_cache()
             for ckpt in (False, True):
                 out[name, batch, ckpt] = (peaks[ckpt], times[ckpt])
