@@ -214,6 +214,22 @@ def test_gpo_ignores_padding_and_weights_sum_to_one():
     assert torch.allclose(gpo(feats[1:2, :4], lengths[1:2]), gpo(feats, lengths)[1:2], atol=1e-6)
 
 
+
+def test_gpo_weights_and_bf16_sort_equal_the_per_length_float32_reference():
+    """The sync-free weights (every length's GRU pass at once) equal each length's own pass; pooling bf16 features
+    (sorted in bf16, then upcast) equals pooling their exact float32 copy."""
+    torch.manual_seed(1)
+    gpo = GPO().double()
+    lengths = torch.tensor([9, 3, 9, 1, 6])
+    for row, n in zip(gpo.weights(lengths, 9), lengths.tolist()):
+        alone = gpo.weights(None, n)[0]  # one unpacked pass of a length-n sequence
+        torch.testing.assert_close(row[:n], alone, rtol=1e-12, atol=1e-12)
+        assert (row[n:] == 0).all()
+    gpo = GPO()
+    feats = torch.randn(4, 7, 16).bfloat16()
+    for lens in (None, torch.tensor([7, 2, 5, 7])):
+        assert torch.equal(gpo(feats, lens), gpo(feats.float(), lens))
+
 def test_probabilistic_zero_shot_is_negative_csd_of_prompt_ensemble():
     torch.manual_seed(0)
     model = create_model("prolip_tiny").eval()
