@@ -154,12 +154,12 @@ def save_mlflow_model(model_file: Path, dst: Path, example_image: bytes, example
                       probabilistic: bool) -> Path:
     """An MLflow pyfunc model folder for a probvlp model file (models/serving.py), with its code, signature,
     input example and pip requirements; log it with `StepLogger.artifacts(dst, "model")`."""
-    # deferred: mlflow.pyfunc and pandas are only needed where a model is saved (rank 0, once per run)
-    import mlflow.pyfunc  # noqa: I001
-    import pandas as pd  # (see above)
-    from mlflow.models import ModelSignature  # (see above)
-    from mlflow.types import DataType  # (see above)
-    from mlflow.types.schema import Array, ColSpec, Schema  # (see above)
+    # deferred: mlflow.pyfunc and pandas load only where a model is saved (rank 0, once per run)
+    import mlflow.pyfunc
+    import pandas as pd
+    from mlflow.models import ModelSignature
+    from mlflow.types import DataType
+    from mlflow.types.schema import Array, ColSpec, Schema
 
     outputs = ["image_mu", "text_mu"] + (["image_sigma2", "text_sigma2"] if probabilistic else [])
     signature = ModelSignature(
