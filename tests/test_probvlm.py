@@ -397,47 +397,54 @@ def test_adapted_mlflow_model_loads_in_a_fresh_python(adapted, tmp_path):
 
 
 def held_out_calibration_inputs(model_file: Path, root: str):
-    """Per query of the held-out digits retrieval, the model's sigma^2 and whether its top-1 is a positive
+    """Per query of the held-out digits retrieval, the model's sigma^2 and the rank of its first positive
     (i2t: images, t2i: captions), embedded and ranked in this process as the evaluation does."""
     model = load_model(model_file).eval()
     task = EvalTask(name="digits_retrieval", kind="retrieval", data=f"{root}/eval/retrieval", split="test")
     emb = embed_task_locally(model, task, iter_local_batches(task_paths(task), model.img_size))
     index = {c: j for j, c in enumerate(emb.texts)}
     i2t, t2i, queries = rank_retrieval(model, emb.image, emb.text, [[index[c] for c in caps] for caps in emb.captions])
-    return {"i2t": (sigma2(emb.image)[queries.numpy()], (i2t.first_hit == 0).numpy()),
-            "t2i": (sigma2(emb.text), (t2i.first_hit == 0).numpy())}
+    return {"i2t": (sigma2(emb.image)[queries.numpy()], i2t.first_hit.numpy()),
+            "t2i": (sigma2(emb.text), t2i.first_hit.numpy())}
 
 
-SHUFFLES = 50  # seeded permutations of sigma^2 across the queries: the negative control's distribution
-MARGIN = 0.1  # over the control's 95th percentile (a 300-step fit: baseline 0.52, adapter |-0.53|, control p95 ~0.2)
+SHUFFLES = 1000  # seeded permutations of sigma^2 across the queries: the negative control's distribution
+# Over the most extreme of the shuffles. Spearman rho(sigma^2, rank of the first positive) on the 231 held-out
+# captions: baseline +0.72 / +0.74, adapter -0.54 / -0.66 (300- and 1200-step adapters), shuffles within +-0.21. The
+# binned -S R^2 is not the property tested: with ~12 top-1 hits among the captions its shuffled spread alone moved
+# from 0.19 to 0.37 between two seeds.
+MARGIN = 0.1
 
 
 def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted):
     """The logged calibration (PCME++ / ProbVLM: queries in 10 sigma^2 bins, Spearman S and R^2 between bin and R@1,
     -S R^2) is that of the per-query sigma^2 and R@1 recomputed here, and on the captions (t2i) each model's sigma^2 is
-    tied to R@1 far beyond a negative control, the same sigma^2 shuffled across the queries (same values, no link to
-    any query): the PFE-style baseline's is calibrated (R@1 falls as sigma^2 rises), the adapter's rises with R@1 (the
-    captions many images match, the class templates, get the larger sigma^2: docs/RESULTS.md "ProbVLM adapter").
-    The image side (i2t) is printed, not asserted: neither model's is reliably tied to R@1 on the digits."""
+    tied to how well the caption retrieves its image far beyond a negative control, the same sigma^2 shuffled across
+    the queries (same values, no link to any query): the PFE-style baseline's is calibrated (the larger sigma^2, the
+    lower its image ranks), the adapter's the other way (the captions many images match, the class templates, get
+    the larger sigma^2: docs/RESULTS.md "ProbVLM adapter"). The image side (i2t) is printed, not asserted: neither
+    model's is reliably tied to retrieval on the digits."""
     res, _, root, _ = adapted
     m = res.metrics
     rng = np.random.default_rng(0)
     t2i = {}
     for name, prefix, file in (("adapter", "", res.model_file), ("baseline", "baseline/", res.baseline_file)):
-        for direction, (s2, correct) in held_out_calibration_inputs(file, root).items():
-            real = calibration(s2, correct)
+        for direction, (s2, first_hit) in held_out_calibration_inputs(file, root).items():
+            real = calibration(s2, first_hit == 0)
             logged = [m[f"{prefix}digits_retrieval/{direction}_calib_{k}"] for k in ("rho", "r2", "score")]
             assert logged == pytest.approx([real.rho, real.r2, real.score], abs=1e-9), (name, direction)
-            control = np.array([calibration(rng.permutation(s2), correct).score for _ in range(SHUFFLES)])
-            print(f"{name} {direction}: -S R^2 {real.score:+.3f} (S {real.rho:+.2f}, R^2 {real.r2:.2f}); shuffled: "
-                  f"mean {control.mean():+.3f}, 5-95% {np.percentile(control, 5):+.3f}..{np.percentile(control, 95):+.3f}; "
-                  f"R@1 per bin {np.round(real.bin_metric, 2).tolist()}")
+            s2_rank, hit_rank = stats.rankdata(s2), stats.rankdata(first_hit)
+            rho = np.corrcoef(s2_rank, hit_rank)[0, 1]  # Spearman: Pearson of the ranks
+            control = np.array([np.corrcoef(rng.permutation(s2_rank), hit_rank)[0, 1] for _ in range(SHUFFLES)])
+            print(f"{name} {direction}: rho(sigma^2, rank of the first positive) {rho:+.3f}; shuffled "
+                  f"{control.min():+.3f}..{control.max():+.3f}; binned -S R^2 {real.score:+.3f} (S {real.rho:+.2f}, "
+                  f"R^2 {real.r2:.2f}), R@1 per bin {np.round(real.bin_metric, 2).tolist()}")
             if direction == "t2i":
-                t2i[name] = real.score, control
-    score, control = t2i["baseline"]
-    assert score > np.percentile(control, 95) + MARGIN, (score, np.percentile(control, 95))
-    score, control = t2i["adapter"]
-    assert abs(score) > np.percentile(np.abs(control), 95) + MARGIN, (score, np.percentile(np.abs(control), 95))
+                t2i[name] = rho, control
+    rho, control = t2i["baseline"]
+    assert rho > control.max() + MARGIN, (rho, control.max())
+    rho, control = t2i["adapter"]
+    assert rho < control.min() - MARGIN, (rho, control.min())
     assert (res.out / "plots" / "digits_retrieval_calibration_vs_baseline.png").stat().st_size > 10_000
 
 
