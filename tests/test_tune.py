@@ -140,21 +140,26 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     assert load_config(best_out).model.overrides["mixture_tokens"] == GOOD["model.overrides.mixture_tokens"]
 
 
-@pytest.mark.parametrize(
-    "space, message",
-    [
-        ({"train.nope": {"uniform": [0, 1]}}, "space.train.nope: not a config key"),
-        ({"train.lr": {"uniform": [0.1, 0.01]}}, "low must be < high"),
-        ({"model.name": {"uniform": [0, 1]}}, "space.model.name: 0.0 is not valid here (uniform needs a numeric field)"),
-        ({"loss.params.bogus": {"choice": [1, 2]}}, "space.loss.params.bogus: not a config key"),
-        ({"train.lr": {"loguniform": [0, 1]}}, "loguniform: low must be > 0"),
-    ],
-)
+BAD_SPACES = [
+    ({"train.nope": {"uniform": [0, 1]}}, "space.train.nope: not a config key"),
+    ({"train.lr": {"uniform": [0.1, 0.01]}}, "low must be < high"),
+    ({"model.name": {"uniform": [0, 1]}}, "space.model.name: 0.0 is not valid here (uniform needs a numeric field)"),
+    ({"loss.params.bogus": {"choice": [1, 2]}}, "space.loss.params.bogus: not a config key"),
+    ({"train.lr": {"loguniform": [0, 1]}}, "loguniform: low must be > 0"),
+]
+
+
+@pytest.mark.parametrize("space, message", BAD_SPACES)
 def test_invalid_search_space_fails_before_any_trial(tmp_path, digits_root, space, message):
     path = sweep_file(tmp_path, digits_root, "bad", num_samples=2, space=space, points_to_evaluate=[])
     with pytest.raises(ConfigError) as err:
         load_sweep(path)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_jobs_tune_says_a_bad_space_in_one_line_without_importing_ray(tmp_path, digits_root):
+    space, message = BAD_SPACES[0]
+    path = sweep_file(tmp_path, digits_root, "bad", num_samples=2, space=space, points_to_evaluate=[])
     proc = subprocess.run([sys.executable, "-c", "import sys, jobs.tune as t; rc = t.main(sys.argv[1:]); "
                            "print('ray imported' if 'ray' in sys.modules else 'no ray'); sys.exit(rc)",
                            "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
