@@ -165,7 +165,8 @@ RSUM_OVER_CHANCE = 3.0
 
 def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards, capsys):
     """jobs.pretrain on shards written by jobs.download (no labels), at ZeRO-3 (parameters partitioned: the
-    evaluation and the saved model gather them)."""
+    evaluation and the saved model gather them), its augmentation applied on the worker's device (here its CPU)
+    to uint8 images, with the wait for data logged."""
     root, tmp = user_shards
     with tarfile.open(sorted((root / "test").glob("*.tar"))[0]) as t:
         assert not any(json.loads(t.extractfile(m).read()).get("label") is not None
@@ -174,7 +175,8 @@ def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards,
     rc = jobs.pretrain.main(["--config", str(ROOT / "configs" / "user_data.yaml"),
                              "--set", f"data.root={root}", "--set", "train.steps=60", "--set", "train.zero_stage=3",
                              "--set", f"tracking.uri={uri}", "--set", f"run.storage_path={tmp}/ray",
-                             "--set", "run.experiment=user-data"])
+                             "--set", "run.experiment=user-data", "--set", "data.augment_on=device",
+                             "--set", "data.decode_size=40", "--set", "data.prefetch_batches=2"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "heldout: i2t_R1" in printed and "heldout_loss: loss" in printed
@@ -188,6 +190,11 @@ def test_user_shards_train_with_retrieval_and_loss_and_no_zero_shot(user_shards,
     print(f"\nZeRO-3 user-data run: held-out rsum {metrics['heldout/rsum']:.1f}, chance {chance:.1f}")
     assert metrics["heldout/rsum"] > RSUM_OVER_CHANCE * chance
     assert run.data.params["train.zero_stage"] == "3" and run.data.params["train.num_workers"] == "2"
+    assert run.data.params["data.augment_on"] == "device" and run.data.params["data.augment"] == "True"
+    assert 0 <= metrics["data_wait_frac"] <= 1 and metrics["data_wait_ms"] >= 0
+    assert 0 < metrics["data_wait_frac_mean"] < 1
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert steps == list(range(10, 61, 10))
     folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp / "dl_user"),
                                      tracking_uri=uri))
     load_model(model_file(folder))  # strict shapes: whole tensors were gathered, not ZeRO-3 partitions
