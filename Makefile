@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m jobs.pretrain --config configs/prolip_demo.yaml
 
 # Two pytest workers, one per core: the long Ray runs go to one while the other takes the short tests.
-# Modules sharing a trained fixture run in one worker, longest first (tests/conftest.py; xdist would
+# Modules sharing a trained or downloaded fixture run in one worker, longest first (tests/conftest.py; xdist would
 # otherwise start the groups with the most tests first).
 TEST_WORKERS ?= 2
 

@@ -110,11 +110,12 @@ SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray
                  "site", "local_cluster", "two_node_ray"}
 
 
-# Session fixtures that train: under pytest-xdist (`make test` runs two workers) every module using one
-# runs in the same worker, so the model trains once per pytest run, not once per worker.
-TRAINED_FIXTURES = ("trained_clip",)
+# Session fixtures that train or download: under pytest-xdist (`make test` runs two workers) every module using one
+# runs in the same worker, so the work is done once per pytest run, not once per worker (the first listed that a
+# module uses names its group).
+SHARED_FIXTURES = ("trained_clip", "user_shards")
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end.
-LONGEST_FIRST = ("trained_clip", "test_elastic", "test_tune", "test_autoscaling", "test_scale", "test_job_submit")
+LONGEST_FIRST = ("trained_clip", "test_autoscaling", "user_shards", "test_scale", "test_elastic", "test_job_submit")
 
 
 def _module(item) -> str:
@@ -129,11 +130,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.pending)
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-        for name in TRAINED_FIXTURES:
-            if name in item.fixturenames:
-                shared[_module(item)] = name
-    # a module stays together (its module fixtures run once) unless it joins a trained fixture's group
-    groups = {id(item): shared.get(_module(item), _module(item)) for item in items}
+        shared.setdefault(_module(item), set()).update(set(SHARED_FIXTURES) & set(item.fixturenames))
+    # a module stays together (its module fixtures run once) unless it joins a shared fixture's group
+    group_of = {module: next((f for f in SHARED_FIXTURES if f in used), module) for module, used in shared.items()}
+    groups = {id(item): group_of[_module(item)] for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
