@@ -1,4 +1,4 @@
-"""Where data.augment_on resolves to. A run augmenting on the device: tests/test_evaluation.py's ZeRO-3 run."""
+"""Where data.augment_on resolves to. A run augmenting on the device: tests/test_user_data.py's ZeRO-3 run."""
 from __future__ import annotations
 
 from pipelines.config import Config

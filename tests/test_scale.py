@@ -1,17 +1,18 @@
-"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), a failure that ends a run,
-a worker no node can hold. Elastic runs: tests/test_elastic.py.
-ZeRO-2, the default, trains the demo model in tests/test_pretrain.py; ZeRO-3 trains on user shards in
-tests/test_evaluation.py."""
+"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), failures that end a run (a
+loss that stays NaN, a final evaluation that cannot be computed), a worker no node can hold. Elastic runs:
+tests/test_elastic.py. ZeRO-2, the default, trains the demo model in tests/test_pretrain.py; ZeRO-3 trains on user
+shards in tests/test_user_data.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.config import ConfigError
+from pipelines.config import ConfigError, load_config
 from pipelines.tracking import LOCAL_DIR
 from pipelines.train.driver import fit
-from tests.small_runs import assert_identical, config, load_state
+from tests.helpers import failed_evaluation_keeps_the_model
+from tests.small_runs import ROOT, SMALL, assert_identical, config, load_state
 
 
 def steps_logged(result, key="loss") -> list[int]:
@@ -55,6 +56,16 @@ def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digi
     client = MlflowClient(cfg.tracking.uri)
     run = client.search_runs([client.get_experiment_by_name("test-scale").experiment_id])[0]
     assert run.info.status == "FAILED"
+
+
+def test_failed_final_evaluation_keeps_the_model(ray_local, digits_root, tmp_path):
+    """Save before judging: a final evaluation that cannot be computed (ProLIP with more calibration bins than the
+    eval sets have queries) fails the run with a one-line reason naming the task; the model is in MLflow."""
+    cfg = load_config(ROOT / "configs" / "prolip_tiny.yaml", [
+        f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"run.storage_path={tmp_path}/ray",
+        "run.name=eval_fails", "run.experiment=test-eval-failure", *SMALL, "train.num_workers=1", "train.steps=8",
+        "eval.calibration_bins=100000"])
+    failed_evaluation_keeps_the_model(cfg, tmp_path)
 
 
 def test_a_worker_that_no_node_can_hold_is_a_one_line_error(ray_local, digits_root, tmp_path):
