@@ -115,7 +115,9 @@ SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray
 # module uses names its group).
 SHARED_FIXTURES = ("trained_clip", "user_shards")
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end.
-LONGEST_FIRST = ("trained_clip", "test_autoscaling", "user_shards", "test_scale", "test_elastic", "test_job_submit")
+# The second worker starts with the elastic run's cluster (started in process, under the port lock): with the
+# autoscaling cluster's `ray start` there, the first worker's local Ray once failed to start beside it.
+LONGEST_FIRST = ("trained_clip", "test_elastic", "user_shards", "test_autoscaling", "test_scale", "test_job_submit")
 
 
 def _module(item) -> str:

@@ -111,15 +111,27 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     # workstation); naming this instance's dashboard in its processes' environment avoids the lookup.
     # The port is checked free, then bound by the dashboard Ray starts: two local runs starting at once (two
     # pytest workers, two jobs on a workstation) would both see 8265 free, so they take turns.
-    with port_lock():
-        port = local_port(dashboard_port)
-        api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
-        ray.init(
-            address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-            dashboard_port=port, _node_ip_address="127.0.0.1",
-            runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV, **api_env},
-                         "worker_process_setup_hook": hook},
-        )
+    # The ports Ray picks itself (or keeps fixed) can still be taken by another instance starting at that moment
+    # (a CI run's second pytest worker started its cluster as this one started: the head failed after its GCS):
+    # one more try, on ports chosen again.
+    for attempt in (1, 2):
+        with port_lock():
+            port = local_port(dashboard_port)
+            api_env = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
+            try:
+                ray.init(
+                    address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                    dashboard_port=port, _node_ip_address="127.0.0.1",
+                    runtime_env={"env_vars": {**local_env, **_LOOPBACK_ENV, **_QUIET_ENV, **api_env},
+                                 "worker_process_setup_hook": hook},
+                )
+                return
+            except Exception as err:  # Ray raises several kinds here (RuntimeError, ConnectionError, ValueError)
+                ray.shutdown()
+                if attempt == 2:
+                    raise
+                logging.getLogger(__name__).warning("starting a local Ray failed (%s: %s); trying once more",
+                                                    type(err).__name__, err)
 
 
 def port_lock() -> "_machine_lock":
