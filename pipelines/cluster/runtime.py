@@ -112,8 +112,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     # The port is checked free, then bound by the dashboard Ray starts: two local runs starting at once (two
     # pytest workers, two jobs on a workstation) would both see 8265 free, so they take turns.
     # The ports Ray picks itself (or keeps fixed) can still be taken by another instance starting at that moment
-    # (a CI run's second pytest worker started its cluster as this one started: the head failed after its GCS):
-    # one more try, on ports chosen again.
+    # (two pytest workers starting their clusters at once: the head can fail after its GCS): one more try, on
+    # ports chosen again.
     for attempt in (1, 2):
         with port_lock():
             port = local_port(dashboard_port)
