@@ -214,7 +214,6 @@ def test_gpo_ignores_padding_and_weights_sum_to_one():
     assert torch.allclose(gpo(feats[1:2, :4], lengths[1:2]), gpo(feats, lengths)[1:2], atol=1e-6)
 
 
-
 def test_gpo_weights_and_bf16_sort_equal_the_per_length_float32_reference():
     """The sync-free weights (every length's GRU pass at once) equal each length's own pass; pooling bf16 features
     (sorted in bf16, then upcast) equals pooling their exact float32 copy."""
@@ -229,6 +228,7 @@ def test_gpo_weights_and_bf16_sort_equal_the_per_length_float32_reference():
     feats = torch.randn(4, 7, 16).bfloat16()
     for lens in (None, torch.tensor([7, 2, 5, 7])):
         assert torch.equal(gpo(feats, lens), gpo(feats.float(), lens))
+
 
 def test_probabilistic_zero_shot_is_negative_csd_of_prompt_ensemble():
     torch.manual_seed(0)
