@@ -64,6 +64,9 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
         f"train.steps={DEMO_STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
         "tracking.register_as=probvlp-test-clip",
+        # 32-px digits learn faster without the crop and jitter (configs/prolip_demo.yaml); the reader's
+        # augmentation in a Ray fit is tests/test_job_submit.py's, the device's tests/test_user_data.py's
+        "data.augment=false",
     ])
     return cfg, fit(cfg), tmp
 
@@ -99,6 +102,31 @@ def user_shards(ray_local, tmp_path_factory):
     return root, tmp
 
 
+@pytest.fixture(scope="session")
+def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> str:
+    """tests/small_runs.py's REFERENCE run, uninterrupted, on the plain local Ray: its final DeepSpeed checkpoint
+    folder, which test_scale's stopped-resumed-failed run and test_autoscaling's node-loss run must equal bit for
+    bit. Trained once per pytest run: under xdist the first worker to ask trains it while another waits on the lock
+    (the digits are written alike in every worker, so the runs read the same samples)."""
+    import fcntl
+    import json
+
+    from pipelines.train.driver import fit
+    from tests.small_runs import REFERENCE, config
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # the folder of this pytest run that all workers see
+    record = shared / "straight_small_run.json"
+    with (shared / "straight_small_run.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            tmp = tmp_path_factory.mktemp("straight")
+            result = fit(config(tmp, digits_root, "straight", *REFERENCE))
+            assert result.metrics["step"] == 40 and result.checkpoint_path
+            record.write_text(json.dumps({"checkpoint": result.checkpoint_path}))
+    return json.loads(record.read_text())["checkpoint"]
+
+
 # Capability tests not yet seen passing on an unshared machine: they are collected with the
 # `pending` marker and deselected by default (pyproject addopts), so they are listed as deselected,
 # not hidden; run them with `pytest -m pending`. A test that passes there leaves this list.
@@ -107,7 +135,7 @@ PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 # Fixtures that start Ray, a Ray head or a server, or train: a test using one is `slow` (not in `make test-fast`).
 SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded",
-                 "site", "local_cluster", "two_node_ray"}
+                 "site", "local_cluster", "two_node_ray", "straight_small_run"}
 
 
 # Session fixtures that train or download: under pytest-xdist (`make test` runs two workers) every module using one

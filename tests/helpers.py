@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
-DEMO_STEPS = 600
+DEMO_STEPS = 300
 
 
 def free_port() -> int:

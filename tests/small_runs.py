@@ -14,6 +14,12 @@ SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "trai
          "train.warmup_steps=2", "eval.batch_size=512", "data.mid_caption_prob=0", "data.general_caption_prob=0",
          "data.augment=false"]
 
+# The knobs that decide the weights of the runs compared bit for bit (test_scale, test_autoscaling) with
+# conftest's straight_small_run: ZeRO-1 (optimiser state partitioned; ZeRO-3's flat fp32 partitions end in padding
+# that DeepSpeed leaves uninitialised, so its checkpoints differ in bytes that hold no weight), seeded data in file
+# order, 40 steps with a checkpoint every 5 (time to stop, fail or lose a node between two of them).
+REFERENCE = ["train.steps=40", "train.checkpoint_every=5", "data.deterministic=true", "train.zero_stage=1"]
+
 
 def config(tmp, digits_root, name, *extra):
     return load_config(ROOT / "configs" / "demo.yaml", [

@@ -18,18 +18,16 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from pipelines.download.plan import bucket_of
-from pipelines.cluster.local import LocalCluster, processes, start
 from pipelines.cluster.file_server import LoopbackServer
-from pipelines.train.driver import fit
+from pipelines.cluster.local import LocalCluster, processes, start
+from pipelines.download.plan import bucket_of
 from tests.helpers import jpeg, registered, saved, wait_for
-from tests.small_runs import SMALL, assert_identical, config, load_state
+from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-# The run of test_scale.py's bit-exact resume test, shorter: checkpoints every 5 steps leave time to lose a node.
-RUN = ["train.steps=40", "train.checkpoint_every=5", "train.log_every=5", "data.deterministic=true",
-       "train.zero_stage=1", "run.max_failures=2"]
+# The run that conftest's straight_small_run trains uninterrupted (test_scale's bit-exact resume compares with it too).
+RUN = [*REFERENCE, "train.log_every=5", "run.max_failures=2"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +79,8 @@ def job_args(tmp: Path, digits_root: str, name: str, *extra: str) -> list[str]:
     return ["-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"), *(a for kv in cfg for a in ("--set", kv))]
 
 
-def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, ray_local, digits_root, tmp_path):
+def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, ray_local, digits_root,
+                                                                  straight_small_run, tmp_path):
     """jobs.pretrain submitted to the 0-CPU head: the autoscaler starts worker nodes for Ray Train's workers and
     Ray Data; after the first checkpoint the raylet of a node running a train worker is killed (the node is lost
     with its processes); Ray Train restarts the workers from that checkpoint on a node the autoscaler starts in its
@@ -120,10 +119,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     assert run.info.status == "FINISHED"
     assert int(run.data.tags["probvlp.resumed_from_step"]) % 5 == 0  # the workers restarted from a checkpoint
     # The same run, uninterrupted, on the plain local Ray: the node loss changed nothing, bit for bit.
-    (tmp_path / "straight").mkdir()
-    straight = fit(config(tmp_path / "straight", digits_root, "straight", *RUN))
     final = saved(checkpoints)[-1]
-    assert assert_identical(load_state(str(final)), load_state(straight.checkpoint_path)) > 20
+    assert assert_identical(load_state(str(final)), load_state(straight_small_run)) > 20
 
 
 def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_root, tmp_path):

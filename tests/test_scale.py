@@ -12,35 +12,38 @@ from pipelines.config import ConfigError, load_config
 from pipelines.tracking import LOCAL_DIR
 from pipelines.train.driver import fit
 from tests.helpers import failed_evaluation_keeps_the_model
-from tests.small_runs import ROOT, SMALL, assert_identical, config, load_state
+from tests.small_runs import (
+    REFERENCE,
+    ROOT,
+    SMALL,
+    assert_identical,
+    config,
+    load_state,
+)
 
 
 def steps_logged(result, key="loss") -> list[int]:
     return [m.step for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, key)]
 
 
-def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, digits_root, tmp_path):
-    """Stopped at step 8, resumed by running the same run name again; the resumed run then loses a worker at
-    step 10 and Ray Train restarts it from the step-8 checkpoint. The final state equals an uninterrupted run's."""
-    # ZeRO-1: optimiser state partitioned across the workers. (ZeRO-3's flat fp32 partitions end in padding
-    # that DeepSpeed leaves uninitialised, so its checkpoints differ in bytes that hold no weight.)
-    common = ["train.steps=16", "train.checkpoint_every=4", "train.log_every=1", "data.deterministic=true",
-              "train.zero_stage=1"]
-    first = fit(config(tmp_path, digits_root, "resumed", *common, "train.stop_at_step=8"))
-    assert first.metrics["step"] == 8
-    resumed = fit(config(tmp_path, digits_root, "resumed", *common, "train.fail_once_at_step=10", "run.max_failures=1"))
-    straight = fit(config(tmp_path, digits_root, "straight", *common))
-    assert resumed.metrics["step"] == straight.metrics["step"] == 16
+def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, digits_root, straight_small_run, tmp_path):
+    """Stopped at step 10, resumed by running the same run name again; the resumed run then loses a worker at
+    step 17 and Ray Train restarts it from the step-15 checkpoint. The final state equals an uninterrupted run's."""
+    common = [*REFERENCE, "train.log_every=1"]
+    first = fit(config(tmp_path, digits_root, "resumed", *common, "train.stop_at_step=10"))
+    assert first.metrics["step"] == 10
+    resumed = fit(config(tmp_path, digits_root, "resumed", *common, "train.fail_once_at_step=17", "run.max_failures=1"))
+    assert resumed.metrics["step"] == 40
     assert resumed.mlflow_run_id == first.mlflow_run_id  # same MLflow run, continued
 
-    a, b = load_state(resumed.checkpoint_path), load_state(straight.checkpoint_path)
+    a, b = load_state(resumed.checkpoint_path), load_state(straight_small_run)
     assert any("optim_states" in name for name in a)
     assert assert_identical(a, b) > 20  # parameters, Adam moments and fp32 partitions, bit for bit
     run = MlflowClient(resumed.mlflow_uri).get_run(resumed.mlflow_run_id)
     assert run.data.tags["probvlp.resumes"] == "1"
-    assert run.data.tags["probvlp.resumed_from_step"] == "8"  # the failure restarted from the last checkpoint
-    assert (LOCAL_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "10"
-    assert steps_logged(resumed) == list(range(1, 17))  # every step exactly once, across stop, resume and failure
+    assert run.data.tags["probvlp.resumed_from_step"] == "15"  # the failure restarted from the last checkpoint
+    assert (LOCAL_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "17"
+    assert steps_logged(resumed) == list(range(1, 41))  # every step exactly once, across stop, resume and failure
     assert run.info.status == "FINISHED"
     losses = [m.value for m in MlflowClient(resumed.mlflow_uri).get_metric_history(resumed.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 1 steps
