@@ -74,9 +74,12 @@ def test_attribute_levels_are_tertiles_within_each_class():
     assert len(captions) > 200  # 27 kinds per class: a caption that picks out a few images of the set
 
 
-def test_shards_hold_every_image_once(tmp_path):
-    counts = write_digit_shards(tmp_path, image_size=24, shard_size=400)
+def test_shards_hold_every_image_once(digits_root):
+    """The session's digits (conftest: written once per pytest worker, image_size 32, shards of 500)."""
+    tmp_path = Path(digits_root)
+    counts = write_digit_shards(tmp_path, image_size=32, shard_size=500)  # the same parameters: read from its marker
     assert sum(counts.values()) == 1797
+    assert len(list((tmp_path / "train").glob("*.tar"))) == -(-counts["train"] // 500)
     indices = {}
     for split in SPLITS:
         samples = read_shards(tmp_path, split)
@@ -86,7 +89,7 @@ def test_shards_hold_every_image_once(tmp_path):
         assert len(indices[split]) == counts[split]  # no image twice
         first = next(iter(samples.values()))
         img = Image.open(io.BytesIO(first["jpg"]))
-        assert img.size == (24, 24) and img.mode == "RGB"
+        assert img.size == (32, 32) and img.mode == "RGB"
         meta = json.loads(first["json"])
         assert meta["split"] == split and first["txt"].decode() in meta["captions"]["specific"]
         assert set(meta["captions"]) == {"instance", "specific", "mid", "general"} and meta["label"] in range(10)
@@ -98,7 +101,7 @@ def test_shards_hold_every_image_once(tmp_path):
     assert not (indices["train"] & indices["test"]) and not (indices["train"] & indices["val"])
     # Idempotent: a second call with the same parameters leaves the shards alone.
     stamp = (tmp_path / "train" / "00000.tar").stat().st_mtime_ns
-    write_digit_shards(tmp_path, image_size=24, shard_size=400)
+    write_digit_shards(tmp_path, image_size=32, shard_size=500)
     assert (tmp_path / "train" / "00000.tar").stat().st_mtime_ns == stamp
 
 

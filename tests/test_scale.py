@@ -53,7 +53,7 @@ def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digi
     # An absurd learning rate overflows the weights within a few steps; every later loss is NaN. With no
     # retries (run.max_failures=0) the worker's error ends the run, and MLflow records it as failed.
     cfg = config(tmp_path, digits_root, "diverging", "train.steps=40", "train.lr=1e12", "train.warmup_steps=0",
-                 "train.max_bad_batches=3", "train.log_every=1", "run.max_failures=0")
+                 "train.max_bad_batches=3", "train.log_every=1", "run.max_failures=0", "train.num_workers=1")
     with pytest.raises(Exception, match=r"loss was not finite for 3 batches in a row"):
         fit(cfg)
     client = MlflowClient(cfg.tracking.uri)
