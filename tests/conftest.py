@@ -103,11 +103,12 @@ def user_shards(ray_local, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> str:
-    """tests/small_runs.py's REFERENCE run, uninterrupted, on the plain local Ray: its final DeepSpeed checkpoint
-    folder, which test_scale's stopped-resumed-failed run and test_autoscaling's node-loss run must equal bit for
-    bit. Trained once per pytest run: under xdist the first worker to ask trains it while another waits on the lock
-    (the digits are written alike in every worker, so the runs read the same samples)."""
+def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> dict[str, str]:
+    """tests/small_runs.py's REFERENCE run, uninterrupted, on the plain local Ray: {"checkpoint": its final DeepSpeed
+    checkpoint folder, "data_root": the digits it read}. test_scale's stopped-resumed-failed run and
+    test_autoscaling's node-loss run read the same digits and must end bit for bit on that checkpoint. Trained once
+    per pytest run: under xdist the first worker to ask trains it while another waits on the lock (the digits of
+    each worker hold the same samples, but img2dataset's threads store them in another order within a shard)."""
     import fcntl
     import json
 
@@ -123,8 +124,8 @@ def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> s
             tmp = tmp_path_factory.mktemp("straight")
             result = fit(config(tmp, digits_root, "straight", *REFERENCE))
             assert result.metrics["step"] == 40 and result.checkpoint_path
-            record.write_text(json.dumps({"checkpoint": result.checkpoint_path}))
-    return json.loads(record.read_text())["checkpoint"]
+            record.write_text(json.dumps({"checkpoint": result.checkpoint_path, "data_root": digits_root}))
+    return json.loads(record.read_text())
 
 
 # Capability tests not yet seen passing on an unshared machine: they are collected with the

@@ -79,8 +79,8 @@ def job_args(tmp: Path, digits_root: str, name: str, *extra: str) -> list[str]:
     return ["-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"), *(a for kv in cfg for a in ("--set", kv))]
 
 
-def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, ray_local, digits_root,
-                                                                  straight_small_run, tmp_path):
+def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, ray_local, straight_small_run,
+                                                                  tmp_path):
     """jobs.pretrain submitted to the 0-CPU head: the autoscaler starts worker nodes for Ray Train's workers and
     Ray Data; after the first checkpoint the raylet of a node running a train worker is killed (the node is lost
     with its processes); Ray Train restarts the workers from that checkpoint on a node the autoscaler starts in its
@@ -88,7 +88,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     cluster, log = local_cluster, tmp_path / "job.log"
     assert alive_workers(cluster) == set()  # the head only: nothing runs on it
     t0 = time.monotonic()
-    job = submit(cluster, job_args(tmp_path, digits_root, "lost-node", *RUN), log)
+    # the reference run's samples, in its order (the run ends bit for bit on its weights)
+    job = submit(cluster, job_args(tmp_path, straight_small_run["data_root"], "lost-node", *RUN), log)
     try:
         wait_for("a worker node", lambda: alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
@@ -120,7 +121,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     assert int(run.data.tags["probvlp.resumed_from_step"]) % 5 == 0  # the workers restarted from a checkpoint
     # The same run, uninterrupted, on the plain local Ray: the node loss changed nothing, bit for bit.
     final = saved(checkpoints)[-1]
-    assert assert_identical(load_state(str(final)), load_state(straight_small_run)) > 20
+    assert assert_identical(load_state(str(final)), load_state(straight_small_run["checkpoint"])) > 20
 
 
 def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_root, tmp_path):

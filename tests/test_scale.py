@@ -26,17 +26,18 @@ def steps_logged(result, key="loss") -> list[int]:
     return [m.step for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, key)]
 
 
-def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, digits_root, straight_small_run, tmp_path):
+def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_small_run, tmp_path):
     """Stopped at step 10, resumed by running the same run name again; the resumed run then loses a worker at
     step 17 and Ray Train restarts it from the step-15 checkpoint. The final state equals an uninterrupted run's."""
     common = [*REFERENCE, "train.log_every=1"]
-    first = fit(config(tmp_path, digits_root, "resumed", *common, "train.stop_at_step=10"))
+    data = straight_small_run["data_root"]  # the reference run's samples, in its order
+    first = fit(config(tmp_path, data, "resumed", *common, "train.stop_at_step=10"))
     assert first.metrics["step"] == 10
-    resumed = fit(config(tmp_path, digits_root, "resumed", *common, "train.fail_once_at_step=17", "run.max_failures=1"))
+    resumed = fit(config(tmp_path, data, "resumed", *common, "train.fail_once_at_step=17", "run.max_failures=1"))
     assert resumed.metrics["step"] == 40
     assert resumed.mlflow_run_id == first.mlflow_run_id  # same MLflow run, continued
 
-    a, b = load_state(resumed.checkpoint_path), load_state(straight_small_run)
+    a, b = load_state(resumed.checkpoint_path), load_state(straight_small_run["checkpoint"])
     assert any("optim_states" in name for name in a)
     assert assert_identical(a, b) > 20  # parameters, Adam moments and fp32 partitions, bit for bit
     run = MlflowClient(resumed.mlflow_uri).get_run(resumed.mlflow_run_id)
