@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -15,10 +14,10 @@ DEMO_STEPS = 300
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the ephemeral range (see local_port)."""
+    from pipelines.cluster.runtime import local_port  # imports Ray: not at conftest's import
+
+    return local_port()
 
 
 def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):

@@ -5,6 +5,7 @@ import fcntl
 import importlib.util
 import logging
 import os
+import random
 import socket
 import tempfile
 import warnings
@@ -157,8 +158,13 @@ class _machine_lock:
 
 
 def local_port(preferred: int = 0) -> int:
-    """`preferred` (e.g. Ray's default dashboard port 8265) if free on 127.0.0.1, else any free port."""
-    for port in (preferred, 0):
+    """`preferred` (e.g. Ray's default dashboard port 8265) if free on 127.0.0.1, else a free port above Ray's worker
+    ports (10002-19999) and below the kernel's ephemeral range. A free port of that range (what binding port 0 gives)
+    is what every outgoing connection takes its local port from: with many Ray processes connecting, one can take it
+    between this check and the server's bind (seen: a Ray head's agent lost its port that way, so no job could start)."""
+    low = _ephemeral_low()
+    candidates = random.Random().sample(range(20000, low), min(64, low - 20000)) if low > 20000 else []
+    for port in ([preferred] if preferred else []) + candidates + [0]:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -166,6 +172,14 @@ def local_port(preferred: int = 0) -> int:
                 continue
             return s.getsockname()[1]
     raise RuntimeError("no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; elsewhere IANA's 49152)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def local_cpus(num_workers: int, cpus_per_worker: float) -> int:
