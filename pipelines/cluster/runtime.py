@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import logging
 import os
 import random
@@ -24,6 +23,8 @@ _LOCAL_ENV = {
     # Ray Train's controller collects each ray.train.report at its poll (default every 2 s) while the
     # reporting workers wait: a local run with frequent evaluations spends seconds per report on it.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+    # Its actor polls Ray for the node draining of a cloud cluster's preemption notices: a one-machine Ray has none.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 
 
@@ -53,15 +54,20 @@ class DropHarmless(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
+def _module_file(module: str) -> str:
+    """The source file of a module of the installed Ray, e.g. ray.a.b -> .../site-packages/ray/a/b.py."""
+    return str(Path(ray.__file__).parent.joinpath(*module.split(".")[1:])) + ".py"
+
+
 def quiet_logs() -> None:
     """Keep Ray's routine per-epoch and per-report INFO lines and known harmless warnings out of the console
     (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, as Ray's
     worker_process_setup_hook, in every worker process before it imports ray.data."""
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact download
-    spec = importlib.util.find_spec(_TRAIN_REPORT_LOGGER)
-    if spec is not None and spec.origin:
-        logging.getLogger(spec.origin).setLevel(logging.WARNING)  # that module's logger is named by its file
+    # That module's logger is named by its file; found without importing it (its parents import Ray Train, pandas
+    # and Ray Data: seconds in every Ray worker process this hook runs in).
+    logging.getLogger(_module_file(_TRAIN_REPORT_LOGGER)).setLevel(logging.WARNING)
     data_logger = logging.getLogger("ray.data")
     for handler in data_logger.handlers:  # ray.data already imported here: its console handler as configured
         if not isinstance(handler, logging.FileHandler) and type(handler).__name__ != "SessionFileHandler":
