@@ -30,7 +30,7 @@ OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state que
 
 @dataclass
 class InferenceOptions:
-    concurrency: int = 2  # actors (model copies)
+    concurrency: int = 2  # the most actors (model copies): a pool starts with one and adds them while batches queue
     batch_size: int = 256
     num_gpus: float = 0.0  # per actor
     threads: int = 1  # torch threads per actor on CPU
@@ -85,9 +85,11 @@ class TextEmbedder(_Embedder):
 
 
 def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
+    # Autoscaling from one actor: each actor loads the model (seconds), and an eval task's captions or a small set
+    # of images is a batch or two that one actor embeds before a second would have loaded.
     return dict(fn=cls, fn_constructor_kwargs={"model_file": str(model_file), "num_gpus": opts.num_gpus,
                                                "threads": opts.threads},
-                concurrency=opts.concurrency, batch_size=opts.batch_size, num_gpus=opts.num_gpus or None,
+                concurrency=(1, max(1, opts.concurrency)), batch_size=opts.batch_size, num_gpus=opts.num_gpus or None,
                 num_cpus=None if opts.num_gpus else opts.threads)
 
 
