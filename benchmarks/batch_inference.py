@@ -139,8 +139,8 @@ embeddings written as parquet by both sides; {args.rounds} alternating rounds.
 Ray's own processes (raylet, GCS, the dashboard, the data executor) share the {cores} cores with the
 actors here, and each run pays actor start-up and model loading (a few seconds: a fixed cost, so the ratio
 falls on small sets; run with `--images 2000` to see it). The reader streams (no caching pass) and moves
-images between processes as uint8, scaled to the model's range inside the actor. The pool scales by adding actors
-(`--actors`, `concurrency`): on a cluster, one actor per GPU (`--gpus-per-actor 1`) or per few CPU cores
+images between processes as uint8, scaled to the model's range inside the actor. The pool starts with one actor and adds
+actors up to `--actors` while batches queue: on a cluster, one actor per GPU (`--gpus-per-actor 1`) or per few CPU cores
 on every node, each reading its own blocks; the plain loop is bound to one process on one machine.
 """)
 
