@@ -42,9 +42,7 @@ def local_cluster(tmp_path_factory):
 
 def dashboard(cluster: LocalCluster, path: str) -> dict:
     """GET `path` of the dashboard's HTTP API, with the token (a request, where the `ray` CLI would start a Python)."""
-    token = Path(cluster.token_path).read_text()
-    request = urllib.request.Request(f"{cluster.address}{path}", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with urllib.request.urlopen(cluster.api_request(path), timeout=30) as response:
         return json.load(response)
 
 

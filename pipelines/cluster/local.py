@@ -99,6 +99,11 @@ class LocalCluster:
         env.pop("RAY_AUTH_TOKEN", None)
         return env
 
+    def api_request(self, path: str) -> urllib.request.Request:
+        """A request to `path` of the head's HTTP API (jobs, state), carrying the cluster's token."""
+        return urllib.request.Request(f"{self.address}{path}",
+                                      headers={"Authorization": f"Bearer {Path(self.token_path).read_text()}"})
+
     def pids(self) -> list[int]:
         """This cluster's processes: those naming its temp folder or GCS (head, autoscaler, the fake nodes'
         raylets) and their descendants (workers and agents, which rename themselves)."""
@@ -173,8 +178,7 @@ def start(folder: Path, config: dict | None = None, timeout_s: float = 180, **co
 
 def _wait_jobs_api(cluster: LocalCluster, timeout_s: float) -> None:
     """The jobs API answers (with the token) once the head's job agent is up, a little after `ray start` returns."""
-    request = urllib.request.Request(f"{cluster.address}/api/jobs/",
-                                     headers={"Authorization": f"Bearer {Path(cluster.token_path).read_text()}"})
+    request = cluster.api_request("/api/jobs/")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
