@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
     _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
+    if summary is None:
+        print(f"sweep {sweep.tune.name!r} interrupted, its state saved: run the same command again to resume it "
+              "(trials that ended are kept)", file=sys.stderr)
+        return 130  # the shell's status for Ctrl-C
     out = Path(args.best_config_out or LOCAL_DIR / "tune" / f"{sweep.tune.name}_best.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(summary["best_config"].to_yaml())

@@ -4,8 +4,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # open_clip's tokenizer imports torch when it is first used: unpickling a data pipeline does not
+    import torch
 
 VOCAB_SIZE = 49408
 EOT_TOKEN = 49407

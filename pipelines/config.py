@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,19 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that 1e-4 is the number 1e-4 (YAML 1.2), not the string "1e-4" of YAML 1.1."""
+
+
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                  list("-+0123456789."))
+
+
+def read_yaml(text: str) -> Any:
+    """Config YAML as users write it: every number form, including 1e-4, reads as a number."""
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader: builds plain data only
 
 
 class ConfigError(ValueError):
@@ -580,7 +594,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key.path=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    return key.strip(), read_yaml(raw)
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any, where: str | None = None) -> dict[str, Any]:
@@ -608,7 +622,7 @@ def read_config_file(path: str | Path, overrides: list[str] | None = None) -> di
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):

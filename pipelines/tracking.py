@@ -13,14 +13,15 @@ from typing import Any, Iterator
 
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import models
 from pipelines.config import PROJECT_ROOT
 
 LOCAL_DIR = PROJECT_ROOT / ".probvlp"
-_SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential)", re.I)
+# Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
+_SECRET_KEY = re.compile(r"(?:^|[._-])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[._-])", re.I)
 _URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")
 
 
@@ -112,22 +113,39 @@ def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
     return attempt
 
 
-class StepLogger:
-    """Buffers per-step metrics and writes them in batches (one MLflow call per flush)."""
+LOGGED_THROUGH_TAG = "probvlp.logged_through"
 
-    def __init__(self, uri: str, run_id: str, flush_every: int | None = 500):
+
+class StepLogger:
+    """Buffers per-step metrics and writes them in batches (one MLflow call per flush). Each flush records the
+    last step written (tag probvlp.logged_through). A restart from the checkpoint of step `resumed_from` replays
+    the steps after it, and a worker can have written some of them before a failure kept their checkpoint from
+    being registered (a node lost between the ranks' report and Ray Train's registration): those steps, after
+    `resumed_from` up to the recorded one, are not written again."""
+
+    def __init__(self, uri: str, run_id: str, flush_every: int | None = 500, resumed_from: int = 0):
         self.client, self.run_id, self.flush_every = MlflowClient(uri), run_id, flush_every
         self.buffer: list = []
+        self.logged_through, self.resumed_from = -1, resumed_from
+        if resumed_from > 0:
+            self.logged_through = int(self.client.get_run(run_id).data.tags.get(LOGGED_THROUGH_TAG, -1))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.resumed_from < step <= self.logged_through:
+            return  # a replayed step that MLflow has from before the restart
         now = int(time.time() * 1000)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
         if self.flush_every is not None and len(self.buffer) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
+        if not self.buffer:
+            return
+        self.logged_through = max(self.logged_through, max(m.step for m in self.buffer))
         for i in range(0, len(self.buffer), 1000):
-            self.client.log_batch(self.run_id, metrics=self.buffer[i : i + 1000])
+            last = i + 1000 >= len(self.buffer)  # the tag goes with the last batch: one call, no extra request
+            self.client.log_batch(self.run_id, metrics=self.buffer[i : i + 1000],
+                                  tags=[RunTag(LOGGED_THROUGH_TAG, str(self.logged_through))] if last else [])
         self.buffer = []
 
     def tag(self, key: str, value: str) -> None:

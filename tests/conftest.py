@@ -19,6 +19,14 @@ if str(ROOT) not in sys.path:
 # Where torch would JIT-build C++ ops in this pytest run (Ray's processes inherit it): training must build none
 # (tests/test_pretrain.py), and a per-run folder keeps a copy built elsewhere from hiding a build.
 os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_")
+# `make test` runs a pytest worker per core, and each starts Ray processes of its own: the cores are always
+# oversubscribed. OpenMP threads then sleep while they wait instead of spinning (libgomp's default spin burns the
+# cores the other processes need: two processes of two torch threads each on two cores took 4x the wall time and
+# 2x the CPU of passive waiting), and a process whose code sets no thread count itself (pytest workers, job
+# drivers; not the training workers or embedding actors) uses one. Both are read when torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +73,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
         f"train.steps={DEMO_STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
         "tracking.register_as=probvlp-test-clip",
         # 32-px digits learn faster without the crop and jitter (configs/prolip_demo.yaml); the reader's
-        # augmentation in a Ray fit is tests/test_job_submit.py's, the device's tests/test_user_data.py's
+        # augmentation in a Ray fit is tests/test_scale.py's, the device's tests/test_user_data.py's
         "data.augment=false",
     ])
     return cfg, fit(cfg), tmp
@@ -146,7 +154,7 @@ SHARED_FIXTURES = ("trained_clip", "user_shards")
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end.
 # The second worker starts with the elastic run's cluster (started in process, under the port lock): with the
 # autoscaling cluster's `ray start` there, the first worker's local Ray once failed to start beside it.
-LONGEST_FIRST = ("trained_clip", "test_elastic", "user_shards", "test_autoscaling", "test_scale", "test_job_submit")
+LONGEST_FIRST = ("trained_clip", "test_elastic", "user_shards", "test_autoscaling", "test_scale")
 
 
 def _module(item) -> str:

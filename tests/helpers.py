@@ -31,6 +31,24 @@ def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):
     raise AssertionError(f"not within {timeout_s:g}s: {what}")
 
 
+def wait_http(url: str, proc, timeout: float = 120) -> None:
+    """Wait until `url` answers (any HTTP status) while the server process `proc` runs."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError as err:
+            if getattr(err, "code", None):  # an HTTP error status: the server answers
+                return
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
 def registered(run_folder: Path) -> list[str]:
     """Checkpoints Ray Train has registered (listed in its snapshot file), which a restart resumes from. A
     checkpoint folder appears while it is still being written, before that."""

@@ -1,27 +1,34 @@
 """A local autoscaling cluster made from ray_cluster.yaml's node types (pipelines.cluster.local: Ray's fake
-multi-node provider, every node a raylet on this machine), its head with 0 CPUs and token auth, all on 127.0.0.1:
-a training job scales it up, survives the loss of a worker node's raylet bit-exactly, and the idle nodes go away;
-a GPU job says why it waits; a download spreads its parts over the nodes."""
+multi-node provider, every node a raylet on this machine), its head with 0 CPUs and token auth, all on 127.0.0.1,
+used through `ray job submit`: a training job logging to an `mlflow server` scales it up, survives the loss of a
+worker node's raylet bit-exactly, and the idle nodes go away; a GPU job says why it waits; a download spreads its
+parts over the nodes; the jobs API refuses a client without the token. (`--working-dir`, which the fake nodes'
+shared runtime-env folder does not survive a node's removal with: tests/test_download.py, on the local Ray.)"""
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
+from mlflow.artifacts import download_artifacts
 
+from models.model_file import load_model
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.cluster.local import LocalCluster, processes, start
 from pipelines.download.plan import bucket_of
-from tests.helpers import jpeg, registered, saved, wait_for
+from pipelines.tracking import model_file
+from tests.helpers import free_port, jpeg, registered, saved, wait_for, wait_http
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +45,29 @@ def local_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on 127.0.0.1: sqlite backend, artifacts proxied (clients upload through the server)."""
+    tmp_path = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    log = (tmp_path / "mlflow.log").open("w")
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server_artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        # MLflow's job runner (seven task-queue processes, for its GenAI jobs) has nothing to do here.
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=120)
+        yield f"http://127.0.0.1:{port}", tmp_path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
 
 
 def dashboard(cluster: LocalCluster, path: str) -> dict:
@@ -67,31 +97,37 @@ def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
 
 
 def submit(cluster: LocalCluster, args: list[str], log: Path, *options: str) -> subprocess.Popen:
-    """`ray job submit`, the CLI streaming the job's log. No --working-dir: the fake nodes share one runtime-env
-    folder, and a lost node's cleanup deletes the unpacked working dir under the other nodes' workers; the
-    project is installed in the venv every node runs, and every path is absolute."""
+    """`ray job submit`, the CLI streaming the job's log (without --no-wait it exits 1 if the job fails). No
+    --working-dir: the fake nodes share one runtime-env folder, and a removed node's cleanup (lost, or idle) deletes
+    the unpacked working dir under the other nodes' processes; the project is installed in the venv every node runs,
+    and every path is absolute."""
     return subprocess.Popen([str(BIN / "ray"), "job", "submit", *options, "--", "python", *args],
                             cwd=ROOT, env=cluster.client_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def job_args(tmp: Path, digits_root: str, name: str, *extra: str) -> list[str]:
-    cfg = [f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
+def job_args(tmp: Path, digits_root: str, name: str, *extra: str, tracking: str | None = None) -> list[str]:
+    tracking = tracking or f"sqlite:///{tmp}/mlflow.db"
+    cfg = [f"data.root={digits_root}", f"tracking.uri={tracking}", f"run.storage_path={tmp}/ray",
            f"run.name={name}", "run.experiment=test-autoscaling", *SMALL, *extra]
-    return ["-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"), *(a for kv in cfg for a in ("--set", kv))]
+    return ["-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
+            *(a for kv in cfg for a in ("--set", kv))]
 
 
-def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, ray_local, straight_small_run,
-                                                                  tmp_path):
-    """jobs.pretrain submitted to the 0-CPU head: the autoscaler starts worker nodes for Ray Train's workers and
-    Ray Data; after the first checkpoint the raylet of a node running a train worker is killed (the node is lost
-    with its processes); Ray Train restarts the workers from that checkpoint on a node the autoscaler starts in its
-    place, the run finishes with the weights of an uninterrupted run, and the idle nodes go away."""
+def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, ray_local,
+                                                                  straight_small_run, tmp_path):
+    """jobs.pretrain submitted to the 0-CPU head, logging to an `mlflow server`: the autoscaler starts worker nodes
+    for Ray Train's workers and Ray Data; after the first checkpoint the raylet of a node running a train worker is
+    killed (the node is lost with its processes); Ray Train restarts the workers from that checkpoint on a node the
+    autoscaler starts in its place, the run finishes with the weights of an uninterrupted run, and the idle nodes
+    go away. The console shows progress lines and the run summary, not Ray Data's per-epoch execution lines nor Ray
+    Train's per-report lines; every result, the model too, reaches the MLflow server."""
     cluster, log = local_cluster, tmp_path / "job.log"
+    uri, server_dir = mlflow_server
     assert alive_workers(cluster) == set()  # the head only: nothing runs on it
     t0 = time.monotonic()
     # the reference run's samples, in its order (the run ends bit for bit on its weights)
-    job = submit(cluster, job_args(tmp_path, straight_small_run["data_root"], "lost-node", *RUN), log)
+    job = submit(cluster, job_args(tmp_path, straight_small_run["data_root"], "lost-node", *RUN, tracking=uri), log)
     try:
         wait_for("a worker node", lambda: alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
@@ -111,16 +147,35 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
             os.killpg(job.pid, signal.SIGKILL)
     out = log.read_text()
     assert "succeeded" in out.lower() and "[train] step 40/40" in out
+    progress = [line for line in out.splitlines() if "[train] step " in line]
+    assert all(" | loss " in line and "samples/s" in line and " | ETA " in line for line in progress)
+    assert "Starting execution of Dataset" not in out and "Reporting training result" not in out
+    ray_data_logs = "".join(p.read_text() for p in Path(cluster.temp_dir).glob("session_*/logs/ray-data/*.log"))
+    assert "Starting execution of Dataset" in ray_data_logs  # kept in Ray's log files
+    assert "digits_zeroshot: top1" in out  # the per-task headline jobs.pretrain prints
+    assert "sample predictions: 4 held-out images of eval task 'digits_zeroshot'" in out
+    assert "model: runs:/" in out
     assert {n["node_id"]: n["state"] for n in nodes(cluster)}[lost] == "DEAD"
     wait_for("the idle worker nodes to go away", lambda: not alive_workers(cluster), timeout_s=300, every_s=1)
     print(f"scale-up {scale_up_s:.0f}s; replacement node {sorted(replacement)[0][-5:]} {replaced_s:.0f}s after the "
           f"raylet kill, job done {finished_s:.0f}s after it; worker nodes gone {time.monotonic() - killed_at:.0f}s "
           f"after it; {len(nodes(cluster)) - 1} worker nodes started in all")
 
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    run = client.search_runs([client.get_experiment_by_name("test-autoscaling").experiment_id])[0]
-    assert run.info.status == "FINISHED"
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("test-autoscaling").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_name == "lost-node" and runs[0].info.status == "FINISHED"
+    run = runs[0]
     assert int(run.data.tags["probvlp.resumed_from_step"]) % 5 == 0  # the workers restarted from a checkpoint
+    assert run.data.tags["probvlp.master_addr"] == "127.0.0.1"
+    assert run.data.params["train.steps"] == "40" and run.data.params["tracking.uri"] == uri
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(5, 41, 5))
+    assert "digits_zeroshot/top1" in run.data.metrics
+    # The artifacts went through the server (proxied artifact store), not a shared local path.
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+    folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
+                                     tracking_uri=uri))
+    assert load_model(model_file(folder)).context_length == 16
+    assert (server_dir / "server_artifacts").exists()
     # The same run, uninterrupted, on the plain local Ray: the node loss changed nothing, bit for bit.
     final = saved(checkpoints)[-1]
     assert assert_identical(load_state(str(final)), load_state(straight_small_run["checkpoint"])) > 20
@@ -177,3 +232,22 @@ def test_download_spreads_its_parts_over_the_nodes(local_cluster, tmp_path):
     assert len(by_node) >= 2 and not head & set(by_node), by_node
     assert "downloaded this run by" in (tmp_path / "job.log").read_text()
 
+
+
+def test_jobs_api_refuses_requests_without_the_token(local_cluster):
+    """Token auth: the head's HTTP API answers 401 to a request without the token, and `ray job list` without one
+    (none in the environment nor under ~/.ray) fails saying so."""
+    request = urllib.request.Request(f"{local_cluster.address}/api/jobs/")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code in (401, 403)
+    wrong = urllib.request.Request(f"{local_cluster.address}/api/jobs/",
+                                   headers={"Authorization": f"Bearer {secrets.token_hex(16)}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(wrong, timeout=30)
+    assert refused.value.code in (401, 403)
+    env = {k: v for k, v in local_cluster.client_env().items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env["HOME"] = "/nonexistent"
+    out = subprocess.run([str(BIN / "ray"), "job", "list", f"--address={local_cluster.address}"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "auth" in (out.stdout + out.stderr).lower()

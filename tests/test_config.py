@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from pipelines.config import Config, ConfigError, load_config, load_download_config
+from pipelines.train.sweep import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +29,22 @@ def test_demo_config_loads_and_overrides():
     again = Config.from_dict(cfg.to_dict())
     assert again == cfg
     assert cfg.flat()["train.steps"] == 7
+
+
+def test_exponent_numbers_are_numbers_in_files_overrides_and_sweeps(tmp_path):
+    """1e-4 is a float as users write it (YAML 1.2), not YAML 1.1's string: in loss and model kwargs too, which
+    are checked strictly and reach the constructors as they are."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name: prolip_llip_tiny\nloss:\n  name: prob_llip\n  params:\n    beta: 1e-4\n"
+                    "train:\n  lr: 5E-4\n  eval_every: 5\n")
+    cfg = load_config(path, ["loss.params.alpha1=1e-7", "loss.params.eps=-1.5e1", "model.overrides.tau=.5e1"])
+    assert cfg.loss.params == {"beta": 1.0e-4, "alpha1": 1.0e-7, "eps": -15.0} and cfg.train.lr == 5.0e-4
+    assert cfg.model.overrides == {"tau": 5.0} and all(type(v) is float for v in cfg.loss.params.values())
+    assert load_config(path, ["run.name=1e3x", "run.experiment='1e-4'"]).run.experiment == "1e-4"  # quoted stays text
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(f"base: {path}\nspace:\n  loss.params.beta: {{loguniform: [1e-5, 1e-3]}}\n"
+                     "tune: {name: s, num_samples: 2, metric: heldout_loss/loss, mode: min}\n")
+    assert load_sweep(sweep)[0].space["loss.params.beta"].loguniform == (1.0e-5, 1.0e-3)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ train.num_workers [1, 2] and one worker per node shrinks to one worker when a no
 when a node is added again, from the last checkpoint each time."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -16,8 +17,8 @@ import torch
 from mlflow import MlflowClient
 
 from pipelines.cluster.local import processes
-from pipelines.train.optim import warmup_cosine
 from pipelines.cluster.runtime import local_port, port_lock
+from pipelines.train.optim import warmup_cosine
 from tests.helpers import registered, wait_for
 from tests.small_runs import SMALL
 
@@ -25,11 +26,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # More steps than the test lets it run: the job is stopped once a step run by two workers after the regrowth is
 # logged (how long the regrowth takes is wall time, a few hundred steps alone on 2 cores, ~20 beside other tests).
 STEPS = 5000
-# A worker takes 2 of a node's 3 CPUs (one worker per node; the third reads data); Ray Train looks for room to grow
-# every 2 s.
+# A worker takes 1.6 of a node's 3 CPUs: one worker per node, the rest for reading data, and one torch thread (the
+# whole CPUs it holds): the run trains all the while the test waits, beside the other pytest worker. Ray Train looks
+# for room to grow every 2 s.
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=0",
-           "train.num_workers=[1,2]", "train.cpus_per_worker=2", "train.elastic_resize_interval_s=2",
+           "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
            "run.max_failures=4"]
+
+
+def ray_temp_dir() -> str:
+    return f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
 
 
 @pytest.fixture
@@ -38,11 +44,12 @@ def two_node_ray(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
     # Right after a node loss Ray Train still counts the lost node for ~20 s and asks for 2 workers; on a cloud
-    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 3 s here (the raylets started
-    # below pass it to the Train controller) keeps the test short.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")
+    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 10 s here (the raylets started
+    # below pass it to the Train controller) keeps the test short and leaves a loaded machine time to place the
+    # workers of a regrown group.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
     local = {"node_ip_address": "127.0.0.1", "num_cpus": 3}
-    temp_dir = f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
+    temp_dir = ray_temp_dir()
     with port_lock():  # the dashboard's port is taken by the head before another local Ray looks
         dashboard = local_port()
         cluster = Cluster(initialize_head=True, head_node_args={
@@ -74,6 +81,24 @@ def world_sizes(client: MlflowClient) -> list[int]:
                                          key=lambda m: m.step)]
 
 
+def running(job: subprocess.Popen, log: Path) -> bool:
+    """True while the job runs; a job that has ended fails the test at once, with the end of its log."""
+    if job.poll() is not None:
+        raise AssertionError(f"the job ended (exit {job.returncode}):\n" + log.read_text()[-4000:])
+    return True
+
+
+def controller_lines(last: int = 25) -> str:
+    """The Train controller's last `last` sizing and failure decisions, from its log in the Ray session (JSON lines)."""
+    keys = ("Detected", "Deciding", "timed out after", "[FailurePolicy]", "Error in control loop")
+    files = sorted(Path(ray_temp_dir()).glob("session_latest/logs/train/ray-train-sys-controller-*.log"))
+    records = [json.loads(line) for f in files for line in f.read_text(errors="replace").splitlines()
+               if line.startswith("{")]
+    lines = [f"{r['asctime']} {r['levelname']} {r['message'][:300]}".replace("\n", " | ")
+             for r in records if any(k in r.get("message", "") for k in keys)]
+    return "\n".join(lines[-last:]) or "(none logged)"
+
+
 def regrown(sizes: list[int]) -> bool:
     """Two workers, then one, then two again."""
     shrunk = next((i for i, (a, b) in enumerate(zip(sizes, sizes[1:])) if (a, b) == (2, 1)), None)
@@ -89,8 +114,8 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, digits_ro
     run ends is tested on fixed-size runs."""
     cluster, local, dashboard = two_node_ray
     first, second = list(cluster.worker_nodes)
-    cfg = [f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"run.storage_path={tmp_path}/ray",
-           "run.name=elastic", "run.experiment=test-elastic", *SMALL, *ELASTIC]
+    cfg = [f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+           f"run.storage_path={tmp_path}/ray", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *ELASTIC]
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard}
     log = tmp_path / "job.log"
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -100,15 +125,22 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, digits_ro
                                stderr=subprocess.STDOUT)
     try:
         checkpoints = tmp_path / "ray" / "elastic"
-        wait_for("a worker on each node", lambda: train_workers(first) and train_workers(second), 300, 0.2)
+        wait_for("a worker on each node", lambda: running(job, log) and train_workers(first) and train_workers(second),
+                 300, 0.2)
         before = set(registered(checkpoints))
-        wait_for("a checkpoint registered by the two workers", lambda: set(registered(checkpoints)) - before, 300, 0.2)
+        wait_for("a checkpoint registered by the two workers",
+                 lambda: running(job, log) and set(registered(checkpoints)) - before, 300, 0.2)
         cluster.remove_node(second, allow_graceful=False)  # the machine is gone, its processes with it
         # A step run by 1 worker in MLflow means the run has shrunk (a new worker on the node left may still
         # belong to a 2-worker group Ray placed before it noticed the loss).
-        wait_for("a checkpointed step run by 1 worker", lambda: 1 in world_sizes(client), 300, 1)
+        wait_for("a checkpointed step run by 1 worker", lambda: running(job, log) and 1 in world_sizes(client), 300, 1)
         cluster.add_node(**local)  # what the autoscaler does for a run that asks for more
-        wait_for("a checkpointed step run by 2 workers again", lambda: regrown(world_sizes(client)), 300, 1)
+        try:
+            wait_for("a checkpointed step run by 2 workers again",
+                     lambda: running(job, log) and regrown(world_sizes(client)), 300, 1)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; steps by size {world_sizes(client)}; the controller's last decisions:\n"
+                                 + controller_lines()) from None
         assert job.poll() is None, log.read_text()[-4000:]
     finally:
         job.kill()

@@ -284,7 +284,10 @@ def test_data_workers_tokenize_without_importing_model_code():
     import subprocess
     import sys
 
-    code = ("import sys, pipelines.data.reader; from models.tokenizer import tokenize; t = tokenize(['a photo of a dog'], 8); "
+    # Torch comes with the first tokenization, not with the import: the Ray Train and Ray Data actors that only
+    # unpickle the reading plan (dataset manager, split coordinator) skip its import.
+    code = ("import sys, pipelines.data.reader; from models.tokenizer import tokenize; print('torch' in sys.modules); "
+            "t = tokenize(['a photo of a dog'], 8); "
             "print(t.tolist(), 'timm' in sys.modules, 'open_clip' in sys.modules, 'models.registry' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
@@ -292,4 +295,4 @@ def test_data_workers_tokenize_without_importing_model_code():
     import open_clip
 
     expected = open_clip.tokenize(["a photo of a dog"], 8).tolist()
-    assert out.stdout.strip() == f"{expected} False False False"
+    assert out.stdout.split("\n")[:2] == ["False", f"{expected} False False False"]

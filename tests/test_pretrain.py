@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from models.model_file import load_model
 from pipelines.config import Config
-from pipelines.tracking import model_file
+from pipelines.tracking import StepLogger, model_file, redact
 from tests.helpers import DEMO_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +42,46 @@ def test_training_compiles_no_cpp_ops(trained):
     """DeepSpeed's CPU all-reduce op serves inference only; a JIT build of it costs a minute before the first step."""
     built = sorted(p.name for p in Path(os.environ["TORCH_EXTENSIONS_DIR"]).rglob("*.so"))
     assert not built, f"training JIT-built C++ ops: {built}"
+
+
+def test_params_hide_secrets_and_show_every_knob():
+    params = {"model.overrides.mixture_tokens": 4, "data.max_tokens": 77, "env.HF_TOKEN": "hf_abc", "auth.token": "t",
+              "db.password": "p", "s3.secret-key": "k", "api_key": "k", "openai.API-KEY": "k", "gcs.credentials": "c",
+              "tracking.uri": "https://user:pw@mlflow.example/x", "data.root": "s3://bucket/tokens"}
+    shown = redact(params)
+    hidden = {k for k, v in shown.items() if v == "***"}
+    assert hidden == {"env.HF_TOKEN", "auth.token", "db.password", "s3.secret-key", "api_key", "openai.API-KEY",
+                      "gcs.credentials"}
+    assert shown["model.overrides.mixture_tokens"] == 4 and shown["data.max_tokens"] == 77
+    assert shown["tracking.uri"] == "https://***@mlflow.example/x" and shown["data.root"] == "s3://bucket/tokens"
+
+
+def test_a_restart_does_not_write_steps_mlflow_already_has(tmp_path):
+    """A worker wrote steps 1-10 (flushed with the step-10 checkpoint) but the run restarted from step 5, whose
+    checkpoint was the last registered: the replay of steps 6-10 is not written again, step 11 on is. A restart
+    at the last step writes what its end adds at that step (the final evaluation)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("restarts")
+    run_id = client.create_run(experiment).info.run_id
+    first = StepLogger(uri, run_id, flush_every=None)
+    for step in range(1, 11):
+        first.log({"loss": float(step)}, step)
+    first.flush()
+    replay = StepLogger(uri, run_id, flush_every=None, resumed_from=5)
+    for step in range(6, 13):
+        replay.log({"loss": 100.0 + step}, step)
+    replay.flush()
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert history == [(s, float(s)) for s in range(1, 11)] + [(11, 111.0), (12, 112.0)]
+    end = StepLogger(uri, run_id, flush_every=None, resumed_from=12)
+    end.log({"eval/top1": 0.9}, 12)
+    end.flush()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/top1")] == [(12, 0.9)]
+    fresh = StepLogger(uri, client.create_run(experiment).info.run_id, flush_every=None, resumed_from=5)
+    fresh.log({"loss": 6.0}, 6)  # a resumed run that had written nothing writes every step
+    fresh.flush()
+    assert [m.step for m in client.get_metric_history(fresh.run_id, "loss")] == [6]
 
 
 def test_mlflow_run_reads_back(trained):

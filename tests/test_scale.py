@@ -64,11 +64,12 @@ def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digi
 
 def test_failed_final_evaluation_keeps_the_model(ray_local, digits_root, tmp_path):
     """Save before judging: a final evaluation that cannot be computed (ProLIP with more calibration bins than the
-    eval sets have queries) fails the run with a one-line reason naming the task; the model is in MLflow."""
+    eval sets have queries) fails the run with a one-line reason naming the task; the model is in MLflow. The run
+    trains with the reader's augmentation (crop, jitter, flip in Ray Data's tasks)."""
     cfg = load_config(ROOT / "configs" / "prolip_tiny.yaml", [
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"run.storage_path={tmp_path}/ray",
         "run.name=eval_fails", "run.experiment=test-eval-failure", *SMALL, "train.num_workers=1", "train.steps=8",
-        "eval.calibration_bins=100000"])
+        "eval.calibration_bins=100000", "data.augment=true", "data.augment_on=reader"])
     failed_evaluation_keeps_the_model(cfg, tmp_path)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pipelines.config import EvalTask
-from pipelines.train.summary import plot_lines, uncertainty_lines
+from pipelines.train.summary import headline, plot_lines, uncertainty_lines
 
 LEVELS = ["instance", "specific", "mid", "general"]
 TASKS = [EvalTask(name="digits_zeroshot", kind="zeroshot"), EvalTask(name="heldout", kind="retrieval")]
@@ -35,3 +35,14 @@ def test_plots_are_listed_where_the_sqlite_store_keeps_them(tmp_path):
     lines = plot_lines(result)
     assert lines[0].endswith(f"{folder}/") and "sigma^2 bin" in lines[0] and "caption level" in lines[0]
     assert lines[1:] == ["  digits_zeroshot_uncertainty.png", "  heldout_analyses.png"]
+
+
+def test_headline_says_n_a_where_a_calibration_is_undefined():
+    metrics = {"heldout/i2t_R1": 0.25, "heldout/t2i_R1": 0.0, "heldout/rsum": 19.14, "heldout/i2t_calib_score": 0.2,
+               "heldout/t2i_calib_score": float("nan"), "heldout/image_sigma2_mean": 1e-4, "heldout_loss/loss": 7.1}
+    lines = headline(metrics)
+    assert lines[:2] == ["  heldout: i2t_R1 0.25, t2i_R1 0, rsum 19.14, i2t_calib_score 0.2, t2i_calib_score n/a",
+                         "  heldout_loss: loss 7.1"]
+    assert "same in every sigma^2 bin" in lines[2] and len(lines) == 3
+    metrics["heldout/t2i_calib_score"] = -0.1
+    assert len(headline(metrics)) == 2 and "n/a" not in " ".join(headline(metrics))

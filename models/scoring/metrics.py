@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy import stats
 
 
 @dataclass
@@ -118,6 +117,9 @@ def calibration(uncertainty: np.ndarray, correct: np.ndarray, bins: int = 10) ->
     level = np.arange(bins, dtype=np.float64)
     if np.ptp(bin_m) == 0:
         return Calibration(bin_u, bin_m, float("nan"), float("nan"))
+    # deferred: 0.4 s to import, for the few calibration curves a run computes
+    from scipy import stats
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rho = float(stats.spearmanr(level, bin_m).statistic)

@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from pipelines.evaluate.embed import TaskEmbeddings
+from pipelines.evaluate.plotting import pyplot
 from pipelines.evaluate.tasks import TaskResult, score_task
 
 
@@ -33,11 +32,10 @@ LABELS = {"i2t": "image->text R@1", "t2i": "text->image R@1", "top1": "zero-shot
 
 def comparison_plot(task: str, results: dict[str, TaskResult], folder: Path) -> Path | None:
     """Metric per uncertainty bin (ProbVLM Fig. 3 style), one panel per direction, one line per model."""
-    matplotlib.use("Agg")
-
     directions = sorted({d for r in results.values() for d in r.calibrations})
     if not directions:
         return None
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(directions), figsize=(5 * len(directions), 4), squeeze=False)
     for ax, direction in zip(axes[0], directions):
         for name, res in results.items():

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -40,10 +39,9 @@ from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, w
 from pipelines.config import EvalTask
 from pipelines.evaluate.embed import TaskEmbeddings, autocast, model_device, on_device
 from pipelines.evaluate.names import DIRECTIONS
+from pipelines.evaluate.plotting import pyplot
 from pipelines.evaluate.uncertainty import Analyses, analyse, write_analyses
 
-matplotlib.use("Agg")  # plots are written to files, on machines without a display
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 SCORE_ELEMENTS = 2**24  # queries x gallery scores held at once
 
@@ -289,6 +287,7 @@ def write_plots(results: dict[str, TaskResult], folder: Path) -> list[Path]:
     for name, res in results.items():
         if not res.calibrations:
             continue
+        plt = pyplot()
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
         for what, cal in res.calibrations.items():
             label = {"i2t": "image->text R@1", "t2i": "text->image R@1", "top1": "zero-shot top-1"}.get(what, what)

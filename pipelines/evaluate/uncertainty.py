@@ -23,16 +23,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
-from scipy import stats
 
 from models.distributions import inclusion_test
 from pipelines.evaluate.embed import embed_texts
-
-matplotlib.use("Agg")  # plots are written to files, on machines without a display
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+from pipelines.evaluate.plotting import pyplot
 
 
 @dataclass
@@ -43,6 +39,9 @@ class Analyses:
 
 
 def spearman(x, y) -> float:
+    # deferred: scipy.stats takes 0.4 s to import, and most runs draw no analysis
+    from scipy import stats
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return float(stats.spearmanr(x, y).statistic)
@@ -132,6 +131,7 @@ def write_analyses(name: str, analyses: Analyses, folder: Path) -> list[Path]:
     """`{name}_analyses.png` (four panels; a skipped one says why) and `{name}_analyses.json` (numbers, reasons)."""
     for what, reason in analyses.skipped.items():
         print(f"uncertainty analyses, task {name}: {what} skipped: {reason}")
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     (length_ax, level_ax), (hist_ax, inc_ax) = axes
     series, metrics = analyses.series, analyses.metrics

@@ -3,6 +3,7 @@ the final evaluation measured (sigma^2 by caption level, where the plots are), a
 model predicts for them and their sigma^2. Everything but the sample predictions comes from the run's final metrics."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -85,13 +86,21 @@ HEADLINE = ("top1", "top5", "i2t_R1", "t2i_R1", "rsum", "loss", "i2t_calib_score
 
 
 def headline(metrics: dict) -> list[str]:
-    """One line per eval task with its main numbers."""
+    """One line per eval task with its main numbers; a calibration score that is undefined (NaN: the metric is
+    the same in every sigma^2 bin) reads n/a, with a line saying why."""
     tasks: dict[str, list[str]] = {}
+    undefined = False
     for key, value in metrics.items():
         task, _, name = key.partition("/")
         if name in HEADLINE and isinstance(value, (int, float)):
-            tasks.setdefault(task, []).append(f"{name} {value:.4g}")
-    return [f"  {task}: {', '.join(parts)}" for task, parts in tasks.items()]
+            nan = math.isnan(value)
+            undefined |= nan
+            tasks.setdefault(task, []).append(f"{name} n/a" if nan else f"{name} {value:.4g}")
+    lines = [f"  {task}: {', '.join(parts)}" for task, parts in tasks.items()]
+    if undefined:
+        lines.append("  (n/a: the metric is the same in every sigma^2 bin, e.g. no query right, so it cannot "
+                     "track sigma^2)")
+    return lines
 
 
 # What each caption level (pipelines.data.captions; the bundled digits carry all four) says about an image.

@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
-import matplotlib
 import pandas as pd
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
-                              set_dotted)
+                              read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
-from pipelines.tracking import end_trial_runs, find_run, finish_with_results, start_run, tracking_uri
+from pipelines.evaluate.plotting import pyplot
+from pipelines.tracking import LOCAL_DIR, end_trial_runs, find_run, finish_with_results, start_run, tracking_uri
 from pipelines.train.progress import ProgressLine
-
-matplotlib.use("Agg")  # plots are written to files, on machines without a display
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 
 class Domain(Section):
@@ -83,7 +83,8 @@ class TuneSettings(Section):
     search_alg: Literal["optuna", "random"] = "optuna"
     seed: int = 0
     scheduler: Literal["asha", "fifo"] = "asha"
-    # ASHA counts Ray reports (one per train.eval_every steps, plus the final one).
+    # In reports (one per train.eval_every steps, plus the final one): ASHA's first rung comes after
+    # grace_period * eval_every training steps.
     grace_period: int = Field(1, ge=1)
     reduction_factor: int = Field(2, ge=2)
     # First trials to run, as {dotted.key: value}; the search algorithm suggests the rest.
@@ -97,8 +98,9 @@ class SweepConfig(Section):
     overrides: list[str] = Field(default_factory=list)
     space: dict[str, Domain]
     tune: TuneSettings = Field(default_factory=TuneSettings)
-    # Set by load_sweep from the base config: results one full trial reports to Tune.
+    # Set by load_sweep from the base config: results one full trial reports to Tune, steps between them.
     reports_per_trial: int = 0
+    eval_every: int = 0
 
 
 def trial_config(base: dict[str, Any], params: dict[str, Any]) -> Config:
@@ -114,7 +116,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
     if not path.is_file():
         raise ConfigError(f"sweep file not found: {path}")
     try:
-        data = apply_overrides(yaml.safe_load(path.read_text()) or {}, overrides or [])
+        data = apply_overrides(read_yaml(path.read_text()) or {}, overrides or [])
         sweep = SweepConfig.model_validate(data)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
@@ -155,6 +157,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
                           "(every report to Tune must carry the metric)")
     # Validation reports at eval_every, 2*eval_every, ... before the last step, then the final report.
     sweep.reports_per_trial = (t.steps - 1) // t.eval_every + 1
+    sweep.eval_every = t.eval_every
     return sweep, base
 
 
@@ -180,7 +183,8 @@ def finite(value: Any) -> bool:
 
 
 def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
-    """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict)."""
+    """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict). The summary is None when
+    the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again resumes it."""
     from ray import tune  # deferred: see the module docstring
 
     from pipelines.cluster.runtime import init_ray, local_cpus
@@ -195,6 +199,9 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     uri = tracking_uri(base.tracking.uri)
     root = absolute_local(s.storage_path).rstrip("/")
     exp_path = f"{root}/{s.name}"
+    # The driver runs the scheduler, so its rungs are a local file: beside the experiment, or in the project's
+    # .probvlp/tune when the experiment is in cloud storage.
+    rungs_file = str(LOCAL_DIR / "tune" / s.name if "://" in root else exp_path) + "_asha_rungs.json"
 
     parent = find_run(uri, s.experiment, f"sweep:{s.name}")
     if parent is None:
@@ -211,14 +218,37 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     if tune.Tuner.can_restore(exp_path):
         tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
+        Path(rungs_file).unlink(missing_ok=True)  # a new sweep of an old name: not that sweep's rungs
         tuner = tune.Tuner(trainable, param_space={k: d.to_tune() for k, d in sweep.space.items()},
                            tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, num_samples=s.num_samples,
-                                                       search_alg=_searcher(sweep), scheduler=_scheduler(sweep)),
+                                                       search_alg=_searcher(sweep),
+                                                       scheduler=_scheduler(sweep, rungs_file)),
                            run_config=tune.RunConfig(name=s.name, storage_path=root,
                                                      callbacks=[trial_progress(s.num_samples, s.metric)]))
-    grid = tuner.fit()
+    grid, interrupted = fit_noting_ctrl_c(tuner)
+    if interrupted:  # Tune saved the experiment with trials still to run: nothing to summarise yet
+        return grid, parent, None
     summary = summarize_sweep(grid, sweep, base, uri, parent)
     return grid, parent, summary
+
+
+def fit_noting_ctrl_c(tuner):
+    """tuner.fit(), and whether a Ctrl-C stopped it. Tune catches the first SIGINT (it saves the experiment and
+    returns) and puts back the handler it found there, so that a second one ends the process: this function's
+    handler back in place after the fit is the sign. Tune catches no signal outside the main thread or with
+    TUNE_DISABLE_SIGINT_HANDLER=1 (a Ctrl-C then ends the process at once)."""
+    if threading.current_thread() is not threading.main_thread() or os.environ.get("TUNE_DISABLE_SIGINT_HANDLER") == "1":
+        return tuner.fit(), False
+
+    def second_ctrl_c(signum, frame):
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, second_ctrl_c)
+    try:
+        grid = tuner.fit()
+        return grid, signal.getsignal(signal.SIGINT) is second_ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def trial_progress(total: int, metric: str):
@@ -263,16 +293,19 @@ def _searcher(sweep: SweepConfig):
                                  random_state=s.seed)
 
 
-def _scheduler(sweep: SweepConfig):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler  # deferred: see the module docstring
+def _scheduler(sweep: SweepConfig, rungs_file: str):
+    from ray.tune.schedulers import FIFOScheduler  # deferred: see the module docstring
+
+    from pipelines.train.asha import ResumableASHA
 
     s = sweep.tune
     if s.scheduler == "fifo":
         return FIFOScheduler()
-    # One past the last report: a trial that runs to the end finishes by itself (final checkpoint, model
-    # artifacts, MLflow status) instead of being stopped by ASHA at its last report.
-    max_t = sweep.reports_per_trial + 1
-    return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(s.grace_period, max_t - 1),
+    # In steps (reports come every eval_every steps). One report past the last: a trial that runs to the end
+    # finishes by itself (final checkpoint, model artifacts, MLflow status) instead of being stopped by ASHA.
+    max_reports = sweep.reports_per_trial + 1
+    return ResumableASHA(state_file=rungs_file, max_t=max_reports * sweep.eval_every,
+                         grace_period=min(s.grace_period, max_reports - 1) * sweep.eval_every,
                          reduction_factor=s.reduction_factor)
 
 
@@ -331,6 +364,7 @@ def markdown_table(table) -> str:
 
 
 def plot_knobs(table, knobs: list[str], metric: str, path: Path) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False)
     for ax, knob in zip(axes[0], knobs):
         for status, marker in (("completed", "o"), ("stopped early", "x"), ("error", "s")):

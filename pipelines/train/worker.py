@@ -170,7 +170,9 @@ class TrainWorker:
         self.progress = train_state.restore(self.engine) or Progress()
         # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
         flush_every = None if self.t.checkpoint_every else 500
-        self.logger = StepLogger(mlflow_uri, run_id, flush_every) if self.rank == 0 else None
+        self.logger = None
+        if self.rank == 0:  # a restart's replayed steps are not written twice (StepLogger)
+            self.logger = StepLogger(mlflow_uri, run_id, flush_every, resumed_from=self.progress.step)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
         if self.logger:
             # Where torch.distributed traffic goes (local runs must stay on loopback).
