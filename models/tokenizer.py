@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -11,29 +12,37 @@ if TYPE_CHECKING:  # open_clip's tokenizer imports torch when it is first used: 
 
 VOCAB_SIZE = 49408
 EOT_TOKEN = 49407
+_MODULE = "_probvlp_open_clip_tokenizer"
+_LOAD_LOCK = threading.RLock()
 
 
 def _tokenizer_module():
     """open_clip's tokenizer module. Its package __init__ imports every open_clip model (timm included,
     ~3 s), which a Ray Data worker that only tokenizes should not pay: the module has no relative
     imports, so it is loaded from its file alone; if that ever fails, through the package."""
-    if "open_clip.tokenizer" in sys.modules:
-        return sys.modules["open_clip.tokenizer"]
-    name = "_probvlp_open_clip_tokenizer"
-    if name in sys.modules:
-        return sys.modules[name]
-    package = importlib.util.find_spec("open_clip")
-    try:
-        spec = importlib.util.spec_from_file_location(name, f"{package.submodule_search_locations[0]}/tokenizer.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-    except Exception:  # noqa: BLE001 - a future open_clip layout: take the slow, sure path
-        sys.modules.pop(name, None)
-        import open_clip.tokenizer
+    with _LOAD_LOCK:  # a thread that finds the module registered must not see it half made
+        if "open_clip.tokenizer" in sys.modules:
+            return sys.modules["open_clip.tokenizer"]
+        if _MODULE in sys.modules:
+            return sys.modules[_MODULE]
+        source = f"{importlib.util.find_spec('open_clip').submodule_search_locations[0]}/tokenizer.py"
+        try:
+            spec = importlib.util.spec_from_file_location(_MODULE, source)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[_MODULE] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                # What `import` does: a module whose code stopped part way leaves sys.modules. Ray Data cancels a
+                # task with a KeyboardInterrupt (an epoch or a run ending), which can land in the ~1 s this module
+                # spends importing torch; left registered, every later task of that worker process failed on it.
+                sys.modules.pop(_MODULE, None)
+                raise
+            return module
+        except Exception:  # noqa: BLE001 - a future open_clip layout: take the slow, sure path
+            import open_clip.tokenizer
 
-        return open_clip.tokenizer
+            return open_clip.tokenizer
 
 
 @lru_cache(maxsize=4)

@@ -296,3 +296,38 @@ def test_data_workers_tokenize_without_importing_model_code():
 
     expected = open_clip.tokenize(["a photo of a dog"], 8).tolist()
     assert out.stdout.split("\n")[:2] == ["False", f"{expected} False False False"]
+
+
+def test_tokenizer_load_stopped_part_way_is_retried_not_left_half_made():
+    """Ray Data cancels a running task with a KeyboardInterrupt (an epoch or a run ending). Landing while the
+    tokenizer's module runs its imports, it must leave nothing behind: the worker process's next tokenization loads
+    the module afresh (a half-made module left in sys.modules failed every later task of that process)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+
+class InterruptOnce:
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "ftfy" and not InterruptOnce.fired:  # the tokenizer module's first import
+            InterruptOnce.fired = True
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, InterruptOnce())
+from models.tokenizer import tokenize
+try:
+    tokenize(["a photo of a dog"], 8)
+except KeyboardInterrupt:
+    print("interrupted")
+print(tokenize(["a photo of a dog"], 8).tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import open_clip
+
+    assert out.stdout.split("\n")[:2] == ["interrupted", str(open_clip.tokenize(["a photo of a dog"], 8).tolist())]
