@@ -7,10 +7,14 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast test-long test-gpu install clean bench cluster-up cluster-down
 
+# pip byte-compiles the ~20,000 installed modules one at a time; compileall does the same on every core (fresh
+# clones on 2 cores, alternating: 70-102 s, against 98-129 s for pip's own). Its exit status is not checked: like
+# pip, it meets a few files that only a newer Python parses (torch's tests), which stay uncompiled as under pip.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	@$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	@touch $(STAMP)
 
 install: $(STAMP)
