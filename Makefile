@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test test-fast test-long test-gpu install clean bench cluster-up cluster-down
 
 # pip byte-compiles the ~20,000 installed modules one at a time; compileall does the same on every core (fresh
-# clones on 2 cores, alternating: 70-102 s, against 98-129 s for pip's own). Its exit status is not checked: like
+# clones on 2 cores, alternating: 70-104 s, against 98-129 s for pip's own). Its exit status is not checked: like
 # pip, it meets a few files that only a newer Python parses (torch's tests), which stay uncompiled as under pip.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
