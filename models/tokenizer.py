@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # open_clip's tokenizer imports torch when it is first used: 
 VOCAB_SIZE = 49408
 EOT_TOKEN = 49407
 _MODULE = "_probvlp_open_clip_tokenizer"
-_LOAD_LOCK = threading.RLock()
+_LOAD_LOCK = threading.Lock()
 
 
 def _tokenizer_module():

@@ -279,32 +279,38 @@ def test_llip_training_cosines_match_naive_mixer():
     assert math.isfinite(out["pair_cos"].sum().item())
 
 
-def test_data_workers_tokenize_without_importing_model_code():
-    """What a Ray Data worker imports to read shards: the reader and the tokenizer, not timm or open_clip's models."""
+def fresh_python_lines(code: str) -> list[str]:
+    """The first two lines `code` prints in a new Python (the project's root as its folder), which must succeed."""
     import subprocess
     import sys
 
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split("\n")[:2]
+
+
+def open_clip_tokens() -> list[list[int]]:
+    """open_clip's own tokens for the caption the tokenizer tests use: the reference."""
+    import open_clip
+
+    return open_clip.tokenize(["a photo of a dog"], 8).tolist()
+
+
+def test_data_workers_tokenize_without_importing_model_code():
+    """What a Ray Data worker imports to read shards: the reader and the tokenizer, not timm or open_clip's models."""
     # Torch comes with the first tokenization, not with the import: the Ray Train and Ray Data actors that only
     # unpickle the reading plan (dataset manager, split coordinator) skip its import.
     code = ("import sys, pipelines.data.reader; from models.tokenizer import tokenize; print('torch' in sys.modules); "
             "t = tokenize(['a photo of a dog'], 8); "
             "print(t.tolist(), 'timm' in sys.modules, 'open_clip' in sys.modules, 'models.registry' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    import open_clip
-
-    expected = open_clip.tokenize(["a photo of a dog"], 8).tolist()
-    assert out.stdout.split("\n")[:2] == ["False", f"{expected} False False False"]
+    assert fresh_python_lines(code) == ["False", f"{open_clip_tokens()} False False False"]
 
 
 def test_tokenizer_load_stopped_part_way_is_retried_not_left_half_made():
     """Ray Data cancels a running task with a KeyboardInterrupt (an epoch or a run ending). Landing while the
     tokenizer's module runs its imports, it must leave nothing behind: the worker process's next tokenization loads
     the module afresh (a half-made module left in sys.modules failed every later task of that process)."""
-    import subprocess
-    import sys
-
     code = """
 import sys
 
@@ -325,9 +331,4 @@ except KeyboardInterrupt:
     print("interrupted")
 print(tokenize(["a photo of a dog"], 8).tolist())
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    import open_clip
-
-    assert out.stdout.split("\n")[:2] == ["interrupted", str(open_clip.tokenize(["a photo of a dog"], 8).tolist())]
+    assert fresh_python_lines(code) == ["interrupted", str(open_clip_tokens())]

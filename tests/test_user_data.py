@@ -38,7 +38,7 @@ def chance_rsum(tars: list[Path]) -> float:
 # The ZeRO-3 run must reach this multiple of a random ranking's held-out rsum (17.5 on these pairs). The 60-step run
 # is not repeatable (the order of Ray Data's batches, and of the samples img2dataset's threads write): 11 runs on
 # 2026-11-26/27 reached 52 to 128, median 98 (one at 52 in a full suite; 62, 77, 79, 98, 99, 108, 111, 113 in eight
-# runs of one session), so 3x chance failed once in eleven; a run that does not learn stays near 1x.
+# runs in a row), so 3x chance failed once in eleven; a run that does not learn stays near 1x.
 RSUM_OVER_CHANCE = 2.0
 
 
