@@ -70,6 +70,37 @@ def _unit(shape, seed: int) -> torch.Tensor:
     return F.normalize(torch.randn(*shape, generator=_gen(seed), dtype=f64), dim=-1)
 
 
+# ---------------------------------------------------------------------------------------------------- recipes
+_ABSENT = object()
+
+
+def _recipes(method: str):
+    """configs/<method>_tiny_official.yaml and the paper config it departs from."""
+    return (load_config(ROOT / "configs" / f"{method}_tiny_official.yaml"),
+            load_config(ROOT / "configs" / f"{method}_tiny.yaml"))
+
+
+def _shared_only(official: dict, paper: dict, chosen: dict) -> None:
+    """A test may choose sizes and weights, never a switch: each key it sets holds the same value (or none) in
+    both recipes, so the official side of every comparison is what the official YAML file says."""
+    switches = sorted(k for k in chosen if official.get(k, _ABSENT) != paper.get(k, _ABSENT))
+    assert not switches, f"the test overrides the official recipe's own switches {switches}"
+
+
+def official_model(method: str, **chosen):
+    """The model of configs/<method>_tiny_official.yaml, with the test's sizes `chosen` on top."""
+    cfg, paper = _recipes(method)
+    _shared_only(cfg.model.overrides, paper.model.overrides, chosen)
+    return create_model(cfg.model.name, **{**cfg.model.overrides, **chosen})
+
+
+def official_loss(method: str, **chosen):
+    """The loss of configs/<method>_tiny_official.yaml, with the test's weights `chosen` on top."""
+    cfg, paper = _recipes(method)
+    _shared_only(cfg.loss.params, paper.loss.params, chosen)
+    return create_loss(cfg.loss.name, **{**cfg.loss.params, **chosen})
+
+
 # ---------------------------------------------------------------------------------------------------- VIB
 def _prolip_kl_divergence(mu, logsigma_sq):
     """naver-ai/prolip @ 59f6324, src/prolip/loss.py, ProLIPLoss.kl_divergence."""
@@ -184,8 +215,7 @@ def test_prolip_official_objective_against_official_loss(case):
     leaves = {k: _leaf(v) for k, v in t.items()}
     out = {**leaves, "masked_rows": torch.arange(m)}  # the official code masks the first rows of the batch
     weights = dict(alpha1=0.3, alpha2=0.2, beta=0.1, eps=eps, c=c)
-    loss = create_loss("prolip", init_scale=1 / 0.07, init_bias=-10.0, vib_form="half_logvar", vib_guard=1e4,
-                       inclusion_guard=1e5, **weights).double()
+    loss = official_loss("prolip", **weights).double()  # scale, VIB form and guards from the official YAML
     ours = loss(out)
     official = _OfficialProLIPLoss(0.3, 0.2, eps, c, 0.1)
     # official ProLIP's model holds log(1/0.07) and -10 (model_configs/ViT-B-16-ProLIP.json: init_logit_bias)
@@ -241,22 +271,27 @@ def _pcmepp_mixup_target(lam: torch.Tensor, smoothing: float) -> torch.Tensor:
     return y1 * lam[:, None] + y2 * (1 - lam[:, None])
 
 
-def test_pml_official_total_against_official_loss():
+@pytest.mark.parametrize("guarded", [False, True])
+def test_pml_official_total_against_official_loss(guarded):
     b, d = 6, 5
     t = {"image_mu": _unit((b, d), 20), "text_mu": _unit((b, d), 21),
          "image_logvar": _logvar((b, d), 22), "text_logvar": _logvar((b, d), 23)}
+    if guarded:  # the image KL past 1e4: the official code drops it
+        t["image_logvar"] = t["image_logvar"].clamp(-1, 1) + 24.0
     leaves = {k: _leaf(v) for k, v in t.items()}
     lam = torch.tensor([1.0, 0.62, 1.0, 0.27, 1.0, 0.81], dtype=f64)
     out = {**leaves, "mix_lambda": lam, "mix_partner": b - 1 - torch.arange(b)}
-    smoothing, alpha, beta = 1e-4, 0.3, 0.2
-    loss = create_loss("pml", init_a=0.4, init_b=2.0, alpha=alpha, beta=beta, match_weight=2.0, pseudo_rows="both",
-                       label_smoothing=smoothing, vib_guard=1e4).double()
+    smoothing, alpha, beta = 1e-4, 0.3, 0.2  # official PCME++'s label smoothing; generic weights
+    # matching weight, pseudo-positive rows, label smoothing and the VIB guard from the official YAML
+    loss = official_loss("pcmepp", init_a=0.4, init_b=2.0, alpha=alpha, beta=beta).double()
     got = loss(out)
     ref = _pcmepp_official({"mean": leaves["image_mu"], "std": leaves["image_logvar"]},
                            {"mean": leaves["text_mu"], "std": leaves["text_logvar"]},
                            _pcmepp_mixup_target(lam, smoothing), loss.a.reshape(()), loss.b.reshape(()), beta, alpha)
     _assert_same(got["loss"], ref, [*leaves.values(), loss.a, loss.b])
     assert got["n_pseudo"].item() > 0  # the pseudo-positive rule is exercised
+    if guarded:
+        assert _kl_of("standard", leaves["image_mu"], leaves["image_logvar"]).item() > 1e4
 
 
 def _pml_reference(img_mu, img_lv, txt_mu, txt_lv, lam, partner, a, b, alpha, beta):
@@ -305,11 +340,19 @@ def _distinct_images(b: int) -> torch.Tensor:
     return (torch.arange(b, dtype=torch.float32) + 1.0).view(b, 1, 1, 1).expand(b, 3, 8, 8).clone()
 
 
+def _msda(**chosen) -> dict:
+    """The official PCME++ model's MSDA arguments (configs/pcmepp_tiny_official.yaml), as its forward passes them."""
+    model = official_model("pcmepp", **chosen)
+    return {"fraction": model.msda_fraction, "beta": model.msda_beta, **model.msda}
+
+
 def test_msda_bernoulli_selection_mixes_each_image_with_probability_fraction():
     torch.manual_seed(0)
+    official = _msda()
+    assert (official["fraction"], official["beta"]) == (0.25, 2.0)  # PCME++'s mixed share and Beta(2, 2)
     counts = []
     for _ in range(300):
-        _, lam, partner = mixed_sample(_distinct_images(64), 0.25, 2.0, selection="bernoulli")
+        _, lam, partner = mixed_sample(_distinct_images(64), **{**official, "partner": "random"})
         counts.append(int((partner != torch.arange(64)).sum()))
     mean = sum(counts) / len(counts)
     var = sum((c - mean) ** 2 for c in counts) / (len(counts) - 1)
@@ -325,7 +368,7 @@ def test_msda_reversed_partner_and_per_image_switch():
     torch.manual_seed(1)
     b = 64
     x = _distinct_images(b)
-    mixed, lam, partner = mixed_sample(x, 1.0, 2.0, selection="bernoulli", partner="reversed", switch="image")
+    mixed, lam, partner = mixed_sample(x, **_msda(msda_fraction=1.0))  # every image, to see both kinds
     assert torch.equal(partner, b - 1 - torch.arange(b))
     kinds = set()
     for i in range(b):
@@ -348,8 +391,7 @@ def test_msda_reversed_partner_and_per_image_switch():
 
 def test_pcmepp_model_passes_the_msda_switches():
     torch.manual_seed(2)
-    model = create_model("pcmepp_tiny", msda_fraction=1.0, msda_selection="bernoulli", msda_partner="reversed",
-                         msda_switch="image").train()
+    model = official_model("pcmepp", msda_fraction=1.0).train()
     out = model(torch.randn(6, 3, 32, 32), tokenize(["a digit"] * 6, 16))
     assert torch.equal(out["mix_partner"], torch.tensor([5, 4, 3, 2, 1, 0]))
     with pytest.raises(ValueError):
@@ -358,32 +400,34 @@ def test_pcmepp_model_passes_the_msda_switches():
 
 # ---------------------------------------------------------------------------------------------------- ProLIP model
 def test_prolip_official_masked_share_and_kept_patches_against_official_counts():
+    model = official_model("prolip")
     # naver-ai/prolip @ 59f6324, src/prolip_train/train.py (train_one_epoch): n_masked_samples = int(B * drop_ratio)
     for b in range(0, 70):
-        assert len(masked_rows(b, 0.125, counts="floor")) == int(b * 0.125)
+        assert len(masked_rows(b, model.mask_fraction, counts=model.mask_counts)) == int(b * 0.125)
     assert {b: len(masked_rows(b, 0.125)) for b in (4, 6, 12)} == {4: 1, 6: 1, 12: 2}  # the paper's reading
     assert {b: len(masked_rows(b, 0.125, counts="floor")) for b in (4, 6, 12)} == {4: 0, 6: 0, 12: 1}
     # src/prolip/transformer.py, VisionTransformer.forward with image_mask_ratio = args.drop_prob (the KEPT share):
     # one torch.randperm for the whole masked batch, its first int(n * keep) indices, sorted
     for n, keep in ((49, 0.75), (196, 0.75), (16, 0.75), (50, 0.5), (7, 0.75)):
         torch.manual_seed(n)
-        ours = random_keep(5, n, 1.0 - keep, counts="floor", shared=True)
+        ours = random_keep(5, n, 1.0 - keep, counts=model.mask_counts, shared=model.image_mask == "batch")
         torch.manual_seed(n)
         remain_size = int(n * keep)
         indices_to_keep = torch.randperm(n)[:remain_size]
         indices_to_keep, _ = torch.sort(indices_to_keep)
         assert torch.equal(ours, indices_to_keep.expand(5, -1))
-    assert random_keep(3, 49, 0.25).shape == (3, 37) and random_keep(3, 49, 0.25, counts="floor").shape == (3, 36)
+    assert model.image_mask_ratio == 0.25  # official ProLIP's --drop-prob 0.75 is the share KEPT    assert random_keep(3, 49, 0.25).shape == (3, 37) and random_keep(3, 49, 0.25, counts="floor").shape == (3, 36)
     per_row = random_keep(64, 49, 0.25)
     assert len({tuple(r) for r in per_row.tolist()}) > 1  # the paper's reading: a subset per image
 
 
 def test_prolip_model_passes_the_masking_switches():
     torch.manual_seed(0)
-    official = create_model("prolip_tiny", image_mask_ratio=0.25, mask_counts="floor", image_mask="batch").train()
+    official = official_model("prolip").train()
     images, tokens = torch.randn(24, 3, 32, 32), tokenize(["one two three"] * 24, 16)
     rows, keep, _ = official.masked_inputs(images, tokens)
-    assert len(rows) == 3 and keep.shape == (3, 12) and (keep == keep[:1]).all()
+    assert len(rows) == 3 and keep.shape == (3, 12) and (keep == keep[:1]).all()  # int(0.75 * 16) kept, one subset
+    assert len(official.masked_inputs(images[:12], tokens[:12])[0]) == 1  # int(0.125 * 12); the paper's reading 2
     out = official(images[:6], tokens[:6])  # int(0.125 * 6) = 0: no masked copies, the masked terms count 0
     assert out["masked_rows"].numel() == 0
     loss = create_loss("prolip")(out)
@@ -398,8 +442,9 @@ def test_bernoulli_text_mask_against_official_word_masking():
     captions = ["a bold wide seven slanted right", "seven", "a thin one", "two",
                 "the digit four written with a very thick pen and slanted far to the left"]  # the last one truncated
     tokens = tokenize(captions * 40, 16)
+    model = official_model("prolip")
     torch.manual_seed(3)
-    ours = random_text_mask(tokens, 0.75, "bernoulli")
+    ours = random_text_mask(tokens, model.mask_ratio, model.text_mask)
     torch.manual_seed(3)
     u = torch.rand(tokens.shape)  # the uniforms ours drew; the official code draws its own, row by row
     # the official layout: SigLIP's tokenizer has no start token and pads with its end token (id 1)
@@ -455,7 +500,7 @@ def _official_prolip_text(model, text):
 
 def test_prolip_official_text_tower_against_official_forward():
     torch.manual_seed(7)
-    model = create_model("prolip_tiny", text_causal=False, text_pad_attention=True, text_unc_from="pooled").double().eval()
+    model = official_model("prolip").double().eval()
     with torch.no_grad():  # log sigma^2 spread over several units, not only near the initial -10
         model.text_unc_proj.bias.copy_(_logvar((64,), 50))
         model.text_unc_proj.weight.mul_(20.0)
@@ -536,8 +581,7 @@ def _llip_official_loss(K, Q, V_visual, V_text, out_proj, weight_temp, logit_sca
 
 def _llip_official():
     torch.manual_seed(5)
-    return create_model("llip_tiny", kv_proj="per_token", query_from="hidden", zeroshot_query="mean_query",
-                        mixer_heads=2, mixture_tokens=3).double().eval()
+    return official_model("llip", mixer_heads=2, mixture_tokens=3).double().eval()
 
 
 def test_llip_official_model_and_loss_against_official_code():
@@ -546,7 +590,7 @@ def test_llip_official_model_and_loss_against_official_code():
     tokens = tokenize(["one", "two three", "four five six", "seven"], 16)
     # official model: init_logit_scale = np.log(1 / 0.07) (CLIP.__init__), init_logit_bias -10 (model_configs/
     # ViT-B-16-quickgelu-siglip-ncls:64.json); no SigLIP init
-    loss = create_loss("llip", init_scale=1 / 0.07).double()
+    loss = official_loss("llip").double()
     assert loss.logit_scale.item() == pytest.approx(math.log(1 / 0.07), rel=1e-7) and loss.logit_bias.item() == -10.0
     out = model(images, tokens)
     ours = loss(out)["loss"]

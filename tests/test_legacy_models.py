@@ -9,7 +9,6 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from models.model_file import load_model
@@ -38,14 +37,30 @@ def test_model_file_from_before_loads_and_embeds_as_it_did(expected):
     _close({k: v[0] for k, v in got.items()}, expected)
 
 
+PREDICT = """
+import json, sys
+import mlflow.pyfunc, pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+frame = model.predict(pd.DataFrame({"image": [open(sys.argv[2], "rb").read()], "caption": [sys.argv[3]]}))
+import models
+print(json.dumps({"models_from": models.__file__, **frame.iloc[0].to_dict()}))
+"""
+
+
 def test_mlflow_model_from_before_loads_and_predicts_as_it_did(expected, tmp_path):
-    import mlflow.pyfunc
+    """In a fresh Python outside the checkout, so that the model's archived code (its own `code/models/`) is what
+    runs: in this process `models.serving` is already imported from the tree and MLflow would reuse it."""
+    import subprocess
+    import sys
 
     folder = tmp_path / "model"
     shutil.copytree(LEGACY / "mlflow_model", folder)
     with tarfile.open(LEGACY / "mlflow_model_code.tar.gz") as tar:
         tar.extractall(folder, filter="data")
-    model = mlflow.pyfunc.load_model(str(folder))
-    image = (LEGACY / "image.png").read_bytes()
-    frame = model.predict(pd.DataFrame({"image": [image], "caption": [expected["caption"]]}))
-    _close(frame.iloc[0].to_dict(), expected)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", PREDICT, str(folder), str(LEGACY / "image.png"), expected["caption"]],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got.pop("models_from") == str(folder / "code" / "models" / "__init__.py")
+    _close(got, expected)
