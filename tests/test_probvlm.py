@@ -416,36 +416,54 @@ SHUFFLES = 1000  # seeded permutations of sigma^2 across the queries: the negati
 MARGIN = 0.1
 
 
-def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted):
-    """The logged calibration (PCME++ / ProbVLM: queries in 10 sigma^2 bins, Spearman S and R^2 between bin and R@1,
-    -S R^2) is that of the per-query sigma^2 and R@1 recomputed here, and on the captions (t2i) each model's sigma^2 is
-    tied to how well the caption retrieves its image far beyond a negative control, the same sigma^2 shuffled across
-    the queries (same values, no link to any query): the PFE-style baseline's is calibrated (the larger sigma^2, the
-    lower its image ranks), the adapter's the other way (the captions many images match, the class templates, get
-    the larger sigma^2: docs/RESULTS.md "ProbVLM adapter"). The image side (i2t) is printed, not asserted: neither
-    model's is reliably tied to retrieval on the digits."""
+@pytest.fixture(scope="module")
+def calibration_inputs(adapted) -> dict[str, dict]:
+    """Per model ("adapter", "baseline") and direction, the held-out queries' sigma^2 and first-hit ranks."""
     res, _, root, _ = adapted
-    m = res.metrics
+    return {name: held_out_calibration_inputs(file, root)
+            for name, file in (("adapter", res.model_file), ("baseline", res.baseline_file))}
+
+
+def t2i_rho_and_control(s2: np.ndarray, first_hit: np.ndarray) -> tuple[float, np.ndarray]:
+    """Spearman rho(sigma^2, rank of the first positive) and the same for SHUFFLES seeded shuffles of sigma^2."""
     rng = np.random.default_rng(0)
-    t2i = {}
-    for name, prefix, file in (("adapter", "", res.model_file), ("baseline", "baseline/", res.baseline_file)):
-        for direction, (s2, first_hit) in held_out_calibration_inputs(file, root).items():
+    s2_rank, hit_rank = stats.rankdata(s2), stats.rankdata(first_hit)
+    rho = np.corrcoef(s2_rank, hit_rank)[0, 1]  # Spearman: Pearson of the ranks
+    return rho, np.array([np.corrcoef(rng.permutation(s2_rank), hit_rank)[0, 1] for _ in range(SHUFFLES)])
+
+
+def test_calibration_of_adapter_and_baseline_on_held_out_retrieval(adapted, calibration_inputs):
+    """The logged calibration (PCME++ / ProbVLM: queries in 10 sigma^2 bins, Spearman S and R^2 between bin and R@1,
+    -S R^2) is that of the per-query sigma^2 and R@1 recomputed here, and on the captions (t2i) the PFE-style
+    baseline's sigma^2 is calibrated far beyond a negative control, the same sigma^2 shuffled across the queries
+    (same values, no link to any query): the larger sigma^2, the lower its image ranks. The adapter's is
+    test_adapter_caption_sigma2_is_calibrated's (an expected failure). The image side (i2t) is printed, not
+    asserted: neither model's is reliably tied to retrieval on the digits."""
+    res = adapted[0]
+    m = res.metrics
+    for name, prefix in (("adapter", ""), ("baseline", "baseline/")):
+        for direction, (s2, first_hit) in calibration_inputs[name].items():
             real = calibration(s2, first_hit == 0)
             logged = [m[f"{prefix}digits_retrieval/{direction}_calib_{k}"] for k in ("rho", "r2", "score")]
             assert logged == pytest.approx([real.rho, real.r2, real.score], abs=1e-9), (name, direction)
-            s2_rank, hit_rank = stats.rankdata(s2), stats.rankdata(first_hit)
-            rho = np.corrcoef(s2_rank, hit_rank)[0, 1]  # Spearman: Pearson of the ranks
-            control = np.array([np.corrcoef(rng.permutation(s2_rank), hit_rank)[0, 1] for _ in range(SHUFFLES)])
+            rho, control = t2i_rho_and_control(s2, first_hit)
             print(f"{name} {direction}: rho(sigma^2, rank of the first positive) {rho:+.3f}; shuffled "
                   f"{control.min():+.3f}..{control.max():+.3f}; binned -S R^2 {real.score:+.3f} (S {real.rho:+.2f}, "
                   f"R^2 {real.r2:.2f}), R@1 per bin {np.round(real.bin_metric, 2).tolist()}")
-            if direction == "t2i":
-                t2i[name] = rho, control
-    rho, control = t2i["baseline"]
+    rho, control = t2i_rho_and_control(*calibration_inputs["baseline"]["t2i"])
     assert rho > control.max() + MARGIN, (rho, control.max())
-    rho, control = t2i["adapter"]
-    assert rho < control.min() - MARGIN, (rho, control.min())
     assert (res.out / "plots" / "digits_retrieval_calibration_vs_baseline.png").stat().st_size > 10_000
+
+
+@pytest.mark.xfail(strict=True, reason="the adapter's caption sigma^2 ranks the wrong way on the digits (rho -0.54 / "
+                   "-0.66 against the shuffles' +-0.21): the class templates, the captions it retrieves best, are the "
+                   "ambiguous ones it gives the larger sigma^2 (docs/RESULTS.md, 'Why caption-side (t2i) calibration "
+                   "is not reproduced on this set')")
+def test_adapter_caption_sigma2_is_calibrated(calibration_inputs):
+    """ProbVLM's claim (Sec. 4.1, Fig. 4): the larger a caption's sigma^2, the lower its image ranks, beyond the
+    shuffled control, as the baseline's does in the test above."""
+    rho, control = t2i_rho_and_control(*calibration_inputs["adapter"]["t2i"])
+    assert rho > control.max() + MARGIN, (rho, control.max())
 
 
 def mask_patches(images: torch.Tensor, fraction: float, seed: int = 0, patch: int = 4) -> torch.Tensor:
