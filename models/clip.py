@@ -5,11 +5,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.gather import World
+from models.accumulate import SplitForward
 from models.towers import TowerConfig
 
 
-class CLIP(nn.Module):
+class CLIP(SplitForward, nn.Module):
     """[CLS] of a ViT and EOT token of a causal text transformer, linearly projected and L2-normalised."""
     # encode_* return mu only
     probabilistic = False
@@ -30,7 +30,7 @@ class CLIP(nn.Module):
         pooled = x[torch.arange(x.shape[0], device=x.device), self.text.eot_index(tokens)]
         return {"mu": F.normalize(self.text_proj(pooled), dim=-1)}
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
+    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
         txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
         img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
         return {"image_mu": img["mu"], "text_mu": txt["mu"]}

@@ -77,7 +77,9 @@ class GPO(nn.Module):
         out = (out[..., : self.d_hidden] + out[..., self.d_hidden :]) / 2  # average of both directions
         scores = self.score(out).squeeze(-1)  # (n, max_len)
         valid = torch.arange(max_len)[None, :] < lengths_cpu[:, None]
-        scores = scores.float().masked_fill(~valid.to(scores.device), float("-inf"))
+        # at least float32 (float64 stays: a float32 round trip would put float64 runs ~1e-7 off)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        scores = scores.masked_fill(~valid.to(scores.device), float("-inf"))
         return torch.softmax(scores / self.temperature, dim=1)
 
     def weights(self, lengths: torch.Tensor | None, max_len: int, device=None) -> torch.Tensor:

@@ -4,8 +4,8 @@ The image tower carries K learnable mixture tokens instead of [CLS]; their outpu
 the embedding width, are the keys and values of ``models.llip_mixer.LlipMixer`` (8 heads, temperature
 tau, output projection), whose queries are the captions' embeddings (Eq. 1-2). The forward computes
 the contextualised cosines of the local images against the captions of ALL workers
-(``world.gather``, with gradient) inside the module's forward, as ZeRO-3 requires, for the sigmoid
-loss (Eq. 3). Zero-shot contextualises every image with each class's template-averaged query.
+(``world.gather``, with gradient) inside the module's forward (``pair_out``), as ZeRO-3 requires, for the
+sigmoid loss (Eq. 3). Zero-shot contextualises every image with each class's template-averaged query.
 """
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.accumulate import SplitForward
 from models.gather import World
 from models.llip_mixer import LlipMixer
 from models.towers import TowerConfig
 
 
-class Llip(nn.Module):
+class Llip(SplitForward, nn.Module):
     """Options (paper defaults first; official Llip's second, docs/FIDELITY.md):
     kv_proj "shared" (one K and one V projection of the projected mixture tokens) | "per_token" (a K and
     a V projection per mixture token, from the image tower's outputs); query_from "embedding" (the
@@ -85,11 +86,16 @@ class Llip(nn.Module):
         query_all = world.gather(text_out["query"]) if self.query_from == "hidden" else text_all
         return self.mixer(mix, query_all, text_all)
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
-        world = world or World.current()
+    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
+        """Per sample: image_mu, image_mix (the mixer's input), text_mu (and text_query with query_from "hidden")."""
         txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
         img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
-        return {"image_mu": img["mu"], "text_mu": txt["mu"], "pair_cos": self.pair_cos(img["mix"], txt, world)}
+        return {"image_mu": img["mu"], "image_mix": img["mix"], **{f"text_{k}": v for k, v in txt.items()}}
+
+    def pair_out(self, features: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+        """The contextualised cosines of the local images against every worker's captions, with the mixer."""
+        text = {"mu": features["text_mu"], **({"query": features["text_query"]} if "text_query" in features else {})}
+        return {**features, "pair_cos": self.pair_cos(features["image_mix"], text, world)}
 
     def class_embeddings(self, template_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per class: "mu", the renormalised mean template embedding (the contextualisation's target), and

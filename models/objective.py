@@ -4,7 +4,8 @@ Training-step features live in the models' forward (pure PyTorch, active in trai
 ProLIP-style masked copies (``masked_rows``, ``image_masked_mu``/``_logvar``, ``text_masked_mu``/
 ``_logvar``), PCME++'s mixed-sample augmentation (``mix_lambda``, ``mix_partner``) and Llip's
 contextualised cosines against all workers' captions (``pair_cos``, gathered with ``world``). The
-Objective passes ``world`` to the model and the loss and adds sigma^2 statistics for logging.
+Objective passes ``world`` to the model and the loss and adds sigma^2 statistics for logging. Its stages split
+a step for feature-cache accumulation (``models.accumulate``, ``train.grad_accum``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from models.accumulate import surrogate
 from models.gather import World
 from models.losses import create_loss
 from models.registry import create_model, default_loss
@@ -20,16 +22,43 @@ from models.towers import compile_blocks, set_grad_checkpointing
 
 
 class Objective(nn.Module):
+    """Model + loss. ``forward(images, tokens, world)`` is one pass over a batch; the other stages (``stage=``)
+    are the pieces of ``models.accumulate.CachedBatch``, routed through ``forward`` so that a DeepSpeed engine
+    wrapping this module runs each of them under its autocast and ZeRO-3 parameter gathering."""
+
     def __init__(self, model: nn.Module, loss: nn.Module):
         super().__init__()
         self.model = model
         self.loss = loss
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, *args, stage: str = "batch", **kwargs) -> dict[str, torch.Tensor] | torch.Tensor:
+        if stage not in STAGES:
+            raise ValueError(f"unknown objective stage {stage!r}; known: {', '.join(STAGES)}")
+        return getattr(self, STAGES[stage])(*args, **kwargs)
+
+    def batch_loss(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
         world = world or World.current()
-        out = self.model(images, tokens, world)
-        parts = self.loss(out, world)
-        return {**parts, **uncertainty_stats(out)}
+        return self.loss_of(self.model(images, tokens, world), world)
+
+    def loss_of(self, out: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+        return {**self.loss(out, world), **uncertainty_stats(out)}
+
+    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-sample features of a micro-batch (its slice of the batch's draws)."""
+        return self.model.features(images, tokens, draws)
+
+    def cached_loss(self, features: dict[str, torch.Tensor], world: World | None = None) -> dict[str, torch.Tensor]:
+        """The loss of the whole batch from its (cached) features."""
+        world = world or World.current()
+        return self.loss_of(self.model.pair_out(features, world), world)
+
+    def surrogate(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict[str, torch.Tensor],
+                  grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A micro-batch's features again, with graph, dotted with their cached gradients (models.accumulate)."""
+        return surrogate(self.model.features(images, tokens, draws), grads)
+
+
+STAGES = {"batch": "batch_loss", "features": "features", "loss": "cached_loss", "surrogate": "surrogate"}
 
 
 def loss_name(cfg: Any) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.gather import World
+from models.accumulate import SplitForward
 from models.heads import GPO, Float32Linear
 from models.prolip import negative_csd, prompt_ensemble
 from models.towers import TowerConfig, reset_linear_and_norm
@@ -79,7 +79,7 @@ def mixed_sample(images: torch.Tensor, fraction: float, beta: float, selection: 
     return images, lam, partners
 
 
-class PCMEPP(nn.Module):
+class PCMEPP(SplitForward, nn.Module):
     # encode_* return log sigma^2 ("logvar") beside mu: scored by CSD, calibrated in evaluation
     probabilistic = True
 
@@ -131,15 +131,19 @@ class PCMEPP(nn.Module):
         logvar = self.text_var_gpo(self.text_var_proj(var_tokens), lengths)
         return {"mu": F.normalize(mu, dim=-1), "logvar": logvar}
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
-        out = {}
-        if self.training and self.msda_fraction > 0:
-            images, lam, partner = mixed_sample(images, self.msda_fraction, self.msda_beta, **self.msda)
-            out.update(mix_lambda=lam, mix_partner=partner)
+    def draw(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
+        """MSDA over the whole batch (a partner may be any of its images): the mixed images, and mix_lambda /
+        mix_partner (batch row indices) for the loss's soft labels."""
+        if not (self.training and self.msda_fraction > 0):
+            return images, {}, {}
+        images, lam, partner = mixed_sample(images, self.msda_fraction, self.msda_beta, **self.msda)
+        return images, {}, {"mix_lambda": lam, "mix_partner": partner}
+
+    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
         txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
         img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
-                "text_logvar": txt["logvar"], **out}
+                "text_logvar": txt["logvar"]}
 
     # zero-shot: prompt ensemble per class, scored by the negative CSD
     class_embeddings = staticmethod(prompt_ensemble)

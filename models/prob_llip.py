@@ -39,9 +39,10 @@ class ProbLlip(ProLIP):
         mix = self.image_proj(x[:, 1 : 1 + self.mixture_tokens])
         return {"mu": F.normalize(mix.mean(dim=1), dim=-1), "logvar": self.image_unc_proj(x[:, 0]), "mix": mix}
 
-    def extra_out(self, img: dict, txt: dict, world: World) -> dict[str, torch.Tensor]:
-        text_all = world.gather(txt["mu"])
-        return {"pair_cos": self.mixer(img["mix"], text_all, text_all)}
+    def pair_out(self, features: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+        """The contextualised cosines of the local images' mixture tokens against every worker's captions."""
+        text_all = world.gather(features["text_mu"])
+        return {**features, "pair_cos": self.mixer(features["image_mix"], text_all, text_all)}
 
     def class_scores(self, image_out: dict[str, torch.Tensor], class_out: dict[str, torch.Tensor]) -> torch.Tensor:
         cls = class_out["mu"].to(image_out["mix"].dtype)

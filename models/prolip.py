@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.distributions import csd, sigma_sq_sum
-from models.gather import World
+from models.accumulate import SplitForward
 from models.heads import unc_projection
 from models.towers import MASK_COUNTS, TEXT_MASK_MODES, TowerConfig, masked_count, random_keep, random_text_mask
 
@@ -45,7 +45,7 @@ def masked_rows(batch: int, fraction: float, device=None, counts: str = "round")
     return torch.randperm(batch, device=device)[:n].sort().values
 
 
-class ProLIP(nn.Module):
+class ProLIP(SplitForward, nn.Module):
     """Options (paper defaults first; official ProLIP's second, docs/FIDELITY.md):
     image_mask_ratio (None: = mask_ratio | 0.25); text_mask "exact" | "bernoulli" (each word with
     probability mask_ratio); mask_counts "round" (round(share n), at least 1, for the masked rows and the
@@ -108,15 +108,26 @@ class ProLIP(nn.Module):
                            self.mask_counts, shared=self.image_mask == "batch")
         return rows, keep, random_text_mask(tokens[rows], self.mask_ratio, self.text_mask)
 
-    def extra_out(self, img: dict, txt: dict, world: World) -> dict[str, torch.Tensor]:
-        """More keys for the loss (subclasses: the probabilistic Llip's pair_cos)."""
-        return {}
-
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
-        world = world or World.current()
+    def draw(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
+        """The masked copies' choices for the whole batch, per row (models.accumulate): "masked" (B,) bool,
+        "keep" (B, kept patches) and "text_mask" (B, L), meaningful on the masked rows."""
+        if not (self.training and self.mask_fraction > 0):
+            return images, {}, {}
+        rows, keep, text_mask = self.masked_inputs(images, tokens)
         b = tokens.shape[0]
-        if self.training and self.mask_fraction > 0:
-            rows, keep, text_mask = self.masked_inputs(images, tokens)
+        masked = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+        masked[rows] = True
+        keep_rows = keep.new_zeros(b, keep.shape[1])
+        keep_rows[rows] = keep
+        text_rows = torch.zeros_like(tokens, dtype=torch.bool)
+        text_rows[rows] = text_mask
+        return images, {"masked": masked, "keep": keep_rows, "text_mask": text_rows}, {}
+
+    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
+        b = tokens.shape[0]
+        if draws:
+            rows = torch.nonzero(draws["masked"]).flatten()
+            keep, text_mask = draws["keep"][rows], draws["text_mask"][rows]
             # masked captions share the full captions' pass (same length): one batch of B + M rows. Text first:
             # its padding trim reads the batch's length on the host, before the image towers' work is queued.
             no_mask = torch.zeros_like(tokens, dtype=torch.bool)
@@ -128,8 +139,8 @@ class ProLIP(nn.Module):
         else:
             txt, masked = self.encode_text(tokens), {}
             img = self.encode_image(images)
-        return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
-                "text_logvar": txt["logvar"], **masked, **self.extra_out(img, txt, world)}
+        # image_* / text_*: mu, logvar (and the probabilistic Llip's mixture tokens, image_mix)
+        return {**{f"image_{k}": v for k, v in img.items()}, **{f"text_{k}": v for k, v in txt.items()}, **masked}
 
     # zero-shot: prompt ensemble per class, scored by the negative CSD
     class_embeddings = staticmethod(prompt_ensemble)

@@ -76,6 +76,9 @@ class DataConfig(Section):
     prefetch_batches: int = Field(4, ge=0, le=64)
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
     deterministic: bool = False
+    # The largest share of the training samples read that may be skipped (undecodable, no caption, ...; see
+    # pipelines.data.stats): past it the run stops with one line naming the share, main reason and an example.
+    max_bad_frac: float = Field(0.05, ge=0.0, le=1.0)
     shard_size: int = Field(500, ge=1)
     # Digits only: which images are train / val / test. Not run.seed: runs, sweep trials and evaluations
     # with other seeds must hold out the same images (a rewritten split would score a model on its training data).
@@ -148,6 +151,9 @@ class TrainConfig(WorkerResources):
     zero_stage: int = Field(2, ge=0, le=3)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     grad_clip: float = Field(1.0, ge=0)
+    # Micro-batches per optimizer step, by feature-cache accumulation (models.accumulate): the loss of each step is
+    # that of one batch of grad_accum x batch_size x workers samples (every one a negative of every other), with the
+    # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".
     grad_accum: int = Field(1, ge=1)
     # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the run.
     max_bad_batches: int = Field(20, ge=1)
@@ -191,6 +197,13 @@ class TrainConfig(WorkerResources):
     @property
     def elastic(self) -> bool:
         return isinstance(self.num_workers, tuple)
+
+    @property
+    def contrastive_batch(self) -> int | str:
+        """Samples one loss sees per step (batch_size x grad_accum x workers); elastic runs: "min-max"."""
+        low, high = (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else self.num_workers
+        per_worker = self.batch_size * self.grad_accum
+        return per_worker * low if low == high else f"{per_worker * low}-{per_worker * high}"
 
     @property
     def max_workers(self) -> int:
@@ -465,7 +478,17 @@ class Config(JobDocument):
 
         if self.model.name not in list_models():
             raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
+        if self.train.grad_accum > 1:
+            from models.registry import model_arch
+
+            if not hasattr(model_arch(self.model.name), "features"):
+                raise ValueError(f"train.grad_accum: {self.model.name} has no per-sample features to cache (an adapter's "
+                                 "loss is per sample: raise train.batch_size instead)")
         return self
+
+    def flat(self) -> dict[str, Any]:
+        """MLflow params, with the contrastive batch the config implies (batch_size x grad_accum x workers)."""
+        return {**super().flat(), "train.contrastive_batch": self.train.contrastive_batch}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":

@@ -7,7 +7,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import deepspeed
 import numpy as np
@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.preprocess import encode_png, to_device
 from models.model_file import save_model
+from models.accumulate import CachedBatch
 from models.gather import World
 from models.objective import build_objective, build_training_objective
 from models.tokenizer import tokenize
@@ -31,8 +32,10 @@ from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_
 from pipelines.evaluate.embed import embed_task_locally, model_device
 from pipelines.train.optim import adamw, param_groups, warmup_cosine
 from pipelines.train.progress import ProgressLine
+from pipelines.train.data_health import DataHealth
 from pipelines.data.device_augment import model_images
 from pipelines.tracking import StepLogger, save_mlflow_model
+from pipelines.data.stats import report_metrics
 
 
 def skip_inference_comm_op() -> None:
@@ -55,7 +58,9 @@ def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.batch_size,
-        "gradient_accumulation_steps": t.grad_accum,
+        # train.grad_accum is ours (feature-cache accumulation, `cached_step`): DeepSpeed sees one backward per
+        # micro-batch that it must neither divide by the accumulation count nor reduce before the step's last
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "torch_autocast": {"enabled": use_bf16, "dtype": "bfloat16"},
@@ -64,6 +69,30 @@ def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batches: int, world: World,
+                finite: Callable[[torch.Tensor], bool]) -> dict[str, torch.Tensor] | None:
+    """One optimizer step's forward and backward by feature-cache accumulation (models.accumulate): the loss of
+    this worker's `micro_batches` x batch_size rows against every worker's, computed at once, with one
+    micro-batch's activations. Returns the loss and its parts, or None (nothing applied) where `finite` rejects the
+    loss. The gradient exchange happens once, after the last backward: ZeRO-1/2/3 through DeepSpeed's
+    ``coalesce_grad_reduction`` (every backward inside keeps its gradients local, the exit reduces them once), ZeRO-0
+    through the accumulation boundary set on the last backward only (its all-reduce runs at the boundary)."""
+    step = CachedBatch(engine.module, images, tokens, micro_batches, world, forward=engine)
+    if not finite(step.out["loss"]):
+        return None
+    if engine.zero_optimization_stage() == 0:
+        def backward(loss: torch.Tensor, last: bool) -> None:
+            engine.set_gradient_accumulation_boundary(last)
+            engine.backward(loss)
+
+        step.backward(backward)
+    else:
+        with engine.coalesce_grad_reduction():
+            step.backward(lambda loss, last: engine.backward(loss))
+    engine.step()
+    return step.out
 
 
 def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -174,6 +203,10 @@ class TrainWorker:
         if self.rank == 0:  # a restart's replayed steps are not written twice (StepLogger)
             self.logger = StepLogger(mlflow_uri, run_id, flush_every, resumed_from=self.progress.step)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
+        # what the readers skip (rank 0 polls it at log steps); a run past data.max_bad_frac stops with data_error
+        self.data_health = DataHealth(run_id, ["train", *map(eval_dataset_name, self.tasks)],
+                                      cfg.data.max_bad_frac) if self.rank == 0 else None
+        self.data_error: str | None = None
         if self.logger:
             # Where torch.distributed traffic goes (local runs must stay on loopback).
             self.logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
@@ -223,11 +256,41 @@ class TrainWorker:
                 prefetch_batches=self.cfg.data.prefetch_batches,
                 local_shuffle_buffer_size=4 * self.t.batch_size, local_shuffle_seed=self.cfg.run.seed + p.epoch,
             )
+            got = False
             for i, batch in enumerate(stream):
+                got = True
                 if i >= p.batch_in_epoch:
                     p.batch_in_epoch = i + 1
                     yield batch
+            if not got:  # every file broken or every sample skipped: an empty epoch would repeat forever
+                self.data_error = "training data: an epoch gave no batch (every file or sample was skipped)"
+                return
             p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+
+    def steps_input(self):
+        """Per optimizer step: the images and tokens of this worker's train.grad_accum micro-batches, joined (the
+        device augmentation applied per micro-batch as it arrives, once)."""
+        micro: list = []
+        for batch in self.batches():
+            # uint8 from the reader, augmented here when it shipped the parameters; bf16: the engine's autocast casts
+            micro.append((model_images(batch, self.cfg.data.image_size), batch["text"]))
+            if len(micro) == self.t.grad_accum:
+                images, tokens = micro[0] if len(micro) == 1 else (torch.cat(x) for x in zip(*micro))
+                micro = []
+                yield images, tokens
+
+    def train_step(self, images: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Forward, backward and optimizer step of one global batch; None where its loss was not finite on some
+        rank (nothing applied)."""
+        engine, k = self.engine, self.t.grad_accum
+        if k > 1:
+            return cached_step(engine, images, tokens, k, self.world, self._finite_on_all_ranks)
+        out = engine(images, tokens, self.world)
+        if not self._finite_on_all_ranks(out["loss"]):
+            return None
+        engine.backward(out["loss"])
+        engine.step()
+        return out
 
     def fit(self) -> None:
         engine, p, t = self.engine, self.progress, self.t
@@ -238,37 +301,33 @@ class TrainWorker:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         bad_in_a_row = 0
         self.wait.start()
-        for batch in self.wait.timed(self.batches()):
-            # uint8 from the reader, augmented here when it shipped the parameters; bf16: the engine's autocast casts
-            images = model_images(batch, self.cfg.data.image_size)
-            out = engine(images, batch["text"], self.world)
-            if not self._finite_on_all_ranks(out["loss"]):
+        for batch in self.wait.timed(self.steps_input()):
+            out = self.train_step(*batch)
+            if out is None:
                 # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.
                 bad_in_a_row += 1
-                p.skipped_batches += 1
+                p.skipped_batches += t.grad_accum
                 if bad_in_a_row >= t.max_bad_batches:
                     raise FloatingPointError(
                         f"loss was not finite for {bad_in_a_row} batches in a row at step {p.step} "
                         f"(train.max_bad_batches); lower train.lr or check the data")
                 continue
             bad_in_a_row = 0
-            engine.backward(out["loss"])
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
-            p.samples += images.shape[0] * self.world.size
-            if not boundary:
-                continue
+            p.samples += batch[1].shape[0] * self.world.size
             p.step += 1
+            if (p.step % t.log_every == 0 or p.step == self.last_step) and self._data_check():
+                break
             if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
                 metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
                 rate = (p.samples - samples0) / (time.perf_counter() - t0)
                 wait_frac, wait_ms = self.wait.window()
                 metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
+                               contrastive_batch=batch[1].shape[0] * self.world.size,
                                skipped_batches=p.skipped_batches, world_size=self.world.size,
-                               data_wait_frac=wait_frac, data_wait_ms=wait_ms)
+                               data_wait_frac=wait_frac, data_wait_ms=wait_ms, **self.data_health.metrics())
                 self.logger.log(metrics, p.step)
                 self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"},
-                                    **{"data wait": f"{wait_frac:.0%}"})
+                                    **{"data wait": f"{wait_frac:.0%}"}, **self.data_health.fields())
             self._maybe_fail(p.step)
             if p.step >= self.last_step:
                 break
@@ -283,6 +342,15 @@ class TrainWorker:
                     # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
                     # this run right after the report: write what we have now.
                     self.logger.flush()
+
+    def _data_check(self) -> bool:
+        """Collective: whether rank 0 found more of the training data skipped than data.max_bad_frac allows
+        (self.data_error then says so in one line)."""
+        verdict = [self.data_health.poll(self.progress.epoch > 0) if self.rank == 0 else None]
+        if self.world.size > 1:
+            torch.distributed.broadcast_object_list(verdict, src=0)
+        self.data_error = verdict[0]
+        return self.data_error is not None
 
     def _finite_on_all_ranks(self, loss: torch.Tensor) -> bool:
         bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=loss.device)
@@ -306,6 +374,19 @@ class TrainWorker:
             # Metrics are written only once their step is covered by a checkpoint: a restart
             # replays steps after the last checkpoint, and MLflow must not see them twice.
             self.logger.flush()
+
+    def _data_report(self) -> dict[str, Any]:
+        """Rank 0: every dataset's skipped samples and files, logged (metrics and data/skipped.json) and returned for
+        the final report ({"data_report": JSON}); a data_error is printed and tagged (probvlp.failure)."""
+        reports = self.data_health.reports()
+        self.logger.log({k: v for label, st in reports.items() for k, v in report_metrics(label, st).items()},
+                        self.progress.step)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.logger.artifact(DataHealth.write(reports, Path(tmp)), "data")
+        if self.data_error:
+            print(f"[probvlp] stopped at step {self.progress.step}: {self.data_error}", flush=True)
+            self.logger.tag("probvlp.failure", self.data_error)
+        return {"data_report": json.dumps(reports)}
 
     def _gathered_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         """The model's and the loss's complete weights on rank 0's device (collective; None on other ranks). ZeRO-0/1/2
@@ -367,6 +448,9 @@ class TrainWorker:
         """Final weights, saved model and evaluation (rank 0), final checkpoint and report (all ranks)."""
         p = self.progress
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
+        if self.data_error:  # the driver raises BadDataError
+            return self.checkpoint({**report, **(self._data_report() if self.data_health else {}),
+                                    "data_error": self.data_error})
         if self.wait.loop_s > 0:
             report["data_wait_frac_mean"] = self.wait.mean()
             if self.logger:
@@ -376,6 +460,8 @@ class TrainWorker:
             if self.rank == 0:
                 report.update(self._final_artifacts(weights, loss_weights))
             del weights, loss_weights
+        if self.data_health:  # what the readers skipped, the final evaluation's reads included
+            report.update(self._data_report())
         shared = [report]  # every rank reports the same metrics
         torch.distributed.broadcast_object_list(shared, src=0)
         self.checkpoint(shared[0])
