@@ -177,11 +177,13 @@ def save_mlflow_model(model_file: Path, dst: Path, example_image: bytes, example
     import pandas as pd
     from mlflow.models import ModelSignature
     from mlflow.types import DataType
-    from mlflow.types.schema import Array, ColSpec, Schema
+    from mlflow.types.schema import AnyType, Array, ColSpec, Schema
 
     outputs = ["image_mu", "text_mu"] + (["image_sigma2", "text_sigma2"] if probabilistic else [])
+    # image untyped: encoded bytes, or base64 text over REST. MLflow's scoring server decodes a `binary` column
+    # itself and fails on a None row (a request mixing images and captions); models/serving.py decodes instead
     signature = ModelSignature(
-        inputs=Schema([ColSpec(DataType.binary, "image", required=False),
+        inputs=Schema([ColSpec(AnyType(), "image", required=False),
                        ColSpec(DataType.string, "caption", required=False)]),
         outputs=Schema([ColSpec(Array(DataType.float), name, required=False) for name in outputs]))
     mlflow.pyfunc.save_model(
