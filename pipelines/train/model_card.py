@@ -26,6 +26,14 @@ model = mlflow.pyfunc.load_model("runs:/<run_id>/model")
 model.predict(pd.DataFrame({{"image": [open("cat.jpg", "rb").read()], "caption": ["a photo of a cat"]}}))
 ```
 
+or over REST (`mlflow models serve -m runs:/<run_id>/model --env-manager local`), images as base64 text and null
+where a row has no such input; a row that cannot be read is answered with HTTP 400 naming its index and why:
+
+```bash
+curl -X POST http://127.0.0.1:5000/invocations -H "Content-Type: application/json" -d '{{"dataframe_split":
+  {{"columns": ["image", "caption"], "data": [["'"$(base64 -w0 cat.jpg)"'", null], [null, "a photo of a cat"]]}}}}'
+```
+
 or as the PyTorch module, without unpickling code:
 
 ```python
