@@ -3,7 +3,9 @@
     python -m jobs.embed --model <file.safetensors | runs:/<run_id>/model | run id> --data DIR_OR_URI
         [--split test] --out DIR [--actors 2] [--gpus-per-actor 0] [--no-texts] [--index hnsw|ivf]
 
-Writes {out}/images/*.parquet (key, captions, cls, mu[, logvar][, mix]) and, unless --no-texts, the
+Writes {out}/images/*.parquet (key, captions, cls, mu[, logvar][, mix]), one row per sample with a readable image;
+{out}/skipped.json: every sample left out (its file and key, by reason: no image, undecodable image, image too
+large, unreadable json) and every broken tar file, so no row disappears unseen. Unless --no-texts, the
 distinct captions' embeddings in {out}/texts/*.parquet (index, text, mu[, logvar]). With --index, a faiss
 index on the images' mu (rows in key order, as `read_embeddings(folder, "key")` returns them) in
 {out}/images.faiss: search it with models.scoring.ann.MeanIndex.load and re-rank the candidates by CSD
@@ -12,7 +14,9 @@ index on the images' mu (rows in key order, as `read_embeddings(folder, "key")` 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import uuid
 from pathlib import Path
 
 from jobs.cli import job_main, job_parser
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.scoring.ann import MeanIndex
     from pipelines.cluster.runtime import init_ray, local_cpus
     from pipelines.data.reader import shard_paths
+    from pipelines.data.stats import drop_stats, reader_stats, report_lines, skipped_keys
     from pipelines.evaluate.embed import distinct_captions, split_captions
     from pipelines.evaluate.inference import (InferenceOptions, read_embeddings, write_image_embeddings,
                                               write_text_embeddings)
@@ -55,9 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(num_cpus=local_cpus(args.actors, 1))  # a local Ray keeps CPUs beside the actors for decoding
     model = load_model(source["model"])
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-    folder = write_image_embeddings(str(source["model"]), paths, model.img_size, out, opts, stats_name="embed")
+    stats_name = f"embed-{uuid.uuid4().hex[:12]}"  # this run's own reader counts
+    folder = write_image_embeddings(str(source["model"]), paths, model.img_size, out, opts, stats_name=stats_name)
+    skipped = {**reader_stats(stats_name), "samples": skipped_keys(stats_name)}
+    drop_stats(stats_name)
+    (out / "skipped.json").write_text(json.dumps(skipped, indent=1, sort_keys=True))
     cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
     print(f"{len(cols['key'])} image embeddings in {folder}")
+    for line in report_lines("embed", skipped):
+        print(line)
+    if skipped["skipped_unique"] or skipped["files"]:
+        print(f"skipped samples and files: {out / 'skipped.json'}")
     if args.index:
         MeanIndex(outputs["mu"], kind=args.index).save(out / "images.faiss")
         print(f"faiss {args.index} index on the image means in {out / 'images.faiss'}")

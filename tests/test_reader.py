@@ -72,8 +72,34 @@ def test_corrupt_samples_are_counted_not_fatal(ray_local, tmp_path):
     assert all(r["image"].shape == (3, SIZE, SIZE) and r["text"].shape == (CONTEXT,) for r in rows)
     assert {r["label"] for r in rows} == set(range(10))
     stats = settled_stats("corrupt-test", len(good))
-    assert stats["decoded"] == len(good) and stats["corrupt"] == n_bad == 4
-    assert stats["corrupt_examples"] == ["900000", "900001", "900002", "900003"]
+    assert stats["decoded"] == len(good) and sum(stats["skipped"].values()) == n_bad == 4
+    assert stats["skipped_unique"] == {"undecodable image": 2, "no image": 1, "unreadable json": 1}
+    assert {k for refs in stats["examples"].values() for _, k in refs} == {"900000", "900001", "900002", "900003"}
+
+
+def test_broken_files_are_named_and_counted_and_keep_what_precedes_the_break(ray_local, tmp_path):
+    """A truncated tar keeps the samples before its break; a file that is not a tar, an empty one and one the
+    store cannot open (gone between listing and reading: what an object store's failed read looks like) give none;
+    each is counted with its name and reason, and the read goes on."""
+    from tests.faults import truncated_tar
+
+    paths, good, _ = write_shards(tmp_path / "shards", n_good=20, per_shard=10, corrupt=False)
+    samples = [{"__key__": f"{800000 + i}", "jpg": image_bytes(i), "txt": b"c", "json": b"{}"} for i in range(12)]
+    truncated_tar(tmp_path / "shards" / "cut.tar", samples, keep=7)
+    (tmp_path / "shards" / "html.tar").write_bytes(b"<html>" * 200)
+    (tmp_path / "shards" / "empty.tar").write_bytes(b"")
+    write_shards(tmp_path / "gone", n_good=3, per_shard=3, corrupt=False)
+    gone = str(tmp_path / "gone" / "00000.tar")
+    names = [str(tmp_path / "shards" / n) for n in ("cut.tar", "html.tar", "empty.tar")]
+    ds = read_shards(paths + names + [gone], SIZE, CONTEXT, stats_name="files-test", batch_size=8, cache=False)
+    Path(gone).unlink()
+    ids = sorted(r["sample_id"] for r in ds.take_all())
+    assert ids == sorted(good | {800000 + i for i in range(7)})
+    files = settled_stats("files-test", len(ids))["files"]
+    assert {Path(p).name: (f["reason"], f["kept"]) for p, f in files.items()} == {
+        "cut.tar": ("truncated tar", 7), "html.tar": ("not a tar file", 0), "empty.tar": ("empty file", 0),
+        "00000.tar": ("unreadable file", 0)}
+    assert "FileNotFoundError" in files[gone]["detail"] and all(f["reads"] == 1 for f in files.values())
 
 
 def test_augmentation_on_for_train_off_for_eval_and_seeded(ray_local, tmp_path):
@@ -212,7 +238,7 @@ def test_every_sample_reaches_exactly_one_worker_per_epoch(streams):
         assert len(ids[0]) + len(ids[1]) == len(good)  # nothing twice
         assert set(ids[0]) | set(ids[1]) == good  # nothing missing, corrupt samples skipped
         assert not set(ids[0]) & set(ids[1])
-    assert settled_stats("streams-split", 2 * len(good))["corrupt_unique"] == 4
+    assert sum(settled_stats("streams-split", 2 * len(good))["skipped_unique"].values()) == 4
 
 
 def test_ordered_reads_repeat_exactly(streams):
@@ -256,3 +282,83 @@ def test_jpeg_decoding_matches_opencv_and_shrinks_in_the_dct_when_asked():
     small = decode_image(big, min_size=150)
     assert small.shape == (192, 256, 3)  # DCT scaling by 1/2: both sides still >= 150
     assert np.abs(small.astype(float).mean() - decode_image(big).astype(float).mean()) < 2
+
+
+def test_images_as_users_have_them_decode_to_the_rgb_the_model_expects():
+    """Every stored form of a picture decodes to its RGB, against PIL (and OpenCV for 16 bits): grayscale, palette,
+    transparency on white (as jobs.download's resizer writes it), 16-bit, CMYK, EXIF orientation applied, WebP;
+    a large JPEG shrunk in the DCT as PIL's draft does."""
+    import cv2
+    from PIL import ImageOps
+
+    from tests.faults import encode, exif_rotated_jpeg, png16, rgba_png
+
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray((rng.random((37, 53, 3)) * 255).astype(np.uint8))
+
+    def pil(data: bytes) -> np.ndarray:
+        im = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+        if im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
+            im = Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im.convert("RGBA"))
+        return np.asarray(im.convert("RGB"), np.int16)
+
+    forms = {
+        "gray png": encode(rgb.convert("L"), "PNG"), "palette png": encode(rgb.convert("P"), "PNG"),
+        "rgba png": rgba_png(rgb), "la png": encode(rgb.convert("LA"), "PNG"),
+        "lossless webp": encode(rgb, "WEBP", lossless=True), "rgba webp": encode(rgb.convert("RGBA"), "WEBP", lossless=True),
+        "gray jpeg": encode(rgb.convert("L"), "JPEG"), "exif jpeg": exif_rotated_jpeg(rgb),
+    }
+    for name, data in forms.items():
+        assert np.array_equal(decode_image(data), pil(data)), name
+    y, x = np.mgrid[0:37, 0:53]
+    smooth = Image.fromarray(np.stack([x * 4, y * 6, x + y], -1).astype(np.uint8))
+    exif = decode_image(exif_rotated_jpeg(smooth))
+    assert exif.shape == (37, 53, 3) and np.abs(exif - np.asarray(smooth, np.int16)).max() < 8  # upright again
+    rgba = decode_image(forms["rgba png"])
+    assert (rgba[:, : 53 // 4] == 255).all()  # the transparent band is white
+    # lossy forms: the same picture as PIL's decoder within rounding
+    cmyk = encode(rgb.convert("CMYK"), "JPEG", quality=95)
+    assert np.abs(decode_image(cmyk).astype(np.int16) - pil(cmyk)).max() <= 1
+    webp = encode(rgb, "WEBP", quality=90)
+    assert np.abs(decode_image(webp).astype(np.int16) - pil(webp)).mean() < 1
+    # 16 bits: the high byte of each sample, as OpenCV's own 8-bit conversion
+    wide = (rng.random((20, 30, 3)) * 65535).astype(np.uint16)
+    data16 = cv2.imencode(".png", wide)[1].tobytes()
+    assert np.array_equal(decode_image(data16), (wide >> 8).astype(np.uint8)[..., ::-1])
+    assert np.array_equal(decode_image(png16(rgb)), np.asarray(rgb))
+    # a large JPEG shrunk in the DCT (min_size) is PIL's draft of it
+    big = Image.fromarray((rng.random((600, 800, 3)) * 255).astype(np.uint8))
+    data = encode(big, "JPEG", quality=90)
+    drafted = Image.open(io.BytesIO(data))
+    drafted.draft("RGB", (200, 150))
+    small = decode_image(data, min_size=150)
+    assert small.shape == (150, 200, 3) and np.abs(small.astype(np.int16) - np.asarray(drafted, np.int16)).max() <= 2
+
+
+def test_a_decompression_bomb_is_refused_by_its_header():
+    """A 12000x12000 PNG (140 KB of zeros, 432 MB decoded) and a WebP / JPEG over the limit are refused before any
+    pixel is decoded; the limit is models.preprocess.MAX_IMAGE_PIXELS."""
+    import tracemalloc
+
+    from models import preprocess
+    from models.preprocess import ImageTooLarge, image_dimensions
+    from tests.faults import encode
+
+    bomb = encode(Image.new("L", (12000, 12000)), "PNG")
+    assert len(bomb) < 1_000_000 and image_dimensions(bomb) == (12000, 12000)
+    tracemalloc.start()
+    with pytest.raises(ImageTooLarge, match=r"12000x12000 pixels, over models\.preprocess\.MAX_IMAGE_PIXELS"):
+        decode_image(bomb)
+    assert tracemalloc.get_traced_memory()[1] < 10_000_000  # nothing the size of the image was allocated
+    tracemalloc.stop()
+    small = Image.new("RGB", (300, 200))
+    for fmt, options in (("WEBP", {}), ("WEBP", {"lossless": True}), ("JPEG", {}), ("PNG", {})):
+        data = encode(small, fmt, **options)
+        assert image_dimensions(data) == (300, 200), fmt
+        limit, preprocess.MAX_IMAGE_PIXELS = preprocess.MAX_IMAGE_PIXELS, 300 * 200 - 1
+        try:
+            with pytest.raises(ImageTooLarge):
+                decode_image(data)
+        finally:
+            preprocess.MAX_IMAGE_PIXELS = limit
+        assert decode_image(data).shape == (200, 300, 3)

@@ -1,12 +1,15 @@
 """Ray Data over webdataset shards: decode, augment, pick a caption, tokenize, hand batches to Ray Train.
 
 - Shards: ``{root}/{split}/*.tar`` (or any list of ``.tar`` paths / URIs, e.g. a ``jobs.download``
-  output folder), local or on an fsspec object store. Only ``.tar`` files are given to
-  ``read_webdataset``: img2dataset's ``.parquet`` / ``_stats.json`` next to them are not webdataset.
+  output folder), local or on an fsspec object store. Only ``.tar`` files are read (`pipelines.data.tars`):
+  img2dataset's ``.parquet`` / ``_stats.json`` next to them are not webdataset.
 - Cache: small shard sets (<= 512 MB by default) are read once into Ray's object store, still
   encoded; every epoch then only decodes, augments and tokenizes.
-- Decode: a sample whose image cannot be decoded (or has no image, or unreadable json) is skipped
-  and counted (`pipelines.data.stats`), never fatal.
+- Files (`pipelines.data.tars`): a broken tar (truncated: the samples before the break are kept; not a tar,
+  empty, unreadable) is skipped, named in the log and counted, never fatal.
+- Decode: a sample with no image, an undecodable one, one over the pixel limit
+  (`models.preprocess.MAX_IMAGE_PIXELS`), unreadable json, or no caption (none, empty or not UTF-8) is skipped and
+  counted by reason (`pipelines.data.stats`), never fatal.
 - Augment (`pipelines.data.augmentation`): train only by default; off for evaluation. Training reads images as
   uint8 (a quarter of float32's bytes through the object store), augmented here (OpenCV) or, with
   ``augment_on="device"``, on the training worker's device from the parameters drawn here
@@ -31,12 +34,14 @@ import hashlib
 import json
 
 import numpy as np
+import ray
 
-from models.preprocess import decode_image, resize, to_model_input
+from models.preprocess import ImageTooLarge, decode_image, resize, to_model_input
 from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_uint8, device_params
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.storage import fs_path, total_bytes, uri
-from pipelines.data.stats import stats_actor
+from pipelines.data.stats import SkippedSample, stats_actor
+from pipelines.data.tars import read_tar_shards
 from pipelines.data.tokens import tokenize_cached
 
 IMAGE_COLUMNS = ("jpg", "jpeg", "png", "webp")
@@ -63,21 +68,58 @@ def _seed_of(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest(), "big")
 
 
+def present(value) -> bool:
+    """A column's value for a sample that has that file (a sample lacking it reads None, or NaN after a block
+    concatenation)."""
+    return isinstance(value, (bytes, bytearray, memoryview))
+
+
 def row_data(image_cols: list, metas: list, i: int) -> tuple[bytes, dict]:
-    """Row i's encoded image and json object; ValueError when either is missing or unreadable."""
-    data = next((col[i] for col in image_cols if col[i] is not None), None)
+    """Row i's encoded image and json object; SkippedSample ("no image", "unreadable json") otherwise."""
+    data = next((col[i] for col in image_cols if present(col[i])), None)
     if data is None:
-        raise ValueError("no image")
-    meta = json.loads(metas[i]) if metas[i] is not None else {}
+        raise SkippedSample("no image")
+    try:
+        meta = json.loads(metas[i]) if present(metas[i]) else {}
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise SkippedSample("unreadable json", str(err)) from None
     if not isinstance(meta, dict):
-        raise ValueError("json is not an object")
+        raise SkippedSample("unreadable json", "not an object")
     return data, meta
 
 
+def decode_checked(data: bytes, min_size: int | None = None) -> np.ndarray:
+    """decode_image, its failures as SkippedSample ("image too large", "undecodable image")."""
+    try:
+        return decode_image(data, min_size)
+    except ImageTooLarge as err:
+        raise SkippedSample("image too large", str(err)) from None
+    except Exception as err:  # noqa: BLE001 - whatever the decoders raise on bad bytes
+        raise SkippedSample("undecodable image", str(err)) from None
+
+
 def decode_row(image_cols: list, metas: list, i: int) -> tuple[np.ndarray, dict]:
-    """Row i's image (HWC uint8 RGB, full size) and json object; ValueError when either is missing or unreadable."""
+    """Row i's image (HWC uint8 RGB, full size) and json object; SkippedSample when either is missing or unreadable."""
     data, meta = row_data(image_cols, metas, i)
-    return decode_image(data), meta
+    return decode_checked(data), meta
+
+
+def json_label(meta: dict) -> int:
+    """The json's integer "label" (-1 without one); SkippedSample ("unreadable json") when it is not an integer."""
+    try:
+        return int(meta.get("label", -1))
+    except (TypeError, ValueError):
+        raise SkippedSample("unreadable json", f"label {meta.get('label')!r}") from None
+
+
+def caption_text(value) -> str | None:
+    """A txt column's value as text ("" when absent); None when it is not UTF-8."""
+    if not present(value):
+        return value if isinstance(value, str) else ""
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 class Preprocess:
@@ -91,8 +133,10 @@ class Preprocess:
 
     def __init__(self, image_size: int, context_length: int, captions: CaptionSampler = CaptionSampler(),
                  seed: int | None = None, augment: bool = False, stats=None, stats_name: str | None = None,
-                 uint8: bool = False, augment_on: str = "reader", decode_size: int | None = None, flip_p: float = 0.0):
+                 uint8: bool = False, augment_on: str = "reader", decode_size: int | None = None, flip_p: float = 0.0,
+                 stats_sync: bool = False):
         self.image_size, self.context_length, self.captions = image_size, context_length, captions
+        self.stats_sync = stats_sync
         self.seed, self.augment, self.uint8, self.flip_p = seed, augment, uint8, flip_p
         self.on_device = augment and uint8 and augment_on == "device"
         self.decode_size = decode_size or default_decode_size(image_size)
@@ -103,7 +147,7 @@ class Preprocess:
         """The image to batch, and the (height, width) its crop box is drawn on (the decoded image's)."""
         # Augmented crops keep 80-100% of the area: decoding at >= the decode size keeps them at full resolution.
         # Unaugmented images decode in full, as evaluation and serving decode them.
-        image = decode_image(data, self.decode_size if self.augment and self.uint8 else None)
+        image = decode_checked(data, self.decode_size if self.augment and self.uint8 else None)
         shape = image.shape[:2]
         return (resize(image, self.decode_size) if self.on_device else image), shape
 
@@ -130,24 +174,31 @@ class Preprocess:
         image_cols = [batch[c] for c in IMAGE_COLUMNS if c in batch]
         texts_in = batch.get("txt", [None] * n)
         metas_in = batch.get("json", [None] * n)
-        decoded, shapes, texts, labels, ids, corrupt = [], [], [], [], [], []
+        urls = batch.get("__url__", [""] * n)
+        decoded, shapes, texts, labels, ids, skipped = [], [], [], [], [], []
         for i in range(n):
             try:
                 data, meta = row_data(image_cols, metas_in, i)
                 img, shape = self.decode(data)
-            except Exception:  # noqa: BLE001 - any undecodable sample is skipped and counted
-                corrupt.append(keys[i])
+                txt = caption_text(texts_in[i])
+                caption = self.captions.draw(meta, txt or "", self.rng).strip()
+                if not caption:
+                    raise SkippedSample("no caption" if txt is not None else "caption not UTF-8")
+                label = json_label(meta)
+            except SkippedSample as err:
+                skipped.append((err.reason, str(urls[i]), keys[i]))
                 continue
-            txt = texts_in[i]
-            txt = txt.decode("utf-8", errors="replace") if isinstance(txt, bytes) else ("" if txt is None else str(txt))
             decoded.append(img)
             shapes.append(shape)
-            texts.append(self.captions.draw(meta, txt, self.rng))
-            labels.append(int(meta.get("label", -1)))
+            texts.append(caption)
+            labels.append(label)
             ids.append(sample_id(keys[i]))
         if self.stats is not None:
-            # Not waited for: a synchronous call per batch would stall the reader on the (head-node) actor.
-            self.stats.add.remote(self.stats_name, len(decoded), corrupt)
+            # Not waited for (training): a synchronous call per batch would stall the reader on the (head-node)
+            # actor. A one-pass evaluation read waits, so its counts are complete when its data is.
+            ref = self.stats.add.remote(self.stats_name, len(decoded), skipped)
+            if self.stats_sync:
+                ray.get(ref)
         return {
             **self.images(decoded, np.array(shapes, np.int64).reshape(-1, 2)),
             "text": tokenize_cached(texts, self.context_length),
@@ -165,7 +216,7 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
                 captions: CaptionSampler = CaptionSampler(), augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
                 cache_max_mb: float = 512.0, ordered: bool = False, uint8: bool = False, augment_on: str = "reader",
-                decode_size: int | None = None, flip_p: float = 0.0):
+                decode_size: int | None = None, flip_p: float = 0.0, stats_sync: bool = False):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
     cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
@@ -173,14 +224,15 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     handful of small tar files each epoch costs more than preprocessing them).
     ordered: the cached blocks keep the file order (else they come in read-task completion order,
     which differs between runs); needed, with a seed and ordered execution, for exact resumes.
-    uint8, augment_on, decode_size, flip_p: see `Preprocess`.
+    uint8, augment_on, decode_size, flip_p: see `Preprocess`. stats_sync: each batch's counts reach the stats
+    before the batch goes on (evaluation reads; training sends them without waiting).
     """
     import ray.data
 
     # File-order shuffling at read time (reseeded every epoch) streams; randomize_block_order would be a
     # barrier that reads the whole dataset before the first batch.
     file_shuffle = ray.data.FileShuffleConfig(seed=seed) if shuffle else None
-    ds = ray.data.read_webdataset(paths, decoder=None, shuffle=file_shuffle)
+    ds = read_tar_shards(paths, stats_name, shuffle=file_shuffle)
     if cache is None:
         cache = total_bytes(paths) <= cache_max_mb * 2**20
     if cache:
@@ -192,7 +244,8 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     return ds.map_batches(
         _preprocess, fn_kwargs=dict(image_size=image_size, context_length=context_length, captions=captions,
                                     seed=seed, augment=augment, stats=stats, stats_name=stats_name, uint8=uint8,
-                                    augment_on=augment_on, decode_size=decode_size, flip_p=flip_p),
+                                    augment_on=augment_on, decode_size=decode_size, flip_p=flip_p,
+                                    stats_sync=stats_sync),
         batch_size=batch_size, batch_format="numpy",
     )
 

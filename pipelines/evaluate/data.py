@@ -12,64 +12,112 @@ Layout of a task's data (CLIP_benchmark's webdataset layout; `jobs.download` out
 Decoded batches: ``key`` (str), ``image`` (B,3,H,W) float32 normalised as in training (no
 augmentation), ``captions`` (str, one caption per line; empty when there is none), ``cls``
 (int64, -1 when there is none) and ``levels`` (str: the json's "captions" mapping of generality level ->
-captions, as JSON; empty when the sample has none). An undecodable sample is skipped and counted (`reader_stats`).
+captions, as JSON; empty when the sample has none). A sample without what its task needs (an image, and a caption
+for retrieval or a class for zero-shot), or with an undecodable or oversized image, unreadable json, is skipped and
+counted by reason, and a broken tar file named and counted (`pipelines.data.stats`, `pipelines.data.tars`).
 """
 from __future__ import annotations
 
 import json
-import tarfile
 
 import fsspec
 import numpy as np
 import ray
-import ray.data
 
 from models.preprocess import resize, to_model_input
 from pipelines.config import ConfigError, EvalTask
-from pipelines.data.reader import IMAGE_COLUMNS, decode_row, shard_paths
-from pipelines.data.stats import stats_actor
+from pipelines.data.reader import IMAGE_COLUMNS, decode_row, present, shard_paths
+from pipelines.data.stats import SkippedSample, stats_actor
 from pipelines.data.storage import total_bytes
+from pipelines.data.tars import iter_tar_samples, read_tar_shards
+
+# What a task's samples must carry besides an image (None: nothing else, e.g. jobs.embed)
+REQUIRES = {"retrieval": "caption", "zeroshot": "class", "loss": "caption"}
 
 CLASSNAMES, TEMPLATES = "classnames.txt", "zeroshot_classification_templates.txt"
 
 
 def captions_of(txt, meta: dict) -> list[str]:
-    """Non-empty captions: the lines of txt, else the json's "caption"."""
-    if isinstance(txt, bytes):
-        txt = txt.decode("utf-8", errors="replace")
+    """Non-empty captions: the lines of txt, else the json's "caption". SkippedSample ("caption not UTF-8") when txt
+    is not UTF-8."""
+    if present(txt):
+        try:
+            txt = bytes(txt).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SkippedSample("caption not UTF-8") from None
+    if not isinstance(txt, str):
+        txt = ""
     if not txt and isinstance(meta.get("caption"), str):
         txt = meta["caption"]
-    return [line.strip() for line in str(txt or "").splitlines() if line.strip()]
+    return [line.strip() for line in txt.splitlines() if line.strip()]
+
+
+def class_of(value) -> int:
+    """A cls column's value as an int (-1 when absent); SkippedSample ("no class") when it is not an integer."""
+    if not present(value):
+        return value if isinstance(value, int) else -1
+    try:
+        return int(bytes(value).decode("utf-8").strip())
+    except ValueError:
+        raise SkippedSample("no class", f"cls {bytes(value)[:20]!r}") from None
 
 
 class EvalDecode:
     """Raw webdataset columns -> key, image, captions, cls (see module docstring). With `uint8`, images stay
-    (B, H, W, 3) uint8 (a quarter of the bytes to move between processes; `to_model_input` finishes them)."""
+    (B, H, W, 3) uint8 (a quarter of the bytes to move between processes; `to_model_input` finishes them).
+    require: "caption" (retrieval) or "class" (zero-shot) skips samples without one; None keeps them (an image is
+    enough, e.g. jobs.embed: a caption that is not UTF-8 then reads with replacement characters)."""
 
-    def __init__(self, image_size: int, stats=None, stats_name: str | None = None, uint8: bool = False):
+    def __init__(self, image_size: int, stats=None, stats_name: str | None = None, uint8: bool = False,
+                 require: str | None = None):
         self.image_size, self.stats, self.stats_name, self.uint8 = image_size, stats, stats_name, uint8
+        self.require = require
+
+    def _captions(self, txt, meta: dict) -> list[str]:
+        try:
+            caps = captions_of(txt, meta)
+        except SkippedSample:
+            if self.require == "caption":
+                raise
+            caps = captions_of(bytes(txt).decode("utf-8", errors="replace"), meta)
+        if not caps and self.require == "caption":
+            raise SkippedSample("no caption")
+        return caps
+
+    def _class(self, value) -> int:
+        try:
+            label = class_of(value)
+        except SkippedSample:
+            if self.require == "class":
+                raise
+            return -1
+        if label < 0 and self.require == "class":
+            raise SkippedSample("no class")
+        return label
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(next(iter(batch.values())))
         keys = [str(k) for k in batch.get("__key__", [f"row{i}" for i in range(n)])]
         image_cols = [batch[c] for c in IMAGE_COLUMNS if c in batch]
         txts, metas, clss = (batch.get(c, [None] * n) for c in ("txt", "json", "cls"))
-        images, out_keys, captions, labels, levels, corrupt = [], [], [], [], [], []
+        urls = batch.get("__url__", [""] * n)
+        images, out_keys, captions, labels, levels, skipped = [], [], [], [], [], []
         for i in range(n):
             try:
                 img, meta = decode_row(image_cols, metas, i)
-                label = int(clss[i].decode() if isinstance(clss[i], bytes) else clss[i]) if clss[i] is not None else -1
+                label = self._class(clss[i])
+                caps = self._captions(txts[i], meta)
                 img = resize(img, self.image_size)
-            except Exception:  # noqa: BLE001 - a broken sample is skipped and counted
-                corrupt.append(keys[i])
+            except SkippedSample as err:
+                skipped.append((err.reason, str(urls[i]), keys[i]))
                 continue
             images.append(img)
             out_keys.append(keys[i])
-            captions.append("\n".join(captions_of(txts[i], meta)))
+            captions.append("\n".join(caps))
             labels.append(label)
             levels.append(levels_of(meta))
         if self.stats is not None:
-            ray.get(self.stats.add.remote(self.stats_name, len(images), corrupt))
+            ray.get(self.stats.add.remote(self.stats_name, len(images), skipped))
         size = self.image_size
         image = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
         if not self.uint8:
@@ -115,17 +163,17 @@ def _json(sample: dict) -> dict:
 
 
 def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None = None, batch_size: int = 256,
-                     cache_max_mb: float = 512.0, uint8: bool = False):
+                     cache_max_mb: float = 512.0, uint8: bool = False, require: str | None = None):
     """Ray Dataset of decoded evaluation batches, in file order. Sets read every epoch (a training run's eval
     tasks) are cached still encoded when small; a one-pass reader (batch inference) sets cache_max_mb=0 and
-    streams."""
-    ds = ray.data.read_webdataset(paths, decoder=None)
+    streams. require: see EvalDecode (REQUIRES[task.kind] for a task)."""
+    ds = read_tar_shards(paths, stats_name)
     if total_bytes(paths) <= cache_max_mb * 2**20:
         ds.context.execution_options.preserve_order = True
         ds = ds.materialize()
     stats = stats_actor() if stats_name else None
     return ds.map_batches(_decode, fn_kwargs=dict(image_size=image_size, stats=stats, stats_name=stats_name,
-                                                  uint8=uint8),
+                                                  uint8=uint8, require=require),
                           batch_size=batch_size, batch_format="numpy")
 
 
@@ -133,54 +181,28 @@ def _decode(batch, **kwargs):
     return EvalDecode(**kwargs)(batch)
 
 
-def iter_local_batches(paths: list[str], image_size: int, batch_size: int = 256):
-    """The same decoded batches without Ray (a plain loop over the tar files, in order)."""
-    decode = EvalDecode(image_size)
-    rows: dict[str, list] = {}
+def iter_local_batches(paths: list[str], image_size: int, batch_size: int = 256, require: str | None = None):
+    """The same decoded batches without Ray (a plain loop over the tar files, in order; bad samples and files
+    skipped, uncounted)."""
+    decode = EvalDecode(image_size, require=require)
+    samples: list[dict] = []
     for sample in iter_tar_samples(paths):
-        for key, value in sample.items():
-            rows.setdefault(key, []).append(value)
-        if len(rows["__key__"]) == batch_size:
-            yield decode(_columns(rows))
-            rows = {}
-    if rows:
-        yield decode(_columns(rows))
+        samples.append(sample)
+        if len(samples) == batch_size:
+            yield decode(_columns(samples))
+            samples = []
+    if samples:
+        yield decode(_columns(samples))
 
 
-def _columns(rows: dict[str, list]) -> dict[str, np.ndarray]:
-    n = len(rows["__key__"])
-    return {k: np.asarray(v + [None] * (n - len(v)), dtype=object) for k, v in rows.items()}
-
-
-def iter_tar_samples(paths: list[str], limit: int | None = None):
-    """Webdataset samples ({"__key__": key, ext: bytes}) from tar files, in order (fsspec paths too)."""
-    seen = 0
-    for path in paths:
-        with fsspec.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
-            sample: dict = {}
-            for member in tar:
-                if not member.isfile():
-                    continue
-                base = member.name.rsplit("/", 1)[-1]
-                key, _, ext = base.partition(".")
-                prefix = member.name[: len(member.name) - len(base)] + key
-                if sample and sample["__key__"] != prefix:
-                    yield _rekey(sample)
-                    seen += 1
-                    if limit is not None and seen >= limit:
-                        return
-                    sample = {}
-                sample.setdefault("__key__", prefix)
-                sample[ext.lower()] = tar.extractfile(member).read()
-            if sample:
-                yield _rekey(sample)
-                seen += 1
-                if limit is not None and seen >= limit:
-                    return
-
-
-def _rekey(sample: dict) -> dict:
-    return {**sample, "__key__": sample["__key__"].rsplit("/", 1)[-1]}
+def _columns(samples: list[dict]) -> dict[str, np.ndarray]:
+    """Samples -> columns, None where a sample lacks a file."""
+    columns = {}
+    for k in dict.fromkeys(k for s in samples for k in s):
+        col = np.empty(len(samples), dtype=object)
+        col[:] = [s.get(k) for s in samples]
+        columns[k] = col
+    return columns
 
 
 # ------------------------------------------------------------------------------------ metadata
@@ -252,7 +274,10 @@ def check_task(task: EvalTask) -> None:
         if "cls" not in first:
             raise ConfigError(f"{where}: samples have no 'cls' class index (first sample {first['__key__']!r})")
         classnames, _ = zeroshot_prompts(task)
-        label = int(first["cls"].decode().strip())
+        try:
+            label = class_of(first["cls"])
+        except SkippedSample:
+            raise ConfigError(f"{where}: cls of the first sample ({first['__key__']!r}) is not a class index") from None
         if not 0 <= label < len(classnames):
             raise ConfigError(f"{where}: cls {label} is outside the {len(classnames)} classes of {CLASSNAMES}")
     elif "txt" not in first and "json" not in first:

@@ -22,7 +22,7 @@ import torch
 from models.model_file import load_model
 from models.preprocess import to_device, to_model_input
 from models.tokenizer import tokenize
-from pipelines.evaluate.data import read_eval_shards, task_paths
+from pipelines.evaluate.data import REQUIRES, read_eval_shards, task_paths
 from pipelines.evaluate.embed import TaskEmbeddings, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
@@ -100,12 +100,13 @@ def _fresh(folder: Path) -> Path:
 
 
 def write_image_embeddings(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
-                 stats_name: str | None = None) -> Path:
-    """Shards -> {out}/images/*.parquet through an actor pool; returns the folder."""
+                 stats_name: str | None = None, require: str | None = None) -> Path:
+    """Shards -> {out}/images/*.parquet through an actor pool; returns the folder. What the reader skipped is
+    counted under `stats_name`; require: see `EvalDecode` (None: every sample with a readable image)."""
     folder = _fresh(Path(out) / "images")
     # streamed (one pass), images moved as uint8 and scaled in the actor
     ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
-                          uint8=True)
+                          uint8=True, require=require)
     ds.map_batches(**_pool(ImageEmbedder, model_file, opts)).write_parquet(str(folder))
     return folder
 
@@ -136,11 +137,14 @@ def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | Non
     return columns, outputs
 
 
-def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, opts: InferenceOptions):
+def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, opts: InferenceOptions,
+               stats_name: str | None = None):
     """One eval task's embeddings through the actor pools, written under {out} and read back
-    (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order as the in-process path)."""
+    (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order as the in-process path); the samples
+    the task cannot use skipped and counted under `stats_name`."""
     mixture_tokens = getattr(model, "mixture_tokens", None)
-    folder = write_image_embeddings(model_file, task_paths(task), model.img_size, out, opts, stats_name=f"embed:{task.name}")
+    folder = write_image_embeddings(model_file, task_paths(task), model.img_size, out, opts, stats_name=stats_name,
+                                    require=REQUIRES[task.kind])
     cols, image = read_embeddings(folder, "key", mixture_tokens)
     captions = split_captions(cols["captions"])
     texts, counts, classnames = task_texts(task, captions)

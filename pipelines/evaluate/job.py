@@ -6,6 +6,7 @@ and metric) and the uncertainty plots, and logs them to a new MLflow run tagged 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from models.model_file import load_model
 from models.objective import Objective
 from pipelines.config import Config, ConfigError
 from pipelines.data.reader import read_shards
+from pipelines.data.stats import drop_stats, reader_stats, report_metrics, reports_summary, skipped_keys
 from pipelines.evaluate.data import read_caption_levels, task_paths
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
@@ -33,15 +35,15 @@ def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, di
     return cfg.loss.name, cfg.loss.params
 
 
-def held_out_loss_of(cfg: Config, model, source: dict, task) -> float:
+def held_out_loss_of(cfg: Config, model, source: dict, task, stats_name: str | None = None) -> float:
     if source["loss"] is None:
         raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
                           f"{source['model']}")
     name, params = loss_section(cfg, source["config"])
     loss = create_loss(name or default_loss(model_name(source["model"])), **params)
     loss.load_state_dict(load_file(str(source["loss"])))
-    ds = read_shards(task_paths(task), model.img_size, model.context_length, seed=0, stats_name=f"eval_{task.name}",
-                     ordered=True)
+    ds = read_shards(task_paths(task), model.img_size, model.context_length, seed=0, stats_name=stats_name,
+                     ordered=True, stats_sync=True)
     return held_out_loss(Objective(model, loss), ds.iter_torch_batches(batch_size=cfg.eval.batch_size, drop_last=False))
 
 
@@ -56,17 +58,21 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
     tasks = cfg.resolved_tasks()
     metrics: dict[str, float] = {}
     results = {}
+    # each task's reader counts under a name of this evaluation's own (`pipelines.data.stats`)
+    stats_names = {t.name: f"evaluate-{uuid.uuid4().hex[:12]}/{t.name}" for t in tasks}
     for task in tasks:
         if task.kind == "loss":
-            metrics[f"{task.name}/loss"] = held_out_loss_of(cfg, model, source, task)
+            metrics[f"{task.name}/loss"] = held_out_loss_of(cfg, model, source, task, stats_names[task.name])
             continue
-        emb = embed_task(str(source["model"]), model, task, out / task.name, opts)
+        emb = embed_task(str(source["model"]), model, task, out / task.name, opts, stats_names[task.name])
         if task.kind == "retrieval" and model.probabilistic and task.analyses:
             emb.levels = read_caption_levels(task, emb.keys)  # json only; the actors' parquet carries no levels
         results[task.name] = score_task(model, task, emb, cfg.eval.calibration_bins)
         metrics.update(prefixed(task, results[task.name]))
+    skipped = data_report(stats_names, out)
     records = [{"task": k.split("/", 1)[0], "metric": k.split("/", 1)[1], "value": v} for k, v in metrics.items()]
     (out / "results.json").write_text(json.dumps(records, indent=1))
+    metrics.update({k: v for label, st in skipped.items() for k, v in report_metrics(label, st).items()})
     plots = write_plots(results, out)
 
     uri = tracking_uri(cfg.tracking.uri)
@@ -75,5 +81,19 @@ def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions)
     params = {"model": str(source["model"]), **{f"eval.tasks.{t.name}": f"{t.kind} {t.data}/{t.split}" for t in tasks}}
     run_id = start_run(uri, cfg.run.experiment, cfg.run.name or f"eval-{tags['probvlp.model']}", params, cfg.to_yaml(),
                        tags)
-    finish_with_results(uri, run_id, metrics, [(out / "results.json", "eval"), *((png, "plots") for png in plots)])
-    return {"metrics": metrics, "records": records, "results": results, "mlflow_run_id": run_id}
+    finish_with_results(uri, run_id, metrics, [(out / "results.json", "eval"), (out / "skipped.json", "data"),
+                                               *((png, "plots") for png in plots)])
+    return {"metrics": metrics, "records": records, "results": results, "mlflow_run_id": run_id, "skipped": skipped}
+
+
+def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
+    """What the reader skipped per task: printed, written to {out}/skipped.json (every skipped sample's file and key
+    by reason, broken files) and returned (MLflow metrics data/{task}/...)."""
+    reports = {task: reader_stats(name) for task, name in stats_names.items()}
+    for line in reports_summary(reports):
+        print(line)
+    every = {task: {**st, "samples": skipped_keys(stats_names[task])} for task, st in reports.items()}
+    (out / "skipped.json").write_text(json.dumps(every, indent=1, sort_keys=True))
+    for name in stats_names.values():
+        drop_stats(name)
+    return reports

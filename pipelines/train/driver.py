@@ -18,7 +18,9 @@ from pipelines.data.captions import CaptionSampler
 from pipelines.data.digits import write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
-from pipelines.evaluate.data import check_task, read_eval_shards, task_paths
+from pipelines.data.stats import BadDataError
+from pipelines.evaluate.data import REQUIRES, check_task, read_eval_shards, task_paths
+from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
 
@@ -47,11 +49,11 @@ def check_eval_tasks(cfg: Config) -> None:
         check_task(task)
 
 
-def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
-
+def build_datasets(cfg: Config, context_length: int, run_id: str = "") -> dict[str, Any]:
+    """The run's Ray datasets; their reader counts kept under `run_stats_name(run_id, name)`."""
     size = cfg.data.image_size
     datasets = {
-        "train": read_split(cfg.data.root, "train", size, context_length,
+        "train": read_split(cfg.data.root, "train", size, context_length, stats_name=run_stats_name(run_id, "train"),
                             captions=CaptionSampler(mid=cfg.data.mid_caption_prob, general=cfg.data.general_caption_prob,
                                                     instance=cfg.data.instance_caption_prob),
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
@@ -61,9 +63,11 @@ def build_datasets(cfg: Config, context_length: int) -> dict[str, Any]:
         name = eval_dataset_name(task)
         if task.kind == "loss":
             # the reader's training-style batches (tokens, a caption drawn per sample), seeded: the same every eval
-            datasets[name] = read_shards(task_paths(task), size, context_length, seed=0, stats_name=name, ordered=True)
+            datasets[name] = read_shards(task_paths(task), size, context_length, seed=0,
+                                         stats_name=run_stats_name(run_id, name), ordered=True, stats_sync=True)
         else:
-            datasets[name] = read_eval_shards(task_paths(task), size, stats_name=name)
+            datasets[name] = read_eval_shards(task_paths(task), size, stats_name=run_stats_name(run_id, name),
+                                              require=REQUIRES[task.kind])
     return datasets
 
 
@@ -96,12 +100,14 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
             {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri,
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
              "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done")},
-            cfg, build_datasets(cfg, context_length), callbacks,
+            cfg, build_datasets(cfg, context_length, run.run_id), callbacks,
             ray.train.DataConfig(datasets_to_split=["train"],
                                  execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
                                  enable_shard_locality=not cfg.data.deterministic))
         result = trainer.fit()
         metrics = dict(result.metrics or {})
+        if metrics.get("data_error"):
+            raise BadDataError(f"{metrics['data_error']} (MLflow run {run.run_id} FAILED)")
         if metrics.get("eval_error"):
             raise EvaluationError(f"{metrics['eval_error']} (the trained model is saved: runs:/{run.run_id}/model, "
                                   f"MLflow run {run.run_id} FAILED)")

@@ -60,3 +60,8 @@ class ProgressLine:
             self.stream.write(line + "\n")
         self.stream.flush()
         return line
+
+
+def share_field(name: str, share: float) -> dict[str, str]:
+    """A progress-line field for a share that only matters when it is not zero (e.g. samples skipped): {} at 0."""
+    return {name: f"{share:.1%}"} if share > 0 else {}

@@ -3,13 +3,15 @@ the final evaluation measured (sigma^2 by caption level, where the plots are), a
 model predicts for them and their sigma^2. Everything but the sample predictions comes from the run's final metrics."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
 
 from pipelines.config import EvalTask
-from pipelines.evaluate.data import iter_local_batches, task_paths
+from pipelines.data.stats import reports_summary
+from pipelines.evaluate.data import REQUIRES, iter_local_batches, task_paths
 from pipelines.evaluate.embed import embed_texts, split_captions, task_texts
 from pipelines.evaluate.tasks import classes_from_prompts, sigma2
 from pipelines.tracking import sqlite_artifact_root
@@ -22,7 +24,7 @@ def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:
 
 @torch.no_grad()
 def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> list[str]:
-    batch = next(iter_local_batches(task_paths(task), model.img_size, batch_size=n))
+    batch = next(iter_local_batches(task_paths(task), model.img_size, batch_size=n, require=REQUIRES[task.kind]))
     image = {k: v.float() for k, v in model.encode_image(torch.as_tensor(batch["image"])).items()}
     captions = split_captions(batch["captions"])
     texts, counts, classnames = task_texts(task, captions)
@@ -64,6 +66,7 @@ def run_summary(cfg, result) -> list[str]:
         lines.append(f"  the training loop waited for data {result.metrics['data_wait_frac_mean']:.0%} of its time "
                      "(data_wait_frac in MLflow; above ~10% the reader, not the model, sets the pace)")
     lines += uncertainty_lines(result.metrics, cfg.resolved_tasks())
+    lines += data_lines(result.metrics)
     if result.metrics.get("step", 0) < cfg.train.steps:
         return lines + [f"stopped at step {result.metrics.get('step', 0)} of {cfg.train.steps}: no final model"]
     model_uri = f"runs:/{result.mlflow_run_id}/model"
@@ -80,6 +83,14 @@ def run_summary(cfg, result) -> list[str]:
         except Exception as err:  # noqa: BLE001
             lines.append(f"(no sample predictions: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
     return lines
+
+
+def data_lines(metrics: dict) -> list[str]:
+    """What the readers skipped in each of the run's datasets (the final report's data_report: counts by reason,
+    example samples and broken files; all of it in MLflow as data/* metrics and data/skipped.json)."""
+    if not metrics.get("data_report"):
+        return []
+    return reports_summary(json.loads(metrics["data_report"]))
 
 
 HEADLINE = ("top1", "top5", "i2t_R1", "t2i_R1", "rsum", "loss", "i2t_calib_score", "t2i_calib_score", "top1_calib_score")
