@@ -13,7 +13,10 @@ does (`iter_torch_batches` with the run's prefetch, pinned memory on a GPU, a lo
 - today: float32 (3, 224, 224) images, augmented in the reader by the float reference (the code before issue 29);
 - reader: uint8 images augmented in the reader (OpenCV on uint8; data.augment_on: reader);
 - device: uint8 images at the decode size plus the drawn parameters, augmented on the worker's device
-  (data.augment_on: device).
+  (data.augment_on: device);
+- webdataset: the reader path with its tar files read by Ray's `read_webdataset` (the code before issue 43) instead
+  of `pipelines.data.tars` (broken files skipped and counted): before / after on clean shards,
+  `--paths webdataset,reader --section ingest_tars`.
 Models: "null" (the augmented images are made and summed: the pure ingest ceiling), "tiny" (ProLIP, the
 registry's tiny towers at 224 px with 32 px patches), "b16" (ProLIP ViT-B/16; for a GPU). Each step is forward,
 backward and AdamW, and reads the loss back as the product's finiteness check does.
@@ -27,6 +30,7 @@ device (its step rate is the ceiling: end to end / model only is the share of it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,10 +51,28 @@ from models.registry import TINY
 from models.tokenizer import tokenize
 
 PATHS = {"today": dict(uint8=False), "reader": dict(uint8=True, augment_on="reader"),
-         "device": dict(uint8=True, augment_on="device")}
+         "device": dict(uint8=True, augment_on="device"), "webdataset": dict(uint8=True, augment_on="reader")}
 CONTEXT = 32
 MODEL_SIZES = {"tiny": dataclasses.replace(TINY, img_size=224, patch_size=32, context_length=CONTEXT),
                "b16": SIZES["b16"]}
+
+
+@contextlib.contextmanager
+def tars_read_by(path: str):
+    """`read_shards` reading its tar files with Ray's read_webdataset for the "webdataset" path (the datasource is
+    built here, in the driver, and shipped to the read tasks), with pipelines.data.tars otherwise."""
+    import ray.data
+
+    import pipelines.data.reader as reader
+
+    original = reader.read_tar_shards
+    if path == "webdataset":
+        reader.read_tar_shards = lambda paths, stats_name=None, shuffle=None: ray.data.read_webdataset(
+            paths, decoder=None, shuffle=shuffle)
+    try:
+        yield
+    finally:
+        reader.read_tar_shards = original
 
 
 class CpuClock:
@@ -163,9 +185,16 @@ def measure(args) -> tuple[list[dict], dict[str, float]]:
         paths = write_photo_shards(tmp, args.samples, args.per_shard, 256)
         # the worker's CPU slot is a scheduling slot: Ray Data may still run a task on every core
         init_ray(num_cpus=(os.cpu_count() or 1) + args.cpus_per_worker)
-        datasets = {name: read_shards(paths, args.image_size, CONTEXT, seed=0, augment=True, shuffle=True,
-                                      stats_name=None, batch_size=args.batch, decode_size=args.decode_size, **options)
-                    for name, options in PATHS.items() if name in args.paths}
+        datasets, read_s = {}, {}
+        for name, options in PATHS.items():
+            if name in args.paths:
+                with tars_read_by(name):
+                    t0 = time.perf_counter()  # a cached set (the default sizes) reads its tars here, once
+                    datasets[name] = read_shards(paths, args.image_size, CONTEXT, seed=0, augment=True, shuffle=True,
+                                                 stats_name=None, batch_size=args.batch, decode_size=args.decode_size,
+                                                 **options)
+                    read_s[name] = time.perf_counter() - t0
+        args.read_s = read_s
         clock = CpuClock()
         trainer = TorchTrainer(
             loop, train_loop_config={"out": f"{tmp}/results.json", "models": args.models, "paths": args.paths,
@@ -240,11 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-steps", type=int, default=10, help="steps timed for the model alone")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--quick", action="store_true", help="small sizes, one round, prints only")
+    parser.add_argument("--section", default=None, help="docs/BENCHMARKS.md section (default ingest_<device>)")
     args = parser.parse_args(argv)
     if args.quick:
         args.samples, args.per_shard, args.rounds, args.batch, args.model_steps = 512, 128, 1, 64, 2
     args.models, args.paths = args.models.split(","), args.paths.split(",")
     epochs, model_only = measure(args)
+    print("dataset set-up (tar files read into the cache): " + ", ".join(f"{k} {v:.2f} s" for k, v in args.read_s.items()))
     cores = os.cpu_count() or 1
     table_md, summary = table(epochs, model_only, cores)
     verdict = verdicts(summary, args.device)
@@ -252,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         return
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
-    write_section(f"ingest_{args.device}",
+    write_section(args.section or f"ingest_{args.device}",
                   f"## Ingest: reader -> Ray Train worker, {args.device.upper()} (`benchmarks/ingest.py`)\n\n"
                   f"{args.samples} photo-like 256 px JPEGs in shards of {args.per_shard} -> {args.image_size} px with "
                   f"the training augmentation, batches of {args.batch}, one Ray Train worker ({args.cpus_per_worker} "
@@ -261,7 +292,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"medians. Per core: samples/s over the machine's cores. Paths: today (float32 images augmented "
                   f"by the float reference in the reader, the code before issue 29), reader (uint8, OpenCV in the "
                   f"reader; what a CPU worker gets), device (uint8 + drawn parameters, augmented on the worker's "
-                  f"device; what a GPU worker gets). Machine: "
+                  f"device; what a GPU worker gets), webdataset (the reader path with its tars read by Ray's "
+                  f"read_webdataset, before issue 43; reader reads them with pipelines.data.tars). Dataset set-up "
+                  f"(the tar files read into the cache, once): "
+                  f"{', '.join(f'{k} {v:.2f} s' for k, v in args.read_s.items())}. Machine: "
                   f"{machine()}{gpu}; {load()}. Command: `python -m benchmarks.ingest "
                   f"{' '.join(argv if argv is not None else sys.argv[1:])}`.\n\n" + table_md + "\n\n" + verdict + "\n")
 

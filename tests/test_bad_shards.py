@@ -43,14 +43,17 @@ def faulty(tmp_path_factory):
         "test": write_split(root / "test", [good_sample(d) for d in split["test"]], sample_faults(910000, image),
                             200, True, [good_sample(d) for d in split["val"][40:80]], keep=10),
     }
-    zs_faults = [f for f in sample_faults(920000, image, eval_only=True) if f.reason in ("no class", "undecodable image")][-2:]
+    zs_faults = [f for f in sample_faults(920000, image, eval_only=True)
+                 if f.reason in ("no class", "undecodable image")][-2:]
     zs = [{"__key__": d.key, "jpg": good_sample(d)["jpg"], "cls": str(d.label).encode()} for d in split["test"]]
     write_tar(root / "eval" / "zeroshot" / "test" / "0.tar", zs[:5] + [f.sample for f in zs_faults] + zs[5:])
     (root / "eval" / "zeroshot" / "classnames.txt").write_text("\n".join(NAMES) + "\n")
-    (root / "eval" / "zeroshot" / "prompts.json").write_text(json.dumps({NAMES[c]: specific_captions(c) for c in range(10)}))
-    write_tar(root / "eval" / "retrieval" / "test" / "0.tar",
-              [{"__key__": d.key, "jpg": good_sample(d)["jpg"], "txt": "\n".join(retrieval_captions({**d.meta, "digit_index": int(d.key)})).encode()}
-               for d in split["test"]])
+    prompts = {NAMES[c]: specific_captions(c) for c in range(10)}
+    (root / "eval" / "zeroshot" / "prompts.json").write_text(json.dumps(prompts))
+    pairs = [{"__key__": d.key, "jpg": good_sample(d)["jpg"],
+              "txt": "\n".join(retrieval_captions({**d.meta, "digit_index": int(d.key)})).encode()}
+             for d in split["test"]]
+    write_tar(root / "eval" / "retrieval" / "test" / "0.tar", pairs)
     assert [f.reason for f in zs_faults] == ["undecodable image", "no class"]
     return root, expected, zs_faults
 

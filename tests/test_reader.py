@@ -305,7 +305,8 @@ def test_images_as_users_have_them_decode_to_the_rgb_the_model_expects():
     forms = {
         "gray png": encode(rgb.convert("L"), "PNG"), "palette png": encode(rgb.convert("P"), "PNG"),
         "rgba png": rgba_png(rgb), "la png": encode(rgb.convert("LA"), "PNG"),
-        "lossless webp": encode(rgb, "WEBP", lossless=True), "rgba webp": encode(rgb.convert("RGBA"), "WEBP", lossless=True),
+        "lossless webp": encode(rgb, "WEBP", lossless=True),
+        "rgba webp": encode(rgb.convert("RGBA"), "WEBP", lossless=True),
         "gray jpeg": encode(rgb.convert("L"), "JPEG"), "exif jpeg": exif_rotated_jpeg(rgb),
     }
     for name, data in forms.items():
