@@ -350,6 +350,9 @@ class RayConfig(Section):
     address: str | None = None
     # Logical CPUs of a local Ray; None: enough for the workers plus Ray Data tasks.
     num_cpus: int | None = Field(None, ge=1)
+    # Folders every node of the cluster mounts at the same path (NFS, a shared volume). On a cluster of several
+    # nodes any other local path is the driver node's alone: a run's storage must then be object storage or here.
+    shared_paths: list[str] = Field(default_factory=list)
 
 
 class DownloadConfig(Section):

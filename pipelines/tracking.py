@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterator
 
+import ray
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from mlflow.entities import Metric, Param, RunTag
@@ -18,6 +19,7 @@ from mlflow.exceptions import MlflowException
 
 import models
 from pipelines.config import PROJECT_ROOT
+from pipelines.tracking_relay import RelayClient, is_local_store, start_relay
 
 LOCAL_DIR = PROJECT_ROOT / ".probvlp"
 # Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
@@ -116,6 +118,17 @@ def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
 LOGGED_THROUGH_TAG = "probvlp.logged_through"
 
 
+def worker_client(uri: str, run_id: str):
+    """The client a Ray worker logs run `run_id` with: through the run's relay when its store is on the driver's
+    disk (a relay exists while `tracked_run` holds the run), else straight to the store."""
+    if is_local_store(uri) and ray.is_initialized():
+        try:
+            return RelayClient(run_id)
+        except ValueError:  # no relay: a run logged outside tracked_run, on its own node
+            pass
+    return MlflowClient(uri)
+
+
 class StepLogger:
     """Buffers per-step metrics and writes them in batches (one MLflow call per flush). Each flush records the
     last step written (tag probvlp.logged_through). A restart from the checkpoint of step `resumed_from` replays
@@ -124,7 +137,7 @@ class StepLogger:
     `resumed_from` up to the recorded one, are not written again."""
 
     def __init__(self, uri: str, run_id: str, flush_every: int | None = 500, resumed_from: int = 0):
-        self.client, self.run_id, self.flush_every = MlflowClient(uri), run_id, flush_every
+        self.client, self.run_id, self.flush_every = worker_client(uri, run_id), run_id, flush_every
         self.buffer: list = []
         self.logged_through, self.resumed_from = -1, resumed_from
         if resumed_from > 0:
@@ -240,11 +253,16 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
         reopen_run(uri, existing, config_yaml)
     run = TrackedRun(uri, existing or start_run(uri, experiment, run_name, params, config_yaml, tags),
                      register_as=register_as)
+    # a store on this node's disk: the workers, on any node, log through this node (pipelines.tracking_relay)
+    relay = start_relay(uri, run.run_id) if is_local_store(uri) and ray.is_initialized() else None
     try:
         yield run
     except BaseException:
         finish_run(uri, run.run_id, "FAILED")
         raise
+    finally:
+        if relay is not None:
+            ray.kill(relay)
     finish_run(uri, run.run_id, run.end_status)
     if run.register_as and run.end_status == "FINISHED":
         run.registered_version = register_model_version(uri, run.run_id, run.register_as)

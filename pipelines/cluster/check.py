@@ -2,6 +2,8 @@
 hold one worker? Without this check a job asking for GPUs on a CPU-only cluster waits with no word of why."""
 from __future__ import annotations
 
+import os
+
 import ray
 import ray._private.state
 
@@ -49,3 +51,61 @@ def check_cluster_holds_a_worker(need: dict[str, float], joined: bool, log=print
     offered = {**nodes, **(types or {})}
     raise ConfigError(f"train: {worker}, which no node{' type' if types else ''} of this cluster offers "
                       f"({'; '.join(f'{k}: {_shape(v)}' for k, v in offered.items())})")
+
+
+def spans_nodes() -> bool:
+    """Whether this job's tasks and workers may run on a node other than the driver's: other nodes are up, the
+    driver's node offers no CPU (a head that schedules no work, as ray_cluster.yaml's), or an autoscaler reports
+    node types it can add. On such a cluster a node's disk is its own (DESIGN.md)."""
+    here = ray.get_runtime_context().get_node_id()
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if any(n["NodeID"] != here for n in alive):
+        return True
+    own = next((n["Resources"] for n in alive if n["NodeID"] == here), {})
+    return own.get("CPU", 0) == 0 or bool(autoscaler_node_types())
+
+
+def is_local_path(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+# Folders every node mounts (the job's ray.shared_paths, `share_paths`): local paths there are every node's.
+_SHARED: list[str] = []
+
+
+def share_paths(paths: list[str]) -> None:
+    _SHARED[:] = [os.path.abspath(p) for p in paths]
+
+
+def node_only(path: str) -> bool:
+    """A path on this node's disk alone: local, and outside the folders every node mounts."""
+    local = path.removeprefix("file://")
+    return is_local_path(path) and not any(local == s or local.startswith(s.rstrip("/") + "/") for s in _SHARED)
+
+
+def check_storage_reachable(what: str, path: str, fix: str) -> None:
+    """A ConfigError (one line) when `path`, which every node must reach, is on this node's disk alone and the
+    cluster spans nodes."""
+    if not node_only(path) or not spans_nodes():
+        return
+    raise ConfigError(f"{what}: {path} is a folder on this node's disk, which the cluster's other nodes do not see; "
+                      f"{fix} (or list a folder every node mounts in ray.shared_paths)")
+
+
+# Local data a driver sends through Ray's object store (the bundled digits are ~1 MB); past it, object storage.
+SHIP_MAX_MB = 512
+
+
+def only_here(paths: list[str]) -> bool:
+    """Whether files on this node's disk must travel through Ray to be read: the cluster spans nodes (another node's
+    task would not find them). A ConfigError (one line) when they are too many bytes for that."""
+    local = [p for p in paths if node_only(p)]
+    if not local or not spans_nodes():
+        return False
+    size = sum(os.path.getsize(p.removeprefix("file://")) for p in local)
+    if size > SHIP_MAX_MB * 2**20:
+        raise ConfigError(f"data: {len(local)} files under {os.path.dirname(local[0])} ({size / 2**20:.0f} MB) are on "
+                          f"this node's disk, which the cluster's other nodes do not see, and over the {SHIP_MAX_MB} MB "
+                          "sent through Ray's object store: put them on object storage (s3://...) or a folder every "
+                          "node mounts (ray.shared_paths)")
+    return True

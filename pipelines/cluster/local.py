@@ -26,10 +26,12 @@ from pathlib import Path
 import yaml
 
 from pipelines.config import PROJECT_ROOT, ConfigError
+from pipelines.cluster.isolated import PROVIDER
 from pipelines.cluster.runtime import local_port, port_lock
 
 CLUSTER_YAML = PROJECT_ROOT / "ray_cluster.yaml"
-STATE_DIR = PROJECT_ROOT / ".probvlp" / "local_cluster"
+LOCAL_DATA = PROJECT_ROOT / ".probvlp"  # the project's local data, MLflow store and runs: each node's own
+STATE_DIR = LOCAL_DATA / "local_cluster"
 # The fake provider registers its head under this node type name, whatever the config calls it.
 FAKE_HEAD_TYPE = "ray.head.default"
 # Accelerators a CPU-only machine cannot offer: a job asking for them gets the driver's clear error
@@ -70,7 +72,10 @@ def local_config(source: Path = CLUSTER_YAML, *, gcs_port: int, cpus_per_node: f
         # gcs_address: without it the provider starts workers against 127.0.0.1:6379, where nothing listens.
         # No updaters: the fake provider's nodes are started as they are and it refuses the updaters' tags.
         # use_node_id_as_ip: every node here is 127.0.0.1; the provider names its nodes by node id instead.
-        "provider": {"type": "fake_multinode", "gcs_address": f"127.0.0.1:{gcs_port}", "use_node_id_as_ip": True,
+        # Every worker node in a mount namespace of its own (pipelines.cluster.isolated): its own empty /tmp and
+        # project data folder, so a file written on one node is absent on the others, as on a cloud cluster.
+        "provider": {"type": "external", "module": PROVIDER, "gcs_address": f"127.0.0.1:{gcs_port}",
+                     "hidden_paths": [str(LOCAL_DATA)], "use_node_id_as_ip": True,
                      "disable_node_updaters": True, "disable_launch_config_check": True},
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": types,
@@ -156,6 +161,7 @@ def start(folder: Path, config: dict | None = None, timeout_s: float = 180, **co
         gcs, dash, agent, client = local_port(), local_port(8265), local_port(), local_port()
         config = config or local_config(gcs_port=gcs, **config_options)
         config["provider"]["gcs_address"] = f"127.0.0.1:{gcs}"
+        config["provider"].setdefault("log_dir", str(folder / "nodes"))
         (folder / "cluster.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         head_cpus = config["available_node_types"][config["head_node_type"]]["resources"].get("CPU", 0)
         cluster = LocalCluster(f"http://127.0.0.1:{dash}", f"127.0.0.1:{gcs}", temp_dir, str(token_path))

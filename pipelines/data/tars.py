@@ -15,6 +15,8 @@ from typing import Callable, Iterator
 
 from ray.data.datasource import FileBasedDatasource
 
+from pipelines.cluster.check import only_here
+
 # key = everything before the first "." of the member's base name, directories included (webdataset's rule)
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
 CHUNK_ROWS = 512  # rows per block, as read_webdataset's
@@ -159,6 +161,11 @@ class TarShards(FileBasedDatasource):
         if rows:
             yield _block(rows)
 
+    def blocks(self, path: str):
+        """The blocks of one local file, read in this process."""
+        with open(path.removeprefix("file://"), "rb") as f:
+            yield from self._read_stream(f, path)
+
     def _report(self, path: str, err: BrokenFile) -> None:
         print(f"[probvlp] skipped {'the rest of ' if err.kept else ''}{path}: {err.reason} after {err.kept} "
               f"samples ({err.detail})", flush=True)
@@ -175,4 +182,9 @@ def read_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=Non
     from pipelines.data.stats import stats_actor
 
     stats = stats_actor() if stats_name else None
-    return ray.data.read_datasource(TarShards(paths, stats, stats_name, shuffle=shuffle))
+    source = TarShards(paths, stats, stats_name, shuffle=shuffle)
+    if only_here(paths):
+        # this node's files on a cluster whose other nodes do not see them (the bundled digits, a small local set):
+        # read here, and sent to the readers through Ray's object store
+        return ray.data.from_pandas([block for path in paths for block in source.blocks(path)])
+    return ray.data.read_datasource(source)

@@ -11,7 +11,7 @@ import torch
 from ray.data import ExecutionOptions
 
 from models.objective import build_objective, loss_name
-from pipelines.cluster.check import check_cluster_holds_a_worker
+from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import Config
 from pipelines.data.captions import CaptionSampler
@@ -85,6 +85,10 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
     check_cluster_holds_a_worker(t.worker_resources, joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
+    share_paths(cfg.ray.shared_paths)
+    check_storage_reachable("run.storage_path", cfg.run.storage_path,
+                            "Ray Train writes every worker's checkpoints there: set it to object storage, e.g. "
+                            "--set run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's environment)")
     from pipelines.train.worker import train_loop  # deferred until init_ray quietened the logs: it imports DeepSpeed
 
     prepare_data(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)

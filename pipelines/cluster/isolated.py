@@ -1,0 +1,119 @@
+"""Nodes that share no disk, on one machine: the local cluster's worker nodes each run in a mount namespace of their
+own (`unshare -m`), with a private, empty `/tmp` and an empty project data folder (`.probvlp`) over the head's.
+
+On a cloud cluster a node sees only its own disk: a file the job's driver writes on the head (the bundled digits, a
+sqlite MLflow store, a local checkpoint folder) is not there for a training worker. Nodes started by Ray's fake
+multi-node provider run on the machine's one filesystem, where such a file is silently visible to every node, so a
+test on them cannot see that mistake. Here each node is `ray start --block` inside its own mount namespace; its
+network, the installed packages and the project's code stay shared (a node image has them; `--working-dir` ships a
+job's own copy per node). The autoscaler drives these nodes as it drives the fake provider's (same node ids, types
+and resources), so autoscaling, node loss and replacement behave as there.
+
+Linux only, and it needs the right to create mount namespaces (root, as on the machines this project is tested on).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+from ray.autoscaler.tags import (NODE_KIND_WORKER, STATUS_UP_TO_DATE, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME,
+                                 TAG_RAY_NODE_STATUS, TAG_RAY_USER_NODE_TYPE)
+
+PROVIDER = f"{__name__}.IsolatedNodeProvider"
+
+
+def node_command(gcs_address: str, hidden: list[str], num_cpus: float, resources: dict, labels: dict) -> list[str]:
+    """This module's `node` entry point joining `gcs_address`, in a new mount namespace where each of `hidden` is an
+    empty tmpfs."""
+    mounts = [f"mkdir -p {shlex.quote(p)} && mount -t tmpfs -o mode=1777 probvlp-node {shlex.quote(p)}" for p in hidden]
+    node = shlex.join([sys.executable, "-m", __name__, gcs_address, f"{num_cpus:g}", json.dumps(resources),
+                       json.dumps(labels)])
+    # --propagation private: the node's mounts stay in its namespace (the head and the other nodes never see them)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", " && ".join([*mounts, f"exec {node}"])]
+
+
+def node_env(node_id: str, node_type: str) -> dict[str, str]:
+    """The node's environment: the head's, its id and type as the autoscaler names them, and the cluster's token by
+    value (the token file lies in a folder the node does not see)."""
+    env = {**os.environ, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id, "RAY_CLOUD_INSTANCE_ID": node_id,
+           "RAY_NODE_TYPE_NAME": node_type}
+    token_path = env.pop("RAY_AUTH_TOKEN_PATH", None)
+    if token_path and "RAY_AUTH_TOKEN" not in env:
+        env["RAY_AUTH_TOKEN"] = Path(token_path).read_text().strip()
+    return env
+
+
+def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -> None:
+    """A worker node's raylet and agents (what `ray start --address` starts, as Ray's fake provider starts them:
+    `ray start` would turn a loopback GCS address into this machine's external one), until this process is ended."""
+    import ray._private.node
+    import ray._private.parameter
+
+    params = ray._private.parameter.RayParams(
+        gcs_address=gcs_address, redis_address=gcs_address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
+        resources=resources, labels=labels, min_worker_port=0, max_worker_port=0, dashboard_agent_listen_port=0,
+        temp_dir="/tmp/ray")
+    node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+
+    def stop(*_):
+        node.kill_all_processes(check_alive=False, allow_graceful=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    while True:
+        signal.pause()
+
+
+class IsolatedNodeProvider(FakeMultiNodeProvider):
+    """Ray's fake multi-node provider with every worker node in its own mount namespace (module docstring).
+
+    provider config: `gcs_address` (the head's), `hidden_paths` (folders each node gets empty; `/tmp` always) and
+    `log_dir` (each node's `ray start` output, written by this process, so readable from the head)."""
+
+    def __init__(self, provider_config, cluster_name):
+        super().__init__(provider_config, cluster_name)
+        self._hidden = ["/tmp", *provider_config.get("hidden_paths", [])]
+        self._log_dir = Path(provider_config.get("log_dir") or "/tmp")
+
+    def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
+        resources = dict(resources)
+        with self.lock:
+            node_type = tags[TAG_RAY_USER_NODE_TYPE]
+            node_id = self._next_hex_node_id()
+            num_cpus = resources.pop("CPU", 0)
+            for key in ("GPU", "object_store_memory", "memory"):
+                resources.pop(key, None)  # none on this machine; memory Ray measures
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            with (self._log_dir / f"node-{node_id[-5:]}.log").open("ab") as log:
+                process = subprocess.Popen(
+                    node_command(self._gcs_address, self._hidden, num_cpus, resources, labels or {}),
+                    env=node_env(node_id, node_type), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True)  # its own process group: ended as a whole, like a machine switched off
+            self._nodes[node_id] = {
+                "tags": {TAG_RAY_NODE_KIND: NODE_KIND_WORKER, TAG_RAY_USER_NODE_TYPE: node_type,
+                         TAG_RAY_NODE_NAME: node_id, TAG_RAY_NODE_STATUS: STATUS_UP_TO_DATE, **tags},
+                "process": process,
+            }
+
+    def _terminate_node(self, node):
+        process: subprocess.Popen = node["process"]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(timeout=10)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+if __name__ == "__main__":
+    run_node(sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]))
