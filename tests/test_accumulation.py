@@ -285,3 +285,15 @@ def test_deepspeed_step_with_accumulation_equals_the_one_batch_step(two_workers)
         bad = [(update, err) for update, err in r["per_tensor"] if err > rel * update + floor]
         assert not bad and r["loss_err"] <= rel, (name, bad, r["loss_err"])
         assert sum(update > 1e-3 for update, _ in r["per_tensor"]) > 0.9 * r["tensors"]  # the check has teeth
+
+
+def test_config_states_the_contrastive_batch_and_refuses_per_sample_adapters():
+    from pipelines.config import Config, ConfigError
+
+    cfg = Config.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": 2}})
+    assert cfg.flat()["train.contrastive_batch"] == 128  # an MLflow param of every run
+    elastic = Config.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": [1, 3], "zero_stage": 0}})
+    assert elastic.flat()["train.contrastive_batch"] == "64-192"
+    with pytest.raises(ConfigError, match=r"^train.grad_accum: probvlm_adapter has no per-sample features"):
+        Config.from_dict({"model": {"name": "probvlm_adapter", "overrides": {"source": "clip_tiny"}},
+                          "train": {"grad_accum": 2}})
