@@ -1,9 +1,11 @@
-"""A local autoscaling cluster made from ray_cluster.yaml's node types (pipelines.cluster.local: Ray's fake
-multi-node provider, every node a raylet on this machine), its head with 0 CPUs and token auth, all on 127.0.0.1,
-used through `ray job submit`: a training job logging to an `mlflow server` scales it up, survives the loss of a
-worker node's raylet bit-exactly, and the idle nodes go away; a GPU job says why it waits; a download spreads its
-parts over the nodes; the jobs API refuses a client without the token. (`--working-dir`, which the fake nodes'
-shared runtime-env folder does not survive a node's removal with: tests/test_download.py, on the local Ray.)"""
+"""A local autoscaling cluster made from ray_cluster.yaml's node types (pipelines.cluster.local: Ray's autoscaler, every
+worker node a raylet on this machine in a mount namespace of its own, so the nodes share no disk), its head with 0
+CPUs and token auth, all on 127.0.0.1, with what its nodes share: an S3-protocol store (moto) and an `mlflow server`
+with its artifacts there (pipelines.cluster.services). Used through `ray job submit`: a node sees no file of the head
+or of another node; the demo travels with `--working-dir` (its bundled digits sent through Ray, its sqlite store
+reached through the driver); a download writes its shards to S3 from the nodes; a training job from S3 with its
+checkpoints on S3 and its results on the server scales the cluster up, survives the loss of a worker node bit-exactly
+and the idle nodes go away; a GPU job says why it waits; the jobs API refuses a client without the token."""
 from __future__ import annotations
 
 import json
@@ -24,11 +26,12 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
 from models.model_file import load_model
+from pipelines.cluster import services
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.cluster.local import LocalCluster, processes, start
 from pipelines.download.plan import bucket_of
 from pipelines.tracking import model_file
-from tests.helpers import free_port, jpeg, registered, saved, wait_for, wait_http
+from tests.helpers import free_port, jpeg, wait_for
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,8 +40,30 @@ BIN = Path(sys.executable).parent
 RUN = [*REFERENCE, "train.log_every=5", "run.max_failures=2"]
 
 
+BUCKET = "probvlp-test"
+
+
 @pytest.fixture(scope="module")
-def local_cluster(tmp_path_factory):
+def s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1, its endpoint and credentials in this process's environment while the module
+    runs (the cluster's nodes inherit them, as a cloud node has its instance role): an s3fs filesystem."""
+    import s3fs
+
+    env = services.s3_env(f"http://127.0.0.1:{free_port()}")
+    server = services.start_s3(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]), tmp_path_factory.mktemp("s3") / "log",
+                               [BUCKET])
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield s3fs.S3FileSystem()
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        services.stop(server)
+
+
+@pytest.fixture(scope="module")
+def local_cluster(s3, tmp_path_factory):
     # 2 CPUs a node: the training's two workers and Ray Data's tasks on few nodes (each node is a raylet and its agents)
     cluster = start(tmp_path_factory.mktemp("local_cluster"), idle_timeout_minutes=0.1, cpus_per_node=2)
     try:
@@ -48,26 +73,16 @@ def local_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1: sqlite backend, artifacts proxied (clients upload through the server)."""
+def mlflow_server(s3, tmp_path_factory):
+    """`mlflow server` on 127.0.0.1: sqlite backend, artifacts proxied to the S3 store (clients upload through the
+    server, which alone needs the store's credentials)."""
     tmp_path = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
-    log = (tmp_path / "mlflow.log").open("w")
-    proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "server_artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-        # MLflow's job runner (seven task-queue processes, for its GenAI jobs) has nothing to do here.
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-    )
+    proc = services.start_mlflow(port, tmp_path, f"s3://{BUCKET}/mlflow", {})
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=120)
         yield f"http://127.0.0.1:{port}", tmp_path
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        services.stop(proc)
 
 
 def dashboard(cluster: LocalCluster, path: str) -> dict:
@@ -108,13 +123,13 @@ def submit(cluster: LocalCluster, args: list[str], log: Path, *options: str) -> 
 
 def job_args(tmp: Path, digits_root: str, name: str, *extra: str, tracking: str | None = None) -> list[str]:
     tracking = tracking or f"sqlite:///{tmp}/mlflow.db"
-    cfg = [f"data.root={digits_root}", f"tracking.uri={tracking}", f"run.storage_path={tmp}/ray",
+    cfg = [f"data.root={digits_root}", f"tracking.uri={tracking}", f"run.storage_path=s3://{BUCKET}/ray",
            f"run.name={name}", "run.experiment=test-autoscaling", *SMALL, *extra]
     return ["-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
             *(a for kv in cfg for a in ("--set", kv))]
 
 
-def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, ray_local,
+def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, s3, ray_local,
                                                                   straight_small_run, tmp_path):
     """jobs.pretrain submitted to the 0-CPU head, logging to an `mlflow server`: the autoscaler starts worker nodes
     for Ray Train's workers and Ray Data; after the first checkpoint the raylet of a node running a train worker is
@@ -131,9 +146,9 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     try:
         wait_for("a worker node", lambda: alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
-        checkpoints = tmp_path / "ray" / "lost-node"
+        checkpoints = f"{BUCKET}/ray/lost-node"  # on S3: no node could reach a folder on another's disk
         target = wait_for("a registered checkpoint, and a train worker's raylet",
-                          lambda: registered(checkpoints) and train_worker_raylets(cluster), 300, 0.2)
+                          lambda: registered_on(s3, checkpoints) and train_worker_raylets(cluster), 300, 0.2)
         before = alive_workers(cluster)
         raylet, lost = next(iter(target.items()))
         os.kill(raylet, signal.SIGKILL)
@@ -175,10 +190,23 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     folder = Path(download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
                                      tracking_uri=uri))
     assert load_model(model_file(folder)).context_length == 16
-    assert (server_dir / "server_artifacts").exists()
+    assert s3.ls(f"{BUCKET}/mlflow")  # the server stored them on S3
+    assert not (server_dir / "mlartifacts").exists() and not (server_dir / "mlruns").exists()
     # The same run, uninterrupted, on the plain local Ray: the node loss changed nothing, bit for bit.
-    final = saved(checkpoints)[-1]
-    assert assert_identical(load_state(str(final)), load_state(straight_small_run["checkpoint"])) > 20
+    final = sorted(p for p in s3.ls(checkpoints) if p.rsplit("/", 1)[-1].startswith("checkpoint_"))[-1]
+    s3.get(final, str(tmp_path / "final"), recursive=True)
+    assert assert_identical(load_state(str(tmp_path / "final")), load_state(straight_small_run["checkpoint"])) > 20
+
+
+def registered_on(fs, run_folder: str) -> list[str]:
+    """Checkpoints Ray Train has registered for a run on object storage (its snapshot file lists them)."""
+    try:
+        snapshot = json.loads(fs.cat(f"{run_folder}/checkpoint_manager_snapshot.json"))
+        fs.invalidate_cache()
+        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):  # not written yet
+        fs.invalidate_cache()
+        return []
 
 
 def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_root, tmp_path):
@@ -203,9 +231,11 @@ def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_ro
     assert "waiting for the autoscaler to add one" in text
 
 
-def test_download_spreads_its_parts_over_the_nodes(local_cluster, tmp_path):
-    """jobs.download submitted to the cluster: its parts run as Ray tasks on the worker nodes the autoscaler starts
-    (the URLs are on this machine's loopback, which every fake node shares), and the summary says which did which."""
+def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, tmp_path):
+    """jobs.download submitted to the cluster, from a URL table on S3 to shards on S3: its parts run as Ray tasks on
+    the worker nodes the autoscaler starts (the URLs are on this machine's loopback, which every node shares), every
+    shard is complete with no temporary object left, the summary agrees with the per-part lines and says which node
+    did which part; a second run finds every shard finished."""
     site = tmp_path / "site"
     site.mkdir()
     for i in range(16):
@@ -213,14 +243,24 @@ def test_download_spreads_its_parts_over_the_nodes(local_cluster, tmp_path):
     with LoopbackServer(site, delay_s=2.5) as server:  # slow images: a part outlasts the nodes' start-up skew
         urls = [server.url(f"{i}.jpg") for i in range(16)]
         rows = "".join(f"{url},image {i}\n" for i, url in enumerate(urls))
-        (tmp_path / "urls.csv").write_text("url,caption\n" + rows)
+        s3.pipe(f"{BUCKET}/spread/urls.csv", ("url,caption\n" + rows).encode())
+        out = f"{BUCKET}/spread/out"
         (tmp_path / "download.yaml").write_text(yaml.safe_dump({"run": {"name": "spread"}, "download": {
-            "input": str(tmp_path / "urls.csv"), "output": str(tmp_path / "out"), "image_size": 32,
+            "input": f"s3://{BUCKET}/spread/urls.csv", "output": f"s3://{out}", "image_size": 32,
             "rows_per_shard": 4, "threads_per_task": 1, "max_parts_in_flight": 4, "disallowed_header_directives": []}}))
         job = submit(local_cluster, ["-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
                      tmp_path / "job.log")
         assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-4000:]
-    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
+        again = submit(local_cluster, ["-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
+                       tmp_path / "again.log")
+        assert again.wait(timeout=600) == 0, (tmp_path / "again.log").read_text()[-4000:]
+    s3.invalidate_cache()
+    summary = json.loads(s3.cat(f"{out}/_summary.json"))
+    log = (tmp_path / "job.log").read_text()
+    assert "FAILED" not in log and not s3.glob(f"{out}/_tmp/**"), log[-3000:]
+    assert summary["shards_downloaded"] == summary["shards"] and summary["shards_failed"] == 0
+    assert s3.glob(f"{out}/*.tar") and len(s3.glob(f"{out}/*_stats.json")) == summary["shards"]
+    assert f"this run: 0 downloaded, {summary['shards']} already finished, 0 failed" in (tmp_path / "again.log").read_text()
     # A part per non-empty hash bucket of the 4 (16 rows / rows_per_shard): the URLs carry the server's port, so
     # now and then a bucket gets none of them and the plan has 3 parts.
     parts = len({bucket_of(url, 4) for url in urls})
@@ -230,7 +270,7 @@ def test_download_spreads_its_parts_over_the_nodes(local_cluster, tmp_path):
     assert len(shards) == len(set(shards)) == parts  # every part once
     head = {n["node_id"] for n in nodes(local_cluster) if n["is_head_node"]}
     assert len(by_node) >= 2 and not head & set(by_node), by_node
-    assert "downloaded this run by" in (tmp_path / "job.log").read_text()
+    assert "downloaded this run by" in log
 
 
 
@@ -251,3 +291,78 @@ def test_jobs_api_refuses_requests_without_the_token(local_cluster):
     out = subprocess.run([str(BIN / "ray"), "job", "list", f"--address={local_cluster.address}"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "auth" in (out.stdout + out.stderr).lower()
+
+
+PROBE = '''
+import os, sys, time
+from pathlib import Path
+import ray
+
+ray.init()
+
+
+@ray.remote(num_cpus=2)  # a whole node each: the two run on two nodes
+def look(i, head_file, data_file):
+    Path(f"/tmp/probvlp_node_probe_{i}").write_text("written on this node")
+    time.sleep(4)  # both hold their node at once; the other has written its file by now
+    return (ray.get_runtime_context().get_node_id(), os.path.exists(head_file), os.path.exists(data_file),
+            os.path.exists(f"/tmp/probvlp_node_probe_{1 - i}"))
+
+
+print("SEEN", ray.get([look.remote(i, sys.argv[1], sys.argv[2]) for i in range(2)]))
+'''
+
+
+def test_nodes_see_no_file_of_the_head_or_of_each_other(local_cluster, tmp_path):
+    """The check the other tests stand on: a file the driver's node (the head) wrote is absent on the worker nodes,
+    and a file one worker node wrote is absent on the head; the project's data folder is each node's own."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    head_file = tmp_path / "written_on_the_head.txt"
+    head_file.write_text("head")
+    data = ROOT / ".probvlp" / "written_on_the_head.txt"  # the project's data folder (the demo's data, its store)
+    data.parent.mkdir(exist_ok=True)
+    data.write_text("head")
+    out = subprocess.run([str(BIN / "ray"), "job", "submit", "--", sys.executable, str(tmp_path / "probe.py"),
+                          str(head_file), str(data)],
+                         env=local_cluster.client_env(), capture_output=True, text=True, timeout=300)
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs[-3000:]
+    seen = eval(logs.split("SEEN ", 1)[1].splitlines()[0])  # noqa: S307 - the probe's own printed list
+    head = {n["node_id"] for n in nodes(local_cluster) if n["is_head_node"]}
+    assert len({s[0] for s in seen}) == 2 and not head & {s[0] for s in seen}
+    assert [s[1:] for s in seen] == [(False, False, False)] * 2  # the head's files, the other node's: absent
+    assert not list(Path("/tmp").glob("probvlp_node_probe_*"))  # and the nodes' files are not on the head
+
+
+def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_path):
+    """`ray job submit --working-dir . -- python -m jobs.pretrain --config configs/prolip_demo.yaml`, as the README
+    submits it. With its defaults it stops before any worker starts, in one line naming run.storage_path (a folder on
+    the head, where the workers could not write checkpoints); with that one setting on S3 it trains on the bundled
+    digits (written on the head, sent to the workers through Ray's object store) and logs to its default sqlite store
+    (the head's copy of the working directory; the workers, on other nodes, log through the driver's node)."""
+    def submit_demo(*overrides: str) -> subprocess.CompletedProcess:
+        sets = [a for kv in ("train.steps=30", "train.log_every=10", *overrides) for a in ("--set", kv)]
+        return subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
+                               "jobs.pretrain", "--config", "configs/prolip_demo.yaml", *sets],
+                              cwd=ROOT, env=local_cluster.client_env(), capture_output=True, text=True, timeout=900)
+
+    refused = submit_demo()
+    logs = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "[train] step" not in logs and "Traceback" not in logs, logs[-3000:]
+    line = next(x for x in logs.splitlines() if x.startswith("config error: run.storage_path: "))
+    assert "is a folder on this node's disk, which the cluster's other nodes do not see" in line
+    assert "--set run.storage_path=s3://" in line
+
+    done = submit_demo(f"run.storage_path=s3://{BUCKET}/demo", "run.name=demo-on-the-cluster")
+    logs = done.stdout + done.stderr
+    assert done.returncode == 0 and "succeeded" in logs.lower(), logs[-4000:]
+    assert "[train] step 30/30" in logs and "digits_zeroshot: top1" in logs and "model: runs:/" in logs
+    assert "not found" not in logs.lower()
+    stores = list(Path(local_cluster.temp_dir).glob("session_2*/runtime_resources/working_dir_files/*/.probvlp/mlflow.db"))
+    assert len(stores) == 1, stores  # on the head only, in the job's copy of the project
+    client = MlflowClient(f"sqlite:///{stores[0]}")
+    run = client.search_runs([client.get_experiment_by_name("probvlp-demo").experiment_id])[0]
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "30"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30]  # rank 0's, relayed
+    assert {f.path for f in client.list_artifacts(run.info.run_id, "model")} >= {"model/MLmodel", "model/data"}
+    assert registered_on(s3, f"{BUCKET}/demo/demo-on-the-cluster")

@@ -1,12 +1,14 @@
-"""An autoscaling Ray cluster on this machine, made from `ray_cluster.yaml`'s node types.
+"""An autoscaling Ray cluster on this machine, made from `ray_cluster.yaml`'s node types, whose nodes share no disk.
 
-Ray's fake multi-node provider (`provider: type: fake_multinode`) runs the autoscaler for real: each node
-it launches is a raylet on this machine with its node type's resources, and idle nodes go away after
-`idle_timeout_minutes`. The config is derived from ray_cluster.yaml by `local_config` (same worker node
-types, their CPUs scaled down, GPUs dropped since this machine has none), so what runs here is what the
-cloud cluster would launch. Everything binds 127.0.0.1 and the jobs API needs Ray's token.
+Ray's autoscaler runs for real over the fake multi-node provider's logic: each node it launches is a raylet on this
+machine with its node type's resources, in a mount namespace of its own (`pipelines.cluster.isolated`: its own /tmp
+and project data folder), and idle nodes go away after `idle_timeout_minutes`. The config is derived from
+ray_cluster.yaml by `local_config` (same worker node types, their CPUs scaled down, GPUs dropped since this machine
+has none), so what runs here is what the cloud cluster would launch. Everything binds 127.0.0.1 and the jobs API
+needs Ray's token. `up` also starts what the nodes share (`pipelines.cluster.services`): an S3-protocol store and an
+`mlflow server` with its artifacts there, and prints the environment to export.
 
-    python -m pipelines.cluster.local up      # (make cluster-up) prints the RAY_ADDRESS to submit to
+    python -m pipelines.cluster.local up      # (make cluster-up) prints RAY_ADDRESS and the services' environment
     python -m pipelines.cluster.local down    # (make cluster-down)
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.config import PROJECT_ROOT, ConfigError
+from pipelines.cluster import services
 from pipelines.cluster.isolated import PROVIDER
 from pipelines.cluster.runtime import local_port, port_lock
 
@@ -201,12 +204,25 @@ def _up(args) -> int:
     if state.exists():
         print(f"a local cluster is already up ({state}); `make cluster-down` first", file=sys.stderr)
         return 1
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    # The services every node reaches (as a cloud cluster's S3 and tracking server), then the cluster, whose
+    # nodes inherit their environment.
+    with port_lock():
+        s3_port, mlflow_port = local_port(), local_port()
+    env = services.s3_env(f"http://127.0.0.1:{s3_port}")
+    s3 = services.start_s3(s3_port, STATE_DIR / "s3.log", [args.bucket])
+    tracking = services.start_mlflow(mlflow_port, STATE_DIR / "mlflow", f"s3://{args.bucket}/mlflow", env)
+    env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{mlflow_port}"
+    os.environ.update(env)
     cluster = start(STATE_DIR, idle_timeout_minutes=args.idle_timeout_minutes,
                     max_nodes_per_type=args.max_nodes_per_type, cpus_per_node=args.cpus_per_node)
-    state.write_text(json.dumps(asdict(cluster)))
-    print(f"local autoscaling cluster up: head at {cluster.address} (0 CPUs), node types of {CLUSTER_YAML.name}; "
-          f"config {STATE_DIR / 'cluster.yaml'}")
-    print(f"export RAY_ADDRESS={cluster.address} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path}")
+    state.write_text(json.dumps({**asdict(cluster), "services": [s3.pid, tracking.pid]}))
+    print(f"local autoscaling cluster up: head at {cluster.address} (0 CPUs), node types of {CLUSTER_YAML.name}, each "
+          f"node with its own disk; config {STATE_DIR / 'cluster.yaml'}")
+    print(f"object store: s3://{args.bucket} at {env['AWS_ENDPOINT_URL']}; MLflow server {env['MLFLOW_TRACKING_URI']} "
+          f"(artifacts on s3://{args.bucket}/mlflow)")
+    print(f"export RAY_ADDRESS={cluster.address} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path} "
+          + " ".join(f"{k}={v}" for k, v in env.items()))
     return 0
 
 
@@ -215,7 +231,11 @@ def _down(_args) -> int:
     if not state.exists():
         print("no local cluster is up")
         return 0
-    LocalCluster(**json.loads(state.read_text())).stop()
+    saved = json.loads(state.read_text())
+    pids = saved.pop("services", [])
+    LocalCluster(**saved).stop()
+    for pid in pids:
+        services.stop(pid)
     state.unlink()
     print("local cluster stopped")
     return 0
@@ -228,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--idle-timeout-minutes", type=float, default=0.25)
     up.add_argument("--max-nodes-per-type", type=int, default=2)
     up.add_argument("--cpus-per-node", type=float, default=1)
+    up.add_argument("--bucket", default="probvlp", help="the object store's bucket (created)")
     sub.add_parser("down", help="stop the cluster started by `up`")
     args = parser.parse_args(argv)
     try:

@@ -55,6 +55,15 @@ def _resizer(cfg: DownloadConfig):
     )
 
 
+def remove_folder(fs, path: str) -> None:
+    """`path` and what it holds, if anything. An object store has no folders: one whose last object is gone does not
+    exist, and s3fs's recursive delete of it raises FileNotFoundError after deleting its objects."""
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
 def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: int, key_digits: int) -> dict:
     """img2dataset's per-shard downloader on one part, then move the shard into place (a PartResult as a dict)."""
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would check PyPI on import
@@ -69,8 +78,7 @@ def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: 
     name = shard_name(shard, shard_digits)
     fs, out = fs_path(cfg.output)
     tmp = f"{out}/{TMP_DIR}/{name}"
-    if fs.exists(tmp):
-        fs.rm(tmp, recursive=True)  # left by an interrupted run
+    remove_folder(fs, tmp)  # left by an interrupted run
     fs.makedirs(tmp, exist_ok=True)
     with fs.open(f"{out}/{PARTS_DIR}/{part['file']}", "rb") as f:
         table = pq.read_table(f)
@@ -93,6 +101,6 @@ def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: 
     # The stats file last: a shard is finished once its _stats.json sits next to its .tar.
     for suffix in (".tar", ".parquet", "_stats.json"):
         fs.mv(f"{tmp}/{name}{suffix}", f"{out}/{name}{suffix}")
-    fs.rm(tmp, recursive=True)
+    remove_folder(fs, tmp)
     stats = read_json(fs, f"{out}/{name}_stats.json")
     return asdict(PartResult(shard, part["rows"], True, stats=stats, seconds=time.perf_counter() - t0, node=node))

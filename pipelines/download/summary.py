@@ -19,6 +19,7 @@ def summarize_download(cfg: DownloadConfig, manifest: dict, results: list[PartRe
     reasons: Counter = Counter()
     written = complete = 0
     failed_parts = {r.shard: r for r in results if not r.ok}
+    finished = set()  # shards in place, whatever their part reported (a part can fail after moving its shard there)
     for part in manifest["parts"]:
         name = shard_name(part["shard"], manifest["shard_digits"])
         stats = read_json(fs, f"{out}/{name}_stats.json") if shard_done(fs, out, name) else None
@@ -26,6 +27,7 @@ def summarize_download(cfg: DownloadConfig, manifest: dict, results: list[PartRe
             r = failed_parts.get(part["shard"])
             reasons[f"part failed: {r.error}" if r else "not downloaded yet"] += part["rows"]
             continue
+        finished.add(part["shard"])
         complete += 1
         written += int(stats.get("successes", 0))
         for reason, n in (stats.get("status_dict") or {}).items():
@@ -49,8 +51,8 @@ def summarize_download(cfg: DownloadConfig, manifest: dict, results: list[PartRe
         "shards": len(manifest["parts"]),
         "shards_complete": complete,
         "shards_skipped": skipped,
-        "shards_downloaded": sum(r.ok for r in results),
-        "shards_failed": len(failed_parts),
+        "shards_downloaded": sum(r.shard in finished for r in results),
+        "shards_failed": sum(r.shard not in finished for r in results),
         "urls_fetched_this_run": this_run,
         "written_this_run": written_this_run,
         # node id -> the shards its tasks downloaded this run (a cluster spreads the parts over its nodes)

@@ -208,8 +208,26 @@ def _columns(samples: list[dict]) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------ metadata
 
 
+# Text files a driver read for its workers (`driver_texts`, `use_texts`): a zero-shot task's class names and
+# templates on the driver's disk, which a worker on another node of a cluster does not see.
+_TEXTS: dict[str, str | None] = {}
+
+
+def driver_texts(tasks: list[EvalTask]) -> dict[str, str | None]:
+    """The zero-shot tasks' class-name and template files as read here, for `use_texts` in the workers."""
+    files = [f for t in tasks if t.kind == "zeroshot" for f in
+             (f"{t.data}/{CLASSNAMES}", t.templates or f"{t.data}/{TEMPLATES}")]
+    return {f: read_text(f) for f in files}
+
+
+def use_texts(texts: dict[str, str | None]) -> None:
+    _TEXTS.update(texts)
+
+
 def read_text(uri: str) -> str | None:
     """A text file's content (local path or fsspec URI); None if it does not exist."""
+    if uri in _TEXTS:
+        return _TEXTS[uri]
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.exists(path):
         return None

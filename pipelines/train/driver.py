@@ -19,7 +19,7 @@ from pipelines.data.digits import write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
 from pipelines.data.stats import BadDataError
-from pipelines.evaluate.data import REQUIRES, check_task, read_eval_shards, task_paths
+from pipelines.evaluate.data import REQUIRES, check_task, driver_texts, read_eval_shards, task_paths
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
@@ -102,6 +102,7 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         trainer = torch_trainer(
             train_loop,
             {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri,
+             "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
              "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done")},
             cfg, build_datasets(cfg, context_length, run.run_id), callbacks,

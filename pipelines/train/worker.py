@@ -27,6 +27,7 @@ from pipelines.train.trainer import eval_dataset_name
 from pipelines.train.state import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluate import EvaluationError
+from pipelines.evaluate.data import use_texts
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.evaluate.embed import embed_task_locally, model_device
@@ -521,6 +522,7 @@ EXAMPLE_CAPTION = "a photo of a dog"
 
 def train_loop(config: dict[str, Any]) -> None:
     cfg = Config.from_dict(config["config"])
+    use_texts(config.get("texts", {}))
     worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
     worker.fit()
     worker.finish()
