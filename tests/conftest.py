@@ -46,6 +46,29 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 with the bucket "probvlp-test"; its endpoint and credentials in this process's
+    environment while the session runs (jobs and local clusters started by the tests inherit them, as a cloud node
+    has its instance role): an s3fs filesystem on it."""
+    import s3fs
+
+    from pipelines.cluster import services
+    from tests.helpers import free_port
+
+    port = free_port()
+    env = services.s3_env(f"http://127.0.0.1:{port}")
+    server = services.start_s3(port, tmp_path_factory.mktemp("s3") / "log", ["probvlp-test"])
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield s3fs.S3FileSystem()
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        services.stop(server)
+
+
 @pytest.fixture
 def mlflow_uri(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -40,26 +40,7 @@ BIN = Path(sys.executable).parent
 RUN = [*REFERENCE, "train.log_every=5", "run.max_failures=2"]
 
 
-BUCKET = "probvlp-test"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """moto's S3 server on 127.0.0.1, its endpoint and credentials in this process's environment while the module
-    runs (the cluster's nodes inherit them, as a cloud node has its instance role): an s3fs filesystem."""
-    import s3fs
-
-    env = services.s3_env(f"http://127.0.0.1:{free_port()}")
-    server = services.start_s3(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]), tmp_path_factory.mktemp("s3") / "log",
-                               [BUCKET])
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield s3fs.S3FileSystem()
-    finally:
-        for k, v in before.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        services.stop(server)
+BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +123,10 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     assert alive_workers(cluster) == set()  # the head only: nothing runs on it
     t0 = time.monotonic()
     # the reference run's samples, in its order (the run ends bit for bit on its weights)
-    job = submit(cluster, job_args(tmp_path, straight_small_run["data_root"], "lost-node", *RUN, tracking=uri), log)
+    # the reference run's shards, on S3 (the same files: the run ends bit for bit on its weights)
+    for part in ("train", "val", "test", "eval"):
+        s3.put(f"{straight_small_run['data_root']}/{part}", f"{BUCKET}/digits/{part}", recursive=True)
+    job = submit(cluster, job_args(tmp_path, f"s3://{BUCKET}/digits", "lost-node", *RUN, tracking=uri), log)
     try:
         wait_for("a worker node", lambda: alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
@@ -193,9 +177,28 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     assert s3.ls(f"{BUCKET}/mlflow")  # the server stored them on S3
     assert not (server_dir / "mlartifacts").exists() and not (server_dir / "mlruns").exists()
     # The same run, uninterrupted, on the plain local Ray: the node loss changed nothing, bit for bit.
-    final = sorted(p for p in s3.ls(checkpoints) if p.rsplit("/", 1)[-1].startswith("checkpoint_"))[-1]
+    s3.invalidate_cache()
+    final = sorted(e["name"] for e in s3.ls(checkpoints, detail=True)
+                   if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_"))[-1]
     s3.get(final, str(tmp_path / "final"), recursive=True)
     assert assert_identical(load_state(str(tmp_path / "final")), load_state(straight_small_run["checkpoint"])) > 20
+
+    # The recipe's last steps: jobs.evaluate of the run's model on the eval sets on S3, submitted to the cluster
+    # (its embedding actors on the worker nodes), and the model loaded from MLflow in a fresh Python.
+    model = f"runs:/{run.info.run_id}/model"
+    evaluated = submit(cluster, ["-m", "jobs.evaluate", "--config", str(ROOT / "configs" / "demo.yaml"), "--model",
+                                 model, "--set", f"data.root=s3://{BUCKET}/digits", "--set", f"tracking.uri={uri}",
+                                 "--set", "run.experiment=test-autoscaling-eval"], tmp_path / "evaluate.log")
+    assert evaluated.wait(timeout=600) == 0, (tmp_path / "evaluate.log").read_text()[-4000:]
+    evals = client.search_runs([client.get_experiment_by_name("test-autoscaling-eval").experiment_id])
+    assert evals[0].data.tags["probvlp.source_run"] == run.info.run_id
+    assert evals[0].data.metrics["digits_zeroshot/top1"] == pytest.approx(run.data.metrics["digits_zeroshot/top1"], abs=0.02)
+    fresh = subprocess.run([sys.executable, "-c", "import mlflow, pandas as pd, sys; "
+                            "m = mlflow.pyfunc.load_model(sys.argv[1]); "
+                            "print('MU', len(m.predict(pd.DataFrame({'caption': ['the digit seven']}))['text_mu'][0]))",
+                            model], env={**os.environ, "MLFLOW_TRACKING_URI": uri}, capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+    assert fresh.returncode == 0 and "MU " in fresh.stdout, fresh.stderr[-3000:]
 
 
 def registered_on(fs, run_folder: str) -> list[str]:
@@ -257,7 +260,8 @@ def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, tmp_
     s3.invalidate_cache()
     summary = json.loads(s3.cat(f"{out}/_summary.json"))
     log = (tmp_path / "job.log").read_text()
-    assert "FAILED" not in log and not s3.glob(f"{out}/_tmp/**"), log[-3000:]
+    assert "FAILED" not in log, log[-3000:]
+    assert not [p for p in s3.find(f"{out}/_tmp") if p.endswith((".tar", "_stats.json"))]  # every shard moved in place
     assert summary["shards_downloaded"] == summary["shards"] and summary["shards_failed"] == 0
     assert s3.glob(f"{out}/*.tar") and len(s3.glob(f"{out}/*_stats.json")) == summary["shards"]
     assert f"this run: 0 downloaded, {summary['shards']} already finished, 0 failed" in (tmp_path / "again.log").read_text()

@@ -33,7 +33,8 @@ PAPER = {"loss.params.eps": -10.0, "loss.params.c": 10.0, "loss.params.alpha1": 
 GOOD = {**PAPER, "train.lr": 5.0e-4}
 
 
-def sweep_file(tmp: Path, data_root, name: str, num_samples: int, space=None, **tune) -> Path:
+def sweep_file(tmp: Path, data_root, name: str, num_samples: int, space=None, storage: str | None = None,
+               **tune) -> Path:
     """The probabilistic Llip on user-style shards (no labels), 10-step trials, one at a time."""
     data = {
         "base": str(ROOT / "configs" / "user_data.yaml"),
@@ -48,7 +49,7 @@ def sweep_file(tmp: Path, data_root, name: str, num_samples: int, space=None, **
             "train.warmup_steps=2", "data.augment=false",
         ],
         "space": space or KNOBS,
-        "tune": {"name": name, "num_samples": num_samples, "max_concurrent": 1, "storage_path": str(tmp / "tune"),
+        "tune": {"name": name, "num_samples": num_samples, "max_concurrent": 1, "storage_path": storage or str(tmp / "tune"),
                  "experiment": "sweeps", "points_to_evaluate": [GOOD], "grace_period": 1,
                  # Held-out loss separates a learning trial from a frozen one from the first report on,
                  # while retrieval of the tiny model is still near chance then.
@@ -73,13 +74,15 @@ def ended_trials(log: Path) -> set[str]:
 
 
 @pytest.mark.timeout(2400)
-def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_shards, tmp_path):
-    """A 2-trial ASHA sweep over the six knobs on user-style shards, run as a user would: the paper's point, then a
-    sampled one (seeded: a hopeless learning rate). Interrupted with Ctrl-C once the first trial has ended, then the
-    same command again: the ended trial is kept, not rerun, and the sampled one is cut at the first rung against
-    the first trial's result from before the interruption; MLflow holds a parent run with every trial as a child."""
+def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_shards, s3, tmp_path):
+    """A 2-trial ASHA sweep over the six knobs on user-style shards, run as a user would, its storage (Tune's
+    experiment and every trial's Ray Train run) on S3: the paper's point, then a sampled one (seeded: a hopeless
+    learning rate). Interrupted with Ctrl-C once the first trial has ended, then the same command again: the ended
+    trial is kept, not rerun, and the sampled one is cut at the first rung against the first trial's result from
+    before the interruption (restored from S3); MLflow holds a parent run with every trial as a child."""
     root, _ = user_shards
-    path = sweep_file(tmp_path, root, "two", num_samples=2)
+    storage = f"probvlp-test/tune-{tmp_path.name}"
+    path = sweep_file(tmp_path, root, "two", num_samples=2, storage=f"s3://{storage}")
     best_out = tmp_path / "best.yaml"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cmd = [sys.executable, "-m", "jobs.tune", "--config", str(path), "--best-config-out", str(best_out)]
@@ -104,6 +107,10 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     # progress lines, counting on from the trials that ended before the interruption
     assert "[sweep] trial 2/2 (100%)" in second.stdout and "heldout_loss/loss" in second.stdout
 
+    s3.invalidate_cache()
+    assert s3.ls(f"{storage}/two")  # Tune's experiment state, restored from there by the second command
+    assert s3.glob(f"{storage}/two_train/*/checkpoint_*")  # the trials' Ray Train runs
+    assert not (tmp_path / "tune").exists()
     client = MlflowClient(uri)
     parent = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id])[0]
     runs = children(uri, "two")

@@ -96,12 +96,14 @@ def check_storage_reachable(what: str, path: str, fix: str) -> None:
 SHIP_MAX_MB = 512
 
 
-def only_here(paths: list[str]) -> bool:
-    """Whether files on this node's disk must travel through Ray to be read: the cluster spans nodes (another node's
-    task would not find them). A ConfigError (one line) when they are too many bytes for that."""
+def only_here(paths: list[str], size_limit: bool = True) -> bool:
+    """Whether files (or folders) on this node's disk must travel through Ray: the cluster spans nodes (another
+    node's task would not find them). A ConfigError (one line) when files to send are too many bytes for that."""
     local = [p for p in paths if node_only(p)]
     if not local or not spans_nodes():
         return False
+    if not size_limit:
+        return True
     size = sum(os.path.getsize(p.removeprefix("file://")) for p in local)
     if size > SHIP_MAX_MB * 2**20:
         raise ConfigError(f"data: {len(local)} files under {os.path.dirname(local[0])} ({size / 2**20:.0f} MB) are on "

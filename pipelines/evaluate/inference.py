@@ -10,6 +10,7 @@ pyarrow or faiss without this project. Texts: the same for a list of strings ->
 from __future__ import annotations
 
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from models.model_file import load_model
 from models.preprocess import to_device, to_model_input
 from models.tokenizer import tokenize
+from pipelines.cluster.check import only_here
 from pipelines.evaluate.data import REQUIRES, read_eval_shards, task_paths
 from pipelines.evaluate.embed import TaskEmbeddings, split_captions, task_texts
 
@@ -50,7 +52,7 @@ def _fixed_lists(out: dict[str, torch.Tensor]) -> dict:
 
 
 class _Embedder:
-    def __init__(self, model_file: str, num_gpus: float = 0.0, threads: int = 1):
+    def __init__(self, model_file: str | bytes, num_gpus: float = 0.0, threads: int = 1):
         if num_gpus <= 0:
             torch.set_num_threads(max(1, threads))
         self.device = _device(num_gpus)
@@ -59,7 +61,13 @@ class _Embedder:
             # so GPU and CPU actors give the same metrics (this actor's process does nothing else)
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
-        self.model = load_model(model_file).to(self.device).eval()
+        if isinstance(model_file, bytes):  # the driver's file, sent along (`_pool`)
+            with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+                f.write(model_file)
+                f.flush()
+                self.model = load_model(f.name).to(self.device).eval()
+        else:
+            self.model = load_model(model_file).to(self.device).eval()
 
 
 class ImageEmbedder(_Embedder):
@@ -87,7 +95,9 @@ class TextEmbedder(_Embedder):
 def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
     # Autoscaling from one actor: each actor loads the model (seconds), and an eval task's captions or a small set
     # of images is a batch or two that one actor embeds before a second would have loaded.
-    return dict(fn=cls, fn_constructor_kwargs={"model_file": str(model_file), "num_gpus": opts.num_gpus,
+    # a model file on this node's disk travels with the actors to the nodes that do not see it
+    model = Path(model_file).read_bytes() if only_here([str(model_file)]) else str(model_file)
+    return dict(fn=cls, fn_constructor_kwargs={"model_file": model, "num_gpus": opts.num_gpus,
                                                "threads": opts.threads},
                 concurrency=(1, max(1, opts.concurrency)), batch_size=opts.batch_size, num_gpus=opts.num_gpus or None,
                 num_cpus=None if opts.num_gpus else opts.threads)
@@ -107,7 +117,7 @@ def write_image_embeddings(model_file: str, paths: list[str], image_size: int, o
     # streamed (one pass), images moved as uint8 and scaled in the actor
     ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
                           uint8=True, require=require)
-    ds.map_batches(**_pool(ImageEmbedder, model_file, opts)).write_parquet(str(folder))
+    _write(ds.map_batches(**_pool(ImageEmbedder, model_file, opts)), folder)
     return folder
 
 
@@ -115,8 +125,19 @@ def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, op
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
     folder = _fresh(Path(out) / "texts")
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
-    ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)).write_parquet(str(folder))
+    _write(ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)), folder)
     return folder
+
+
+def _write(ds, folder: Path) -> None:
+    """The embeddings as parquet files in `folder`: by Ray Data's writers where every node reaches it, else (a folder
+    on this node's disk, the cluster spanning nodes) by this process, the tables sent to it through the object store."""
+    if not only_here([str(folder)], size_limit=False):
+        ds.write_parquet(str(folder))
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, ref in enumerate(ds.to_arrow_refs()):
+        pq.write_table(ray.get(ref), folder / f"{i:06d}.parquet")
 
 
 def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | None = None):

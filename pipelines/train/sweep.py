@@ -22,11 +22,13 @@ import pandas as pd
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
                               read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.plotting import pyplot
 from pipelines.tracking import LOCAL_DIR, end_trial_runs, find_run, finish_with_results, start_run, tracking_uri
+from pipelines.tracking_relay import is_local_store
 from pipelines.train.progress import ProgressLine
 
 
@@ -182,6 +184,19 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
+    """One-line ConfigErrors, before any trial starts, on a cluster whose nodes share no disk: each trial drives its
+    training from a node of its own, so the sweep's storage and the MLflow store must be reachable from every node."""
+    share_paths(base.ray.shared_paths)
+    check_storage_reachable("tune.storage_path", storage, "Tune and every trial's Ray Train write there: set it to "
+                            "object storage, e.g. --set tune.storage_path=s3://BUCKET/tune")
+    uri = tracking_uri(base.tracking.uri)
+    if is_local_store(uri) and spans_nodes():
+        raise ConfigError(f"tracking: {uri.split('?')[0]} is a store on this node's disk, and a sweep's trials run "
+                          "on other nodes: set MLFLOW_TRACKING_URI (or tracking.uri) to an mlflow server every node "
+                          "reaches")
+
+
 def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict). The summary is None when
     the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again resumes it."""
@@ -194,6 +209,7 @@ def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.max_workers * s.max_concurrent, t.cpus_per_worker))
+    check_sweep_reaches_its_nodes(base, absolute_local(s.storage_path))
     prepare_data(base)  # once, before concurrent trials could race on it
     check_eval_tasks(base)
     uri = tracking_uri(base.tracking.uri)
