@@ -126,9 +126,10 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     # the reference run's shards, on S3 (the same files: the run ends bit for bit on its weights)
     for part in ("train", "val", "test", "eval"):
         s3.put(f"{straight_small_run['data_root']}/{part}", f"{BUCKET}/digits/{part}", recursive=True)
-    job = submit(cluster, job_args(tmp_path, f"s3://{BUCKET}/digits", "lost-node", *RUN, tracking=uri), log)
+    job = submit(cluster, job_args(tmp_path, f"s3://{BUCKET}/digits", "lost-node", *RUN, "data.source=shards",
+                                   tracking=uri), log)
     try:
-        wait_for("a worker node", lambda: alive_workers(cluster), timeout_s=300)
+        wait_for("a worker node", lambda: job.poll() is None and alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
         checkpoints = f"{BUCKET}/ray/lost-node"  # on S3: no node could reach a folder on another's disk
         target = wait_for("a registered checkpoint, and a train worker's raylet",
@@ -187,7 +188,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     # (its embedding actors on the worker nodes), and the model loaded from MLflow in a fresh Python.
     model = f"runs:/{run.info.run_id}/model"
     evaluated = submit(cluster, ["-m", "jobs.evaluate", "--config", str(ROOT / "configs" / "demo.yaml"), "--model",
-                                 model, "--set", f"data.root=s3://{BUCKET}/digits", "--set", f"tracking.uri={uri}",
+                                 model, "--set", "data.source=shards", "--set", f"data.root=s3://{BUCKET}/digits",
+                                 "--set", f"tracking.uri={uri}",
                                  "--set", "run.experiment=test-autoscaling-eval"], tmp_path / "evaluate.log")
     assert evaluated.wait(timeout=600) == 0, (tmp_path / "evaluate.log").read_text()[-4000:]
     evals = client.search_runs([client.get_experiment_by_name("test-autoscaling-eval").experiment_id])
@@ -261,7 +263,8 @@ def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, tmp_
     summary = json.loads(s3.cat(f"{out}/_summary.json"))
     log = (tmp_path / "job.log").read_text()
     assert "FAILED" not in log, log[-3000:]
-    assert not [p for p in s3.find(f"{out}/_tmp") if p.endswith((".tar", "_stats.json"))]  # every shard moved in place
+    left = [p for p in s3.find(out) if "/_tmp/" in p]
+    assert not [p for p in left if p.endswith((".tar", "_stats.json"))], left  # every shard moved into place
     assert summary["shards_downloaded"] == summary["shards"] and summary["shards_failed"] == 0
     assert s3.glob(f"{out}/*.tar") and len(s3.glob(f"{out}/*_stats.json")) == summary["shards"]
     assert f"this run: 0 downloaded, {summary['shards']} already finished, 0 failed" in (tmp_path / "again.log").read_text()

@@ -9,8 +9,6 @@ import hashlib
 import io
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +26,7 @@ from pipelines.download.run import run_download
 from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.download.urls import DownloadError
-from tests.helpers import free_port, jpeg, wait_http
+from tests.helpers import jpeg
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_SIZE = 32
@@ -285,55 +283,6 @@ def test_job_cli_prints_and_logs_the_summary_to_mlflow(downloaded, mlflow_uri, t
     assert run.data.metrics["failed.HTTP_Error_404_File_not_found"] == 3
     assert run.data.params["download.image_size"] == str(IMAGE_SIZE)
     assert main(["--config", str(cfg_file), "--set", "download.nope=1"]) == 2
-
-
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head of its own (GCS, dashboard, jobs API) on loopback with token auth, for `ray job submit`. Not the
-    session's local Ray: `ray.init` cannot choose the job agent's port (another Ray on the machine may hold the
-    default 52365, and that head then takes no jobs), and a job's supervisor gives its driver the address of the
-    Ray recorded in its temp folder (a `ray start` or test Cluster writes /tmp/ray's), not its own."""
-    gcs, dash, agent = free_port(), free_port(), free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    env.pop("RAY_ADDRESS", None)
-    temp = Path("/tmp") / f"rayjob_{secrets.token_hex(3)}"  # short: Ray's socket paths must fit
-    log = (tmp_path / "head.log").open("w")
-    # --block ties the head's life to this process group: stopping it cannot touch other Ray instances
-    head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--dashboard-agent-listen-port={agent}", "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{dash}/api/version", head)
-        yield {**env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}"}
-    finally:
-        os.killpg(head.pid, signal.SIGKILL)  # the head and every process it started; its jobs have ended
-        head.wait(timeout=30)
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def test_job_submitted_with_its_working_directory(ray_head, site, tmp_path):
-    """`ray job submit --working-dir .`, as the README submits jobs to a cluster: the project travels with the job
-    (packaged, unpacked beside the head; the job's own Ray settings merge with that runtime env) and the download's
-    parts run as Ray tasks from the unpacked copy."""
-    _, server = site
-    (tmp_path / "urls.csv").write_text("url,caption\n" + "".join(f"{server.url(f'ok{i}.jpg')},image {i}\n"
-                                                                 for i in range(6)))
-    (tmp_path / "download.yaml").write_text(yaml.safe_dump({"run": {"name": "submitted"}, "download": {
-        "input": str(tmp_path / "urls.csv"), "output": str(tmp_path / "out"), "image_size": IMAGE_SIZE,
-        "rows_per_shard": 3, "threads_per_task": 2, "disallowed_header_directives": []}}))
-    # the project's python by path: the head's processes have the PATH pytest was started with
-    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--working-dir", ".", "--",
-                          sys.executable, "-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
-                         cwd=ROOT, env=ray_head, capture_output=True, text=True, timeout=300)
-    logs = out.stdout + out.stderr
-    assert out.returncode == 0 and "succeeded" in logs.lower(), logs[-4000:]
-    assert "_ray_pkg_" in logs  # the working directory went as a package
-    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
-    assert summary["written"] == 6 and summary["shards"] == summary["shards_complete"] >= 1
 
 
 def test_hung_part_is_cancelled_counted_and_retried(ray_local, tmp_path):

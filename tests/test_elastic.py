@@ -115,7 +115,9 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, digits_ro
     cluster, local, dashboard = two_node_ray
     first, second = list(cluster.worker_nodes)
     cfg = [f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-           f"run.storage_path={tmp_path}/ray", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *ELASTIC]
+           f"run.storage_path={tmp_path}/ray", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *ELASTIC,
+           # the nodes of ray.cluster_utils.Cluster are processes of this machine: they share its disk
+           f'ray.shared_paths=["{tmp_path}", "{digits_root}"]']
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard}
     log = tmp_path / "job.log"
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

@@ -11,9 +11,9 @@ import torch
 from ray.data import ExecutionOptions
 
 from models.objective import build_objective, loss_name
-from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
+from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, is_local_path, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import Config
+from pipelines.config import Config, ConfigError
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.digits import write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import read_shards, read_split, train_options
@@ -38,6 +38,10 @@ class FitResult:
 
 def prepare_data(cfg: Config) -> None:
     if cfg.data.source == "digits":
+        if not is_local_path(cfg.data.root):
+            raise ConfigError(f"data.root: {cfg.data.root} is not a local folder; the bundled digits are written on "
+                              "the driver's disk (a cluster's nodes get them through Ray): give a local folder, or "
+                              "data.source=shards for shards already on object storage")
         write_digit_shards(cfg.data.root, image_size=cfg.data.image_size, shard_size=cfg.data.shard_size,
                            seed=cfg.data.split_seed)
         write_digit_eval_sets(cfg.data.root)
