@@ -256,11 +256,12 @@ def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, tmp_
         job = submit(local_cluster, ["-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
                      tmp_path / "job.log")
         assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-4000:]
+        s3.invalidate_cache()
+        summary = json.loads(s3.cat(f"{out}/_summary.json"))
         again = submit(local_cluster, ["-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
                        tmp_path / "again.log")
         assert again.wait(timeout=600) == 0, (tmp_path / "again.log").read_text()[-4000:]
     s3.invalidate_cache()
-    summary = json.loads(s3.cat(f"{out}/_summary.json"))
     log = (tmp_path / "job.log").read_text()
     assert "FAILED" not in log, log[-3000:]
     left = [p for p in s3.find(out) if "/_tmp/" in p]
