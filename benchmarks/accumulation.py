@@ -1,0 +1,174 @@
+"""Feature-cache accumulation (train.grad_accum, models.accumulate) against one pass over the same batch, per method.
+
+Run (writes the section "accumulation" of docs/BENCHMARKS.md; run it on an otherwise idle machine):
+
+    .venv/bin/python -m benchmarks.accumulation                # CPU: batch 256 at k=1 vs micro 32 x k=8
+    .venv/bin/python -m benchmarks.accumulation --quick        # tiny sizes, prints the table, writes nothing
+
+What is measured, per method (its default loss), on a CPU-sized backbone (``BENCH``: 64 px, patch 8, width 192 / 128,
+4 + 4 blocks, embedding 128; Llip K = 16 mixture tokens), random images and digit captions, one process:
+
+- time: a full training step (forward, backward, AdamW) of the batch in one pass and by k micro-batches, stepped
+  round-robin after a warm-up so that machine load hits both alike; per-sample wall and CPU time, and the median
+  over rounds of the back-to-back steps' ratio (target <= 1.4: the cached step encodes every micro-batch twice,
+  ~4/3 of the tower work);
+- memory: each (method, mode) in its own fresh process: after a warm-up step (AdamW's state exists), the extra peak
+  resident memory of one step (the kernel's VmHWM after resetting it through /proc/self/clear_refs, minus the
+  resident memory before the step), for the one-pass batch, for one micro-batch alone (the floor accumulation can
+  reach) and for the cached step; beside it the size of the feature cache (the features of the whole batch).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from benchmarks.report import load, machine, write_section
+from benchmarks.train_step import captions
+from models.accumulate import CachedBatch
+from models.objective import build_objective
+from models.registry import TINY
+from models.towers import TowerConfig
+from models.tokenizer import tokenize
+from pipelines.config import Config, ModelConfig
+from pipelines.train.optim import adamw, param_groups
+
+METHODS = {"CLIP": "clip_tiny", "SigLIP": "siglip_tiny", "ProLIP": "prolip_tiny", "PCME++": "pcmepp_tiny",
+           "Llip": "llip_tiny", "ProLIP-Llip": "prolip_llip_tiny"}
+MIXTURE = {"llip_tiny", "prolip_llip_tiny"}
+COMMAND = ".venv/bin/python -m benchmarks.accumulation"
+# A backbone that steps batch 256 in a few seconds on 2 CPU cores: 64 px, patch 8 (64 patches), 4 + 4 blocks.
+BENCH = TowerConfig(img_size=64, patch_size=8, vision_width=192, vision_depth=4, vision_heads=3, vision_pre_norm=False,
+                    context_length=32, text_width=128, text_depth=4, text_heads=2, embed_dim=128)
+
+
+def build(name: str, quick: bool):
+    overrides = dataclasses.asdict(TINY if quick else BENCH)
+    if name in MIXTURE:
+        overrides["mixture_tokens"] = 4 if quick else 16
+    torch.manual_seed(0)
+    objective = build_objective(Config(model=ModelConfig(name=name, overrides=overrides))).train()
+    return objective, adamw(param_groups(objective, 0.2), lr=1e-4)
+
+
+def inputs(objective, batch: int):
+    model = objective.model
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, model.img_size, model.img_size, generator=g)
+    return images, tokenize(captions("short", batch), model.context_length)
+
+
+def step(objective, optimizer, images, tokens, k: int) -> dict:
+    """One training step; returns the size of the feature cache (bytes; 0 for one pass)."""
+    optimizer.zero_grad(set_to_none=True)
+    cache = 0
+    if k == 1:
+        objective(images, tokens)["loss"].backward()
+    else:
+        cached = CachedBatch(objective, images, tokens, k)
+        cache = sum(t.numel() * t.element_size() for t in cached.leaves.values())
+        cached.backward()
+    optimizer.step()
+    return {"cache_bytes": cache}
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_memory(name: str, batch: int, k: int, quick: bool) -> dict:
+    """In a fresh process: the extra peak resident memory (MB) of one step after a warm-up step."""
+    torch.set_num_threads(2)
+    objective, optimizer = build(name, quick)
+    images, tokens = inputs(objective, batch)
+    step(objective, optimizer, images, tokens, k)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from the current resident size
+    before = _status_kb("VmRSS")
+    info = step(objective, optimizer, images, tokens, k)
+    return {"peak_mb": (_status_kb("VmHWM") - before) / 1024, "cache_mb": info["cache_bytes"] / 2**20}
+
+
+def memory(name: str, batch: int, k: int, quick: bool) -> dict:
+    args = [sys.executable, "-m", "benchmarks.accumulation", "--memory", name, "--batch", str(batch), "--k", str(k)]
+    done = subprocess.run(args + (["--quick"] if quick else []), capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def timing(batch: int, micro: int, repeats: int, quick: bool) -> dict:
+    """Round-robin over methods and both modes in this process; per method the wall / CPU seconds per step."""
+    torch.set_num_threads(2)
+    built = {label: build(name, quick) for label, name in METHODS.items()}
+    data = {label: inputs(objective, batch) for label, (objective, _) in built.items()}
+    times = {label: {"one": [], "cached": [], "one_cpu": [], "cached_cpu": []} for label in METHODS}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for label, (objective, optimizer) in built.items():
+            for mode, k in (("one", 1), ("cached", batch // micro)):
+                wall, cpu = time.perf_counter(), time.process_time()
+                step(objective, optimizer, *data[label], k)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                if round_:
+                    times[label][mode].append(wall)
+                    times[label][f"{mode}_cpu"].append(cpu)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=32)
+    parser.add_argument("--k", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--memory", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory:
+        print(json.dumps(measure_memory(args.memory, args.batch, args.k, args.quick)))
+        return
+    batch, micro = (32, 8) if args.quick else (args.batch, args.micro)
+    k = batch // micro
+    times = timing(batch, micro, args.repeats, args.quick)
+    rows = []
+    for label, name in METHODS.items():
+        t = times[label]
+        ratio = statistics.median(c / o for c, o in zip(t["cached"], t["one"]))
+        cpu_ratio = statistics.median(c / o for c, o in zip(t["cached_cpu"], t["one_cpu"]))
+        one, alone, cached = memory(name, batch, 1, args.quick), memory(name, micro, 1, args.quick), \
+            memory(name, batch, k, args.quick)
+        per = lambda xs: 1e3 * min(xs) / batch  # noqa: E731  ms per sample
+        rows.append(f"| {label} | {per(t['one']):.2f} | {per(t['cached']):.2f} | {ratio:.2f}x | {cpu_ratio:.2f}x "
+                    f"| {one['peak_mb']:.0f} | {alone['peak_mb']:.0f} | {cached['peak_mb']:.0f} "
+                    f"| {cached['cache_mb']:.2f} |")
+        print(rows[-1], flush=True)
+    table = "\n".join([
+        f"| method | one pass, ms/sample | {micro} x {k} cached, ms/sample | time ratio (wall) | (CPU) "
+        f"| peak MB, batch {batch} | peak MB, batch {micro} alone | peak MB, {micro} x {k} cached | feature cache MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
+    section = f"""## Feature-cache accumulation (CPU)
+
+`{COMMAND}` ({machine()}; {load()}). Batch {batch} in one pass against {micro} x {k} micro-batches by
+feature-cache accumulation (`train.grad_accum: {k}`): the same loss and gradients (tests/test_accumulation.py). Step
+times: minimum over {args.repeats} round-robin rounds, per sample; ratios: median over rounds of back-to-back steps.
+Peak MB: extra resident memory of one step after a warm-up step, each in a fresh process (one micro-batch alone is
+the floor accumulation can reach); feature cache: the cached features of the whole batch. The GPU part (peak
+`max_memory_allocated` and step time at ViT-B/16, batch 256 vs 32 x 8) was not run: no GPU in that session.
+
+{table}
+"""
+    print(section)
+    if not args.quick:
+        write_section("accumulation", section)
+
+
+if __name__ == "__main__":
+    main()
