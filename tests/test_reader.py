@@ -102,6 +102,30 @@ def test_broken_files_are_named_and_counted_and_keep_what_precedes_the_break(ray
     assert "FileNotFoundError" in files[gone]["detail"] and all(f["reads"] == 1 for f in files.values())
 
 
+def test_broken_objects_on_s3_are_named_and_counted_and_keep_what_precedes_the_break(s3, ray_local, tmp_path):
+    """The same on an S3-protocol store (moto): a good shard read whole, a truncated one up to its break, and an
+    object deleted after the paths were listed (the store answers 404) named by its s3:// path, none fatal."""
+    from tests.faults import truncated_tar
+
+    paths, good, _ = write_shards(tmp_path / "good", n_good=6, per_shard=6, corrupt=False)
+    samples = [{"__key__": f"{700000 + i}", "jpg": image_bytes(i), "txt": b"c", "json": b"{}"} for i in range(5)]
+    truncated_tar(tmp_path / "cut.tar", samples, keep=3)
+    prefix = "probvlp-test/reader-broken"
+    s3.put(paths[0], f"{prefix}/good.tar")
+    s3.put(str(tmp_path / "cut.tar"), f"{prefix}/cut.tar")
+    s3.put(paths[0], f"{prefix}/gone.tar")
+    uris = [f"s3://{prefix}/{n}.tar" for n in ("good", "cut", "gone")]
+    ds = read_shards(uris, SIZE, CONTEXT, stats_name="s3-files-test", batch_size=8, cache=False)
+    s3.rm(f"{prefix}/gone.tar")
+    ids = sorted(r["sample_id"] for r in ds.take_all())
+    assert ids == sorted(good | {700000 + i for i in range(3)})
+    files = settled_stats("s3-files-test", len(ids))["files"]
+    # named as Ray's file listing gives them: bucket/key (the scheme dropped)
+    assert {p: (f["reason"], f["kept"]) for p, f in files.items()} == {
+        f"{prefix}/cut.tar": ("truncated tar", 3), f"{prefix}/gone.tar": ("unreadable file", 0)}
+    assert "FileNotFoundError" in files[f"{prefix}/gone.tar"]["detail"]
+
+
 def test_augmentation_on_for_train_off_for_eval_and_seeded(ray_local, tmp_path):
     write_shards(tmp_path / "train", n_good=12, per_shard=12, corrupt=False)
     write_shards(tmp_path / "test", n_good=12, per_shard=12, corrupt=False)
