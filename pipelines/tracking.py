@@ -11,7 +11,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterator
 
-import ray
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from mlflow.entities import Metric, Param, RunTag
@@ -19,7 +18,6 @@ from mlflow.exceptions import MlflowException
 
 import models
 from pipelines.config import PROJECT_ROOT
-from pipelines.tracking_relay import RelayClient, is_local_store, start_relay
 
 LOCAL_DIR = PROJECT_ROOT / ".probvlp"
 # Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
@@ -118,14 +116,25 @@ def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
 LOGGED_THROUGH_TAG = "probvlp.logged_through"
 
 
+def is_local_store(uri: str) -> bool:
+    """A store on this node's disk (sqlite file, plain path), as opposed to a server or database every node reaches."""
+    return uri.startswith(("sqlite:///", "file:")) or "://" not in uri
+
+
 def worker_client(uri: str, run_id: str):
     """The client a Ray worker logs run `run_id` with: through the run's relay when its store is on the driver's
     disk (a relay exists while `tracked_run` holds the run), else straight to the store."""
-    if is_local_store(uri) and ray.is_initialized():
-        try:
-            return RelayClient(run_id)
-        except ValueError:  # no relay: a run logged outside tracked_run, on its own node
-            pass
+    if is_local_store(uri):
+        # deferred: Ray loads where runs are logged, not where a job only parses its config
+        import ray
+
+        from pipelines.tracking_relay import RelayClient
+
+        if ray.is_initialized():
+            try:
+                return RelayClient(run_id)
+            except ValueError:  # no relay: a run logged outside tracked_run, on its own node
+                pass
     return MlflowClient(uri)
 
 
@@ -254,6 +263,10 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
     run = TrackedRun(uri, existing or start_run(uri, experiment, run_name, params, config_yaml, tags),
                      register_as=register_as)
     # a store on this node's disk: the workers, on any node, log through this node (pipelines.tracking_relay)
+    import ray  # deferred: see worker_client
+
+    from pipelines.tracking_relay import start_relay
+
     relay = start_relay(uri, run.run_id) if is_local_store(uri) and ray.is_initialized() else None
     try:
         yield run

@@ -19,11 +19,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 NAMESPACE = "probvlp"
 
 
-def is_local_store(uri: str) -> bool:
-    """A store on the driver's disk (sqlite file, plain path), as opposed to a server or database every node reaches."""
-    return uri.startswith(("sqlite:///", "file:")) or "://" not in uri
-
-
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class TrackingRelay:
     """The driver node's MlflowClient, for workers on any node."""

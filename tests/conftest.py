@@ -30,8 +30,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray for the whole pytest run, on loopback (see pipelines.cluster.runtime)."""
+def ray_local(s3):
+    """One local Ray for the whole pytest run, on loopback (see pipelines.cluster.runtime). After the S3 server: its
+    workers take the environment that reaches it when Ray starts."""
     import ray
 
     from pipelines.cluster.runtime import init_ray

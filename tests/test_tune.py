@@ -143,7 +143,8 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     after = [r for r in final if r.data.tags["probvlp.trial_id"] not in done_before]
     assert [float(r.data.params["train.lr"]) for r in after] == [1.0e-7], "the seeded sample changed"
     assert [r.data.tags["probvlp.trial_status"] for r in after] == ["stopped early"]
-    assert (tmp_path / "tune" / "two_asha_rungs.json").is_file()
+    # the scheduler's rungs stay with the driver (pipelines.train.sweep), its storage being on S3
+    assert (ROOT / ".probvlp" / "tune" / "two_asha_rungs.json").is_file()
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"} <= artifacts
     # The best trial is the one with the lowest final metric, and the best config carries its sampled knobs.

@@ -22,13 +22,12 @@ import pandas as pd
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
                               read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.plotting import pyplot
-from pipelines.tracking import LOCAL_DIR, end_trial_runs, find_run, finish_with_results, start_run, tracking_uri
-from pipelines.tracking_relay import is_local_store
+from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
+                                tracking_uri)
 from pipelines.train.progress import ProgressLine
 
 
@@ -187,6 +186,8 @@ def finite(value: Any) -> bool:
 def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
     """One-line ConfigErrors, before any trial starts, on a cluster whose nodes share no disk: each trial drives its
     training from a node of its own, so the sweep's storage and the MLflow store must be reachable from every node."""
+    from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes  # deferred: imports Ray
+
     share_paths(base.ray.shared_paths)
     check_storage_reachable("tune.storage_path", storage, "Tune and every trial's Ray Train write there: set it to "
                             "object storage, e.g. --set tune.storage_path=s3://BUCKET/tune")
