@@ -28,10 +28,21 @@ from ray.autoscaler.tags import (NODE_KIND_WORKER, STATUS_UP_TO_DATE, TAG_RAY_NO
 PROVIDER = f"{__name__}.IsolatedNodeProvider"
 
 
-def node_command(gcs_address: str, hidden: list[str], num_cpus: float, resources: dict, labels: dict) -> list[str]:
+def node_command(gcs_address: str, hidden: list[str], num_cpus: float, resources: dict, labels: dict,
+                 keep: list[str] = ()) -> list[str]:
     """This module's `node` entry point joining `gcs_address`, in a new mount namespace where each of `hidden` is an
-    empty tmpfs."""
-    mounts = [f"mkdir -p {shlex.quote(p)} && mount -t tmpfs -o mode=1777 probvlp-node {shlex.quote(p)}" for p in hidden]
+    empty tmpfs, except the folders of `keep` inside them (the project and its Python, e.g. a checkout under /tmp),
+    which stay as they are, as a node image would have them."""
+    q = shlex.quote
+    kept = [k for k in keep if any(k != h and k.startswith(h.rstrip("/") + "/") for h in hidden)
+            and not any(k != o and k.startswith(o.rstrip("/") + "/") for o in keep)]
+    mounts = [f"mkdir -p /run/probvlp-keep/{i} && mount --bind {q(k)} /run/probvlp-keep/{i}" for i, k in enumerate(kept)]
+    # the project's data folder lies inside the kept project: hidden after the project is put back
+    covered = [h for h in hidden if not any(h.startswith(k.rstrip("/") + "/") for k in kept)]
+    inside = [h for h in hidden if h not in covered]
+    mounts += [f"mkdir -p {q(p)} && mount -t tmpfs -o mode=1777 probvlp-node {q(p)}" for p in covered]
+    mounts += [f"mkdir -p {q(k)} && mount --bind /run/probvlp-keep/{i} {q(k)}" for i, k in enumerate(kept)]
+    mounts += [f"mkdir -p {q(p)} && mount -t tmpfs -o mode=1777 probvlp-node {q(p)}" for p in inside]
     node = shlex.join([sys.executable, "-m", __name__, gcs_address, f"{num_cpus:g}", json.dumps(resources),
                        json.dumps(labels)])
     # --propagation private: the node's mounts stay in its namespace (the head and the other nodes never see them)
@@ -80,6 +91,7 @@ class IsolatedNodeProvider(FakeMultiNodeProvider):
         super().__init__(provider_config, cluster_name)
         self._hidden = ["/tmp", *provider_config.get("hidden_paths", [])]
         self._log_dir = Path(provider_config.get("log_dir") or "/tmp")
+        self._keep = [os.path.realpath(p) for p in provider_config.get("keep_paths", [])]
 
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
         resources = dict(resources)
@@ -92,7 +104,7 @@ class IsolatedNodeProvider(FakeMultiNodeProvider):
             self._log_dir.mkdir(parents=True, exist_ok=True)
             with (self._log_dir / f"node-{node_id[-5:]}.log").open("ab") as log:
                 process = subprocess.Popen(
-                    node_command(self._gcs_address, self._hidden, num_cpus, resources, labels or {}),
+                    node_command(self._gcs_address, self._hidden, num_cpus, resources, labels or {}, self._keep),
                     env=node_env(node_id, node_type), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True)  # its own process group: ended as a whole, like a machine switched off
             self._nodes[node_id] = {

@@ -78,7 +78,8 @@ def local_config(source: Path = CLUSTER_YAML, *, gcs_port: int, cpus_per_node: f
         # Every worker node in a mount namespace of its own (pipelines.cluster.isolated): its own empty /tmp and
         # project data folder, so a file written on one node is absent on the others, as on a cloud cluster.
         "provider": {"type": "external", "module": PROVIDER, "gcs_address": f"127.0.0.1:{gcs_port}",
-                     "hidden_paths": [str(LOCAL_DATA)], "use_node_id_as_ip": True,
+                     "hidden_paths": [str(LOCAL_DATA)], "keep_paths": [str(PROJECT_ROOT), sys.prefix],
+                     "use_node_id_as_ip": True,
                      "disable_node_updaters": True, "disable_launch_config_check": True},
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": types,
