@@ -96,7 +96,7 @@ def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
     # Autoscaling from one actor: each actor loads the model (seconds), and an eval task's captions or a small set
     # of images is a batch or two that one actor embeds before a second would have loaded.
     # a model file on this node's disk travels with the actors to the nodes that do not see it
-    model = Path(model_file).read_bytes() if only_here([str(model_file)]) else str(model_file)
+    model = Path(model_file).read_bytes() if only_here([str(model_file)], size_limit=False) else str(model_file)
     return dict(fn=cls, fn_constructor_kwargs={"model_file": model, "num_gpus": opts.num_gpus,
                                                "threads": opts.threads},
                 concurrency=(1, max(1, opts.concurrency)), batch_size=opts.batch_size, num_gpus=opts.num_gpus or None,

@@ -191,6 +191,8 @@ def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
     share_paths(base.ray.shared_paths)
     check_storage_reachable("tune.storage_path", storage, "Tune and every trial's Ray Train write there: set it to "
                             "object storage, e.g. --set tune.storage_path=s3://BUCKET/tune")
+    check_storage_reachable("data.root", base.data.root, "each trial reads its data from its own node: put the "
+                            "shards on object storage, e.g. --set data.root=s3://BUCKET/data with data.source=shards")
     uri = tracking_uri(base.tracking.uri)
     if is_local_store(uri) and spans_nodes():
         raise ConfigError(f"tracking: {uri.split('?')[0]} is a store on this node's disk, and a sweep's trials run "
