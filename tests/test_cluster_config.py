@@ -39,14 +39,19 @@ def test_unknown_key_is_rejected(where):
 
 
 def test_local_cluster_config_is_derived_from_the_cloud_one():
-    """pipelines.cluster.local's config (Ray's fake multi-node provider) passes Ray's schema and keeps the cloud
-    config's worker node types by name, min_workers and CPU-side resources, scaled to this machine."""
+    """pipelines.cluster.local's config (Ray's autoscaler over the node provider that starts each node in its own
+    mount namespace) passes Ray's schema, names a provider Ray can load, and keeps the cloud config's worker node
+    types by name, min_workers and CPU-side resources, scaled to this machine."""
+    from ray.autoscaler._private.providers import _get_node_provider_cls
+
+    from pipelines.cluster.isolated import IsolatedNodeProvider
     from pipelines.cluster.local import local_config
 
     cloud = load()
     local = local_config(gcs_port=6379, cpus_per_node=2, max_nodes_per_type=3, idle_timeout_minutes=0.2)
     validate_config(local)  # the schema (prepare_config needs the provider's example file, absent from the wheel)
-    assert local["provider"]["type"] == "fake_multinode" and local["idle_timeout_minutes"] == 0.2
+    assert local["provider"]["type"] == "external" and local["idle_timeout_minutes"] == 0.2
+    assert _get_node_provider_cls(local["provider"]) is IsolatedNodeProvider
     for name, node in cloud["available_node_types"].items():
         if name == cloud["head_node_type"]:
             continue
