@@ -267,8 +267,10 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
 
     from pipelines.tracking_relay import start_relay
 
-    relay = start_relay(uri, run.run_id) if is_local_store(uri) and ray.is_initialized() else None
+    relay = None
     try:
+        if is_local_store(uri) and ray.is_initialized():
+            relay = start_relay(uri, run.run_id)
         yield run
     except BaseException:
         finish_run(uri, run.run_id, "FAILED")
