@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from benchmarks.losses import status_kb
 from benchmarks.report import load, machine, write_section
 from benchmarks.train_step import captions
 from models.accumulate import CachedBatch
@@ -78,14 +79,6 @@ def step(objective, optimizer, images, tokens, k: int) -> dict:
     return {"cache_bytes": cache}
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure_memory(name: str, batch: int, k: int, quick: bool) -> dict:
     """In a fresh process: the extra peak resident memory (MB) of one step after a warm-up step."""
     torch.set_num_threads(2)
@@ -94,9 +87,9 @@ def measure_memory(name: str, batch: int, k: int, quick: bool) -> dict:
     step(objective, optimizer, images, tokens, k)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) restarts from the current resident size
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     info = step(objective, optimizer, images, tokens, k)
-    return {"peak_mb": (_status_kb("VmHWM") - before) / 1024, "cache_mb": info["cache_bytes"] / 2**20}
+    return {"peak_mb": (status_kb("VmHWM") - before) / 1024, "cache_mb": info["cache_bytes"] / 2**20}
 
 
 def memory(name: str, batch: int, k: int, quick: bool) -> dict:

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 # --------------------------------------------------------------------------------------------
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
+    """A /proc/self/status field in kB (VmRSS, VmHWM): this process's resident and peak resident memory."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -141,11 +142,11 @@ def measure_memory(form: str, b: int, d: int, mode: str) -> dict:
     with torch.enable_grad() if grad else torch.no_grad():
         _make(form, 32, d, grad)()  # warm-up: kernels, thread pool, allocator
         fn = _make(form, b, d, grad)
-        before = _status_kb("VmRSS")
+        before = status_kb("VmRSS")
         if not _reset_peak():
             raise RuntimeError("cannot reset the peak-RSS counter (/proc/self/clear_refs)")
         out = fn()
-        peak_kb = _status_kb("VmHWM") - before
+        peak_kb = status_kb("VmHWM") - before
         del out
     return {"form": form, "b": b, "d": d, "mode": mode, "peak_mb": peak_kb / 1024}
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from pipelines.data.digits import write_tar
+
 
 def encode(image: Image.Image, fmt: str, **options) -> bytes:
     buf = io.BytesIO()
@@ -112,18 +114,6 @@ class Expected:
 
     def delivered(self, needs: str | None) -> set[str]:
         return self.good | {f.sample["__key__"] for f in self.faults if f.needs is not None and f.needs != needs}
-
-
-def write_tar(path: Path, samples: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for sample in samples:
-            for ext, data in sample.items():
-                if ext == "__key__":
-                    continue
-                info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
 
 
 def truncated_tar(path: Path, samples: list[dict], keep: int) -> None:
