@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import fsspec
 import ray
 import ray._private.state
 
@@ -66,7 +67,8 @@ def spans_nodes() -> bool:
 
 
 def is_local_path(path: str) -> bool:
-    return "://" not in path or path.startswith("file://")
+    """A path on a disk (no protocol, or file://), as `pipelines.data.storage.is_local` tells for a filesystem."""
+    return fsspec.core.split_protocol(path)[0] in (None, "file", "local")
 
 
 # Folders every node mounts (the job's ray.shared_paths, `share_paths`): local paths there are every node's.

@@ -9,6 +9,7 @@ pyarrow or faiss without this project. Texts: the same for a list of strings ->
 """
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -92,12 +93,17 @@ class TextEmbedder(_Embedder):
                          **_fixed_lists(out)})
 
 
+@functools.lru_cache(maxsize=1)
+def _model_arg(model_file: str) -> str | bytes:
+    """The model file as the actors get it: its path, or (on this node's disk alone, the cluster spanning nodes) its
+    bytes, read once for every pool of the job."""
+    return Path(model_file).read_bytes() if only_here([model_file], size_limit=False) else model_file
+
+
 def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
     # Autoscaling from one actor: each actor loads the model (seconds), and an eval task's captions or a small set
     # of images is a batch or two that one actor embeds before a second would have loaded.
-    # a model file on this node's disk travels with the actors to the nodes that do not see it
-    model = Path(model_file).read_bytes() if only_here([str(model_file)], size_limit=False) else str(model_file)
-    return dict(fn=cls, fn_constructor_kwargs={"model_file": model, "num_gpus": opts.num_gpus,
+    return dict(fn=cls, fn_constructor_kwargs={"model_file": _model_arg(str(model_file)), "num_gpus": opts.num_gpus,
                                                "threads": opts.threads},
                 concurrency=(1, max(1, opts.concurrency)), batch_size=opts.batch_size, num_gpus=opts.num_gpus or None,
                 num_cpus=None if opts.num_gpus else opts.threads)
