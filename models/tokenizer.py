@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -16,11 +18,29 @@ _MODULE = "_probvlp_open_clip_tokenizer"
 _LOAD_LOCK = threading.Lock()
 
 
+@contextmanager
+def _interrupt_after():
+    """Hold a KeyboardInterrupt until the block is done. Ray cancels a task (an epoch or a run ending, a worker group
+    resized) with one in the worker's main thread; landing inside the first `import torch`, it leaves torch's C++
+    operator registry half filled, and every later import of torch in that worker process fails or crashes."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # only the main thread's Python-level handler can be swapped
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def _tokenizer_module():
     """open_clip's tokenizer module. Its package __init__ imports every open_clip model (timm included,
     ~3 s), which a Ray Data worker that only tokenizes should not pay: the module has no relative
     imports, so it is loaded from its file alone; if that ever fails, through the package."""
-    with _LOAD_LOCK:  # a thread that finds the module registered must not see it half made
+    with _LOAD_LOCK, _interrupt_after():  # a thread that finds the module registered must not see it half made
         if "open_clip.tokenizer" in sys.modules:
             return sys.modules["open_clip.tokenizer"]
         if _MODULE in sys.modules:
@@ -33,9 +53,8 @@ def _tokenizer_module():
             try:
                 spec.loader.exec_module(module)
             except BaseException:
-                # What `import` does: a module whose code stopped part way leaves sys.modules. Ray Data cancels a
-                # task with a KeyboardInterrupt (an epoch or a run ending), which can land in the ~1 s this module
-                # spends importing torch; left registered, every later task of that worker process failed on it.
+                # What `import` does: a module whose code stopped part way leaves sys.modules (left registered
+                # half made, every later task of that worker process failed on it).
                 sys.modules.pop(_MODULE, None)
                 raise
             return module

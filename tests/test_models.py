@@ -332,3 +332,31 @@ except KeyboardInterrupt:
 print(tokenize(["a photo of a dog"], 8).tolist())
 """
     assert fresh_python_lines(code) == ["interrupted", str(open_clip_tokens())]
+
+
+def test_task_cancelled_inside_torch_import_leaves_the_worker_able_to_tokenize():
+    """Ray cancels a task by `_thread.interrupt_main()`. Landing inside the worker's first `import torch` (here: as
+    torch imports torch._prims), it left torch's operator registry half filled and every later tokenization of that
+    worker process failed ('Only a single TORCH_LIBRARY can be used to register the namespace prims') or crashed: an
+    elastic run that grew back failed five times on the new node's data workers. The cancel still ends the task."""
+    code = """
+import _thread, sys
+
+class CancelInsideTorch:
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._prims" and not CancelInsideTorch.fired:
+            CancelInsideTorch.fired = True
+            _thread.interrupt_main()  # what ray.cancel does to the task's thread
+        return None
+
+sys.meta_path.insert(0, CancelInsideTorch())
+from models.tokenizer import tokenize
+try:
+    tokenize(["a photo of a dog"], 8)
+except KeyboardInterrupt:
+    print("cancelled", CancelInsideTorch.fired)
+print(tokenize(["a photo of a dog"], 8).tolist())
+"""
+    assert fresh_python_lines(code) == ["cancelled True", str(open_clip_tokens())]
