@@ -291,8 +291,14 @@ def test_caption_levels_are_drawn_at_their_shares():
 
 
 def test_jpeg_decoding_matches_opencv_and_shrinks_in_the_dct_when_asked():
+    """JPEGs decode with simplejpeg (a dependency: it must be there, not silently replaced by OpenCV), to exactly
+    OpenCV's pixels: simplejpeg's own decode is compared with OpenCV's, and decode_image returns it."""
     import cv2
+    import simplejpeg
 
+    from models import preprocess
+
+    assert preprocess.simplejpeg is simplejpeg  # models.preprocess found it (its fallback is OpenCV)
     rng = np.random.default_rng(0)
     arr = (rng.random((97, 131, 3)) * 255).astype(np.uint8)
     for mode, options in (("RGB", {}), ("RGB", {"subsampling": 0, "progressive": True}), ("L", {})):
@@ -300,7 +306,10 @@ def test_jpeg_decoding_matches_opencv_and_shrinks_in_the_dct_when_asked():
         Image.fromarray(arr).convert(mode).save(buf, format="JPEG", **options)
         data = buf.getvalue()
         opencv = cv2.cvtColor(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
-        assert np.array_equal(decode_image(data), opencv)  # evaluation and serving see the same pixels as before
+        turbo = simplejpeg.decode_jpeg(data, colorspace="RGB")
+        # evaluation and serving see the same pixels whichever decoder a machine has
+        assert np.array_equal(turbo, opencv), mode
+        assert np.array_equal(decode_image(data), turbo), mode
     big = image_bytes(0, (512, 384))
     assert decode_image(big).shape == (384, 512, 3)
     small = decode_image(big, min_size=150)
