@@ -136,7 +136,7 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
     from models.objective import build_objective
     from pipelines.config import Config, ModelConfig
     from pipelines.data.captions import CaptionSampler
-    from pipelines.data.digits import write_digit_shards
+    from pipelines.digits.shards import write_digit_shards
     from pipelines.cluster.runtime import init_ray
     from pipelines.data.reader import read_shards, read_split, shard_paths
 

@@ -84,7 +84,7 @@ class DataConfig(Section):
     # with other seeds must hold out the same images (a rewritten split would score a model on its training data).
     split_seed: int = Field(0, ge=0)
     # Probability of drawing a mid-level / general / instance-level caption instead of the class-level
-    # ("specific") one (digits only; see pipelines.data.digits for the levels).
+    # ("specific") one (digits only; see pipelines.digits.dataset for the levels).
     mid_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
     general_caption_prob: float = Field(0.15, ge=0.0, le=1.0)
     instance_caption_prob: float = Field(0.0, ge=0.0, le=1.0)

@@ -77,7 +77,7 @@ def mlflow_uri(tmp_path) -> str:
 
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory) -> str:
-    from pipelines.data.digits import write_digit_shards
+    from pipelines.digits.shards import write_digit_shards
 
     root = tmp_path_factory.mktemp("digits")
     write_digit_shards(root, image_size=32, shard_size=500)
@@ -108,7 +108,7 @@ def user_shards(ray_local, tmp_path_factory):
     """Digit images with free-text captions and no labels: URL tables (url, caption) served on 127.0.0.1,
     downloaded by jobs.download into {root}/train and {root}/test."""
     import jobs.download
-    from pipelines.data.digits import iter_digits
+    from pipelines.digits.dataset import iter_digits
     from pipelines.cluster.file_server import LoopbackServer
 
     tmp = tmp_path_factory.mktemp("user")

@@ -15,7 +15,7 @@ from pipelines.data.captions import CaptionSampler
 
 def digit_arrays(split: str):
     """(images as model input, labels, sample metadata) of one split of the bundled digits at 32 px."""
-    from pipelines.data.digits import iter_digits
+    from pipelines.digits.dataset import iter_digits
 
     samples = [s for s in iter_digits(32) if s.split == split]
     images = torch.from_numpy(to_model_input(np.stack([np.asarray(s.image) for s in samples])))

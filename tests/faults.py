@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipelines.data.digits import write_tar
+from pipelines.data.tars import write_tar
 
 
 def encode(image: Image.Image, fmt: str, **options) -> bytes:

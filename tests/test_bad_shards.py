@@ -18,7 +18,7 @@ from mlflow.artifacts import download_artifacts
 import jobs.embed
 import jobs.evaluate
 import jobs.pretrain
-from pipelines.data.digits import NAMES, iter_digits, retrieval_captions, specific_captions
+from pipelines.digits.dataset import NAMES, iter_digits, retrieval_captions, specific_captions
 from pipelines.data.stats import slug
 from tests.faults import FORMS, good_sample, sample_faults, write_split, write_tar
 

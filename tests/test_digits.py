@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipelines.data.digits import (SPLITS, attribute_levels, attribute_values, captions_for, iter_digits, split_of,
-                             write_digit_shards)
+from pipelines.digits.dataset import SPLITS, attribute_levels, attribute_values, captions_for, iter_digits, split_of
+from pipelines.digits.shards import write_digit_shards
 
 
 def read_shards(root: Path, split: str) -> dict[str, dict]:

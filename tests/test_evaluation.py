@@ -19,7 +19,7 @@ from PIL import Image
 import jobs.evaluate
 from models.model_file import load_model
 from pipelines.config import ConfigError, EvalTask
-from pipelines.data.digits import NAMES, specific_captions
+from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.evaluate.data import check_task, iter_local_batches, task_paths
 from pipelines.evaluate.embed import embed_task_locally
 from pipelines.tracking import model_file

@@ -17,7 +17,7 @@ import torch
 
 from models.objective import build_objective
 from pipelines.config import load_config
-from pipelines.data.digits import NAMES, specific_captions
+from pipelines.digits.dataset import NAMES, specific_captions
 from tests.digit_fit import digit_arrays, fit_in_process
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 

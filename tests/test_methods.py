@@ -20,7 +20,7 @@ from models.model_file import load_model
 from models.tokenizer import tokenize
 from models.towers import random_keep
 from pipelines.config import load_config
-from pipelines.data.digits import (
+from pipelines.digits.dataset import (
     GENERAL_CAPTIONS,
     NAMES,
     iter_digits,

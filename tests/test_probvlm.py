@@ -288,7 +288,7 @@ def held_out():
     retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained LONG_STEPS over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
     from pipelines.config import load_config
-    from pipelines.data.digits import iter_digits, retrieval_captions
+    from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
     from models.tokenizer import tokenize
     from tests.digit_fit import digit_arrays, fit_in_process

@@ -7,34 +7,14 @@ checked before training: the source model's width, finite values, no sigma^2 (a 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pipelines.adapt.source import AdaptError
-from pipelines.data.digits import digit_shards_marker, retrieval_captions, write_tar
-from pipelines.data.reader import shard_paths
-from pipelines.evaluate.data import iter_tar_samples
 from pipelines.evaluate.embed import distinct_captions, split_captions
 from pipelines.evaluate.inference import read_embeddings, write_image_embeddings, write_text_embeddings
-
-
-def write_digit_pairs(root: str | Path, split: str) -> Path:
-    """{root}/pairs/{split}/0.tar: each digit image of `split` with the digits retrieval task's two captions
-    (a class template and its instance caption). Redone only when the digit shards changed."""
-    root = Path(root)
-    folder = root / "pairs" / split
-    marker, source = folder / "_SOURCE.json", digit_shards_marker(root).read_text()
-    if marker.exists() and marker.read_text() == source:
-        return folder
-    samples = [{"__key__": s["__key__"], "jpg": s["jpg"],
-                "txt": "\n".join(retrieval_captions(json.loads(s["json"]))).encode()}
-               for s in iter_tar_samples(shard_paths(str(root), split))]
-    write_tar(folder / "0.tar", samples)
-    marker.write_text(source)
-    return folder
 
 
 def has_embeddings(folder: Path) -> bool:

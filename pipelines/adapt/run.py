@@ -22,15 +22,16 @@ from models.model_file import save_model
 from models.probvlm import embedding_width
 from models.registry import create_model
 from pipelines.adapt.config import AdaptConfig
-from pipelines.adapt.data import Pairs, compute_embeddings, has_embeddings, load_pairs, write_digit_pairs
+from pipelines.adapt.data import Pairs, compute_embeddings, has_embeddings, load_pairs
 from pipelines.adapt.evaluate import comparison_plot, score_adapted
 from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import ConfigError
-from pipelines.data.digits import digit_shards_written, write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import shard_paths
+from pipelines.data.tars import iter_tar_samples
+from pipelines.digits.shards import prepare_digits, write_digit_pairs
 from pipelines.evaluate import EvaluationError
-from pipelines.evaluate.data import check_task, iter_tar_samples
+from pipelines.evaluate.data import check_task
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
@@ -64,14 +65,6 @@ def pair_shards(cfg: AdaptConfig) -> list[str]:
         return shard_paths(cfg.data.root, cfg.data.split)
     except FileNotFoundError as err:
         raise AdaptError(f"data.root: {err}") from None
-
-
-def prepare_digits(cfg: AdaptConfig) -> None:
-    # Digits already written (by the source's pretraining) stay as they are: rewriting them with other parameters
-    # could move the source's training images into the held-out split the adapter is scored on.
-    if not digit_shards_written(cfg.data.root):
-        write_digit_shards(cfg.data.root, image_size=32, shard_size=500, seed=0)  # the demo's
-    write_digit_eval_sets(cfg.data.root)
 
 
 def adapter_overrides(cfg: AdaptConfig, source: Source, head: str) -> dict[str, Any]:
@@ -120,7 +113,9 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
     from pipelines.adapt.loop import ADAPTER_FILE, adapt_loop  # deferred until init_ray quietened the logs
 
     if cfg.data.source == "digits":
-        prepare_digits(cfg)
+        # digits already written (by the source's pretraining) stay as they are: rewriting them with other parameters
+        # could move the source's training images into the held-out split the adapter is scored on
+        prepare_digits(cfg.data.root, keep_written=True)
     tasks = cfg.resolved_tasks()
     for task in tasks:
         try:

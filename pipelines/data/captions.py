@@ -1,7 +1,7 @@
 """Which caption a training sample gets: one drawn per sample from the levels in its json.
 
 A sample's json may hold ``{"captions": {"specific": [...], "mid": [...], "general": [...],
-"instance": [...]}}`` (the bundled digits do; see `pipelines.data.digits` for the levels). The
+"instance": [...]}}`` (the bundled digits do; see `pipelines.digits.dataset` for the levels). The
 probabilistic losses need the same image paired with captions of different generality.
 """
 from __future__ import annotations

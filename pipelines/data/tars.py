@@ -5,12 +5,14 @@ file, or an object the store cannot serve (after its own retries) gives no sampl
 of the file (once per epoch, or once for a cached set) to the reader's stats (`pipelines.data.stats`) with its
 name and reason. `TarShards` is the Ray Data datasource (`ray.data.read_webdataset`'s output columns:
 ``__key__``, ``__url__`` and one bytes column per extension, None where a sample lacks it); `iter_tar_samples`
-the same samples in a plain loop.
+the same samples in a plain loop; `write_tar` writes such a file.
 """
 from __future__ import annotations
 
+import io
 import re
 import tarfile
+from pathlib import Path
 from typing import Callable, Iterator
 
 from ray.data.datasource import FileBasedDatasource
@@ -188,3 +190,18 @@ def read_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=Non
         # read here, and sent to the readers through Ray's object store
         return ray.data.from_pandas([block for path in paths for block in source.blocks(path)])
     return ray.data.read_datasource(source)
+
+
+def write_tar(path: Path, samples: list[dict[str, bytes]]) -> None:
+    """Samples {"__key__": key, ext: bytes} -> a webdataset tar (members key.ext, fixed mtime)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tarfile.open(tmp, "w") as tar:
+        for sample in samples:
+            for ext, data in sample.items():
+                if ext == "__key__":
+                    continue
+                info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
+                info.size, info.mtime = len(data), 0
+                tar.addfile(info, io.BytesIO(data))
+    tmp.replace(path)

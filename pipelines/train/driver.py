@@ -15,10 +15,10 @@ from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import Config, ConfigError
 from pipelines.data.captions import CaptionSampler
-from pipelines.data.digits import write_digit_eval_sets, write_digit_shards
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
 from pipelines.data.stats import BadDataError
+from pipelines.digits.shards import prepare_digits
 from pipelines.evaluate.data import REQUIRES, check_task, driver_texts, read_eval_shards, task_paths
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
@@ -42,9 +42,7 @@ def prepare_data(cfg: Config) -> None:
             raise ConfigError(f"data.root: {cfg.data.root} is not a local folder; the bundled digits are written on "
                               "the driver's disk (a cluster's nodes get them through Ray): give a local folder, or "
                               "data.source=shards for shards already on object storage")
-        write_digit_shards(cfg.data.root, image_size=cfg.data.image_size, shard_size=cfg.data.shard_size,
-                           seed=cfg.data.split_seed)
-        write_digit_eval_sets(cfg.data.root)
+        prepare_digits(cfg.data.root, cfg.data.image_size, cfg.data.shard_size, cfg.data.split_seed)
 
 
 def check_eval_tasks(cfg: Config) -> None:
