@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipelines.evaluate.embed import TaskEmbeddings
-from pipelines.evaluate.plotting import pyplot
+from pipelines.plotting import pyplot
 from pipelines.evaluate.tasks import TaskResult, score_task
 
 

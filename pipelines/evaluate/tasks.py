@@ -39,7 +39,7 @@ from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, w
 from pipelines.config import EvalTask
 from pipelines.evaluate.embed import TaskEmbeddings, autocast, model_device, on_device
 from pipelines.evaluate.names import DIRECTIONS
-from pipelines.evaluate.plotting import pyplot
+from pipelines.plotting import pyplot
 from pipelines.evaluate.uncertainty import Analyses, analyse, write_analyses
 
 

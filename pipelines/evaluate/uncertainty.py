@@ -28,7 +28,7 @@ import torch
 
 from models.distributions import inclusion_test
 from pipelines.evaluate.embed import embed_texts
-from pipelines.evaluate.plotting import pyplot
+from pipelines.plotting import pyplot
 
 
 @dataclass

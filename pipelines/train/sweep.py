@@ -25,10 +25,10 @@ from pydantic import Field, ValidationError, model_validator
 from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
                               read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
-from pipelines.evaluate.plotting import pyplot
+from pipelines.plotting import pyplot
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
-from pipelines.train.progress import ProgressLine
+from pipelines.progress import ProgressLine
 
 
 class Domain(Section):

@@ -32,7 +32,7 @@ from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.evaluate.embed import embed_task_locally, model_device
 from pipelines.train.optim import adamw, param_groups, warmup_cosine
-from pipelines.train.progress import ProgressLine
+from pipelines.progress import ProgressLine
 from pipelines.train.data_health import DataHealth
 from pipelines.data.device_augment import model_images
 from pipelines.tracking import StepLogger, save_mlflow_model
