@@ -19,10 +19,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: .probvlp/tune/<name>_best.yaml)")
     args = parser.parse_args(argv)
 
-    from pipelines.train.sweep import load_sweep, run_sweep  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.tracking import LOCAL_DIR
+    from pipelines.tune.config import load_sweep  # deferred: --help answers before torch loads
 
-    sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before any trial
+    sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before Ray loads
+
+    from pipelines.tracking import LOCAL_DIR  # deferred: a config error answers before Ray and MLflow load
+    from pipelines.tune.job import run_sweep
 
     # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
     _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())

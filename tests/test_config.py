@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pipelines.config import Config, ConfigError, load_config, load_download_config
-from pipelines.train.sweep import load_sweep
+from pipelines.tune.config import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.evaluate.data import check_task, iter_local_batches, task_paths
 from pipelines.evaluate.embed import embed_task_locally
 from pipelines.tracking import model_file
-from pipelines.train.sweep import load_sweep
+from pipelines.tune.config import load_sweep
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent

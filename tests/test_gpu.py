@@ -154,7 +154,8 @@ def adapt_job(runs: Runs, tmp: Path, digits_root: str):
 
 def sweep_job(tmp: Path, digits_root: str):
     """Two CLIP trials on GPU shares, side by side: (result grid, sweep summary, MLflow uri)."""
-    from pipelines.train.sweep import load_sweep, run_sweep
+    from pipelines.tune.config import load_sweep
+    from pipelines.tune.job import run_sweep
 
     def job():
         uri = f"sqlite:///{tmp}/sweep.db"

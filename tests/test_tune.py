@@ -15,7 +15,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipelines.config import ConfigError, load_config
-from pipelines.train.sweep import load_sweep
+from pipelines.tune.config import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 # The six knobs of the probabilistic Llip, plus a learning rate with one hopeless value.
@@ -143,7 +143,7 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     after = [r for r in final if r.data.tags["probvlp.trial_id"] not in done_before]
     assert [float(r.data.params["train.lr"]) for r in after] == [1.0e-7], "the seeded sample changed"
     assert [r.data.tags["probvlp.trial_status"] for r in after] == ["stopped early"]
-    # the scheduler's rungs stay with the driver (pipelines.train.sweep), its storage being on S3
+    # the scheduler's rungs stay with the driver (pipelines.tune.job), its storage being on S3
     assert (ROOT / ".probvlp" / "tune" / "two_asha_rungs.json").is_file()
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"} <= artifacts
@@ -192,7 +192,7 @@ def test_asha_rungs_outlive_the_scheduler(tmp_path):
     is cut against the trials before it (an empty ASHA lets it through: the control)."""
     from types import SimpleNamespace
 
-    from pipelines.train.asha import ResumableASHA
+    from pipelines.tune.asha import ResumableASHA
 
     state = tmp_path / "rungs.json"
 

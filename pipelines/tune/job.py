@@ -1,11 +1,8 @@
-"""Hyperparameter sweeps: a YAML search space over dotted config keys, one TorchTrainer run per trial.
+"""Hyperparameter sweeps (`jobs.tune`): one TorchTrainer run per trial of a sweep file (`pipelines.tune.config`).
 
 One trial is a Ray Tune function trainable that runs `pipelines.train.driver.fit` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
-
-Ray Tune and the trainer are imported in the functions that run a sweep: `load_sweep` checks a whole sweep file
-(space, points, metric) in a process that never loads Ray, so a mistake answers at once.
 """
 from __future__ import annotations
 
@@ -16,160 +13,30 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pandas as pd
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from ray import tune
+from ray.tune import Callback
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import FIFOScheduler
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-from pipelines.config import (Config, ConfigError, Section, _format_error, absolute_local, apply_overrides, load_config,
-                              read_yaml, set_dotted)
-from pipelines.evaluate.names import metric_names
+from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes
+from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.config import Config, ConfigError, absolute_local, set_dotted
 from pipelines.plotting import pyplot
+from pipelines.progress import ProgressLine
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
-from pipelines.progress import ProgressLine
-
-
-class Domain(Section):
-    """Exactly one of: uniform [low, high], loguniform [low, high], randint [low, high), choice [values]."""
-
-    uniform: tuple[float, float] | None = None
-    loguniform: tuple[float, float] | None = None
-    randint: tuple[int, int] | None = None
-    choice: list[Any] | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> "Domain":
-        set_ = [k for k in ("uniform", "loguniform", "randint", "choice") if getattr(self, k) is not None]
-        if len(set_) != 1:
-            raise ValueError("give exactly one of uniform, loguniform, randint, choice")
-        if self.kind in ("uniform", "loguniform", "randint"):
-            low, high = getattr(self, self.kind)
-            if not low < high:
-                raise ValueError(f"{self.kind}: low must be < high (got [{low}, {high}])")
-            if self.kind == "loguniform" and low <= 0:
-                raise ValueError(f"loguniform: low must be > 0 (got {low})")
-        elif not self.choice:
-            raise ValueError("choice: needs at least one value")
-        return self
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in ("uniform", "loguniform", "randint", "choice") if getattr(self, k) is not None)
-
-    def probes(self) -> list[Any]:
-        """Values whose validity stands for the whole domain."""
-        if self.kind == "choice":
-            return list(self.choice)
-        low, high = getattr(self, self.kind)
-        return [low, high - 1] if self.kind == "randint" else [low, high]
-
-    def to_tune(self):
-        from ray import tune  # deferred: see the module docstring
-
-        if self.kind == "choice":
-            return tune.choice(self.choice)
-        low, high = getattr(self, self.kind)
-        return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[self.kind](low, high)
-
-
-class TuneSettings(Section):
-    name: str = "sweep"
-    # Any `{task}/{metric}` the trial config reports (pipelines.evaluate.tasks.metric_names).
-    metric: str = "heldout/rsum"
-    mode: Literal["max", "min"] = "max"
-    num_samples: int = Field(4, ge=1)
-    max_concurrent: int = Field(1, ge=1)
-    search_alg: Literal["optuna", "random"] = "optuna"
-    seed: int = 0
-    scheduler: Literal["asha", "fifo"] = "asha"
-    # In reports (one per train.eval_every steps, plus the final one): ASHA's first rung comes after
-    # grace_period * eval_every training steps.
-    grace_period: int = Field(1, ge=1)
-    reduction_factor: int = Field(2, ge=2)
-    # First trials to run, as {dotted.key: value}; the search algorithm suggests the rest.
-    points_to_evaluate: list[dict[str, Any]] = Field(default_factory=list)
-    storage_path: str = ".probvlp/tune"
-    experiment: str = "probvlp-sweeps"
-
-
-class SweepConfig(Section):
-    base: str
-    overrides: list[str] = Field(default_factory=list)
-    space: dict[str, Domain]
-    tune: TuneSettings = Field(default_factory=TuneSettings)
-    # Set by load_sweep from the base config: results one full trial reports to Tune, steps between them.
-    reports_per_trial: int = 0
-    eval_every: int = 0
-
-
-def trial_config(base: dict[str, Any], params: dict[str, Any]) -> Config:
-    data = copy.deepcopy(base)
-    for key, value in params.items():
-        set_dotted(data, key, value)
-    return Config.from_dict(data)
-
-
-def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepConfig, Config]:
-    """Parse and validate the whole sweep before any trial starts; errors are one line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file not found: {path}")
-    try:
-        data = apply_overrides(read_yaml(path.read_text()) or {}, overrides or [])
-        sweep = SweepConfig.model_validate(data)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
-    base_path = Path(sweep.base)
-    if not base_path.is_absolute() and not base_path.exists():
-        base_path = path.parent / base_path
-    base = load_config(base_path, sweep.overrides)
-    base_dict = base.to_dict()
-    for key, domain in sweep.space.items():
-        for value in domain.probes():
-            try:
-                trial_config(base_dict, {key: value})
-            except ConfigError as err:
-                if "unknown key" in str(err):
-                    raise ConfigError(f"space.{key}: not a config key: {err}") from None
-                numeric = "" if domain.kind == "choice" else f" ({domain.kind} needs a numeric field)"
-                raise ConfigError(f"space.{key}: {value!r} is not valid here{numeric}: {err}") from None
-    for i, point in enumerate(sweep.tune.points_to_evaluate):
-        unknown = set(point) - set(sweep.space)
-        if unknown:
-            raise ConfigError(f"tune.points_to_evaluate[{i}]: keys not in space: {', '.join(sorted(unknown))}")
-        trial_config(base_dict, point)
-
-    reported = metric_names(base)
-    if sweep.tune.metric not in reported:
-        task = sweep.tune.metric.split("/")[0]
-        same = [m.split("/", 1)[1] for m in reported if m.startswith(f"{task}/")]
-        hint = (f"task {task!r} reports {', '.join(same)}" if same else
-                f"no eval task is named {task!r}; tasks: {', '.join(dict.fromkeys(m.split('/')[0] for m in reported))}")
-        raise ConfigError(f"tune.metric: {sweep.tune.metric!r} is not reported ({hint})")
-    t = base.train
-    if not t.eval_every:
-        raise ConfigError("train.eval_every: must be > 0 in the base config so schedulers see intermediate results")
-    if t.checkpoint_every % t.eval_every:
-        raise ConfigError("train.checkpoint_every: must be a multiple of train.eval_every in a sweep "
-                          "(every report to Tune must carry the metric)")
-    # Validation reports at eval_every, 2*eval_every, ... before the last step, then the final report.
-    sweep.reports_per_trial = (t.steps - 1) // t.eval_every + 1
-    sweep.eval_every = t.eval_every
-    return sweep, base
+from pipelines.train.driver import check_eval_tasks, fit, prepare_data
+from pipelines.tune.asha import ResumableASHA
+from pipelines.tune.config import SweepDocument, trial_config
 
 
 def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, storage_path: str,
               parent_run_id: str) -> None:
     """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer."""
-    from ray import tune  # deferred: see the module docstring
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from pipelines.train.driver import fit
-
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
@@ -186,8 +53,6 @@ def finite(value: Any) -> bool:
 def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
     """One-line ConfigErrors, before any trial starts, on a cluster whose nodes share no disk: each trial drives its
     training from a node of its own, so the sweep's storage and the MLflow store must be reachable from every node."""
-    from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes  # deferred: imports Ray
-
     share_paths(base.ray.shared_paths)
     check_storage_reachable("tune.storage_path", storage, "Tune and every trial's Ray Train write there: set it to "
                             "object storage, e.g. --set tune.storage_path=s3://BUCKET/tune")
@@ -200,14 +65,9 @@ def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
                           "reaches")
 
 
-def run_sweep(sweep: SweepConfig, base: Config, sweep_file_text: str):
+def run_sweep(sweep: SweepDocument, base: Config, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict). The summary is None when
     the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again resumes it."""
-    from ray import tune  # deferred: see the module docstring
-
-    from pipelines.cluster.runtime import init_ray, local_cpus
-    from pipelines.train.driver import check_eval_tasks, prepare_data
-
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
@@ -272,8 +132,6 @@ def fit_noting_ctrl_c(tuner):
 
 def trial_progress(total: int, metric: str):
     """A Tune callback printing `[sweep] trial 3/8 (38%) | <id> completed | <metric> ... | elapsed | ETA`."""
-    from ray.tune import Callback  # deferred: see the module docstring
-
     class TrialProgress(Callback):
         def __init__(self):
             self.line, self.done = ProgressLine("sweep", total, unit="trial"), 0
@@ -298,9 +156,7 @@ def trial_progress(total: int, metric: str):
     return TrialProgress()
 
 
-def _searcher(sweep: SweepConfig):
-    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter  # deferred: see the module docstring
-
+def _searcher(sweep: SweepDocument):
     s = sweep.tune
     points = [dict(p) for p in s.points_to_evaluate]
     if s.search_alg == "optuna":
@@ -312,11 +168,7 @@ def _searcher(sweep: SweepConfig):
                                  random_state=s.seed)
 
 
-def _scheduler(sweep: SweepConfig, rungs_file: str):
-    from ray.tune.schedulers import FIFOScheduler  # deferred: see the module docstring
-
-    from pipelines.train.asha import ResumableASHA
-
+def _scheduler(sweep: SweepDocument, rungs_file: str):
     s = sweep.tune
     if s.scheduler == "fifo":
         return FIFOScheduler()
@@ -328,7 +180,7 @@ def _scheduler(sweep: SweepConfig, rungs_file: str):
                          reduction_factor=s.reduction_factor)
 
 
-def summarize_sweep(grid, sweep: SweepConfig, base: Config, uri: str, parent: str) -> dict[str, Any]:
+def summarize_sweep(grid, sweep: SweepDocument, base: Config, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
     s = sweep.tune
     rows = [trial_row(result, sweep, base) for result in grid]
@@ -347,7 +199,7 @@ def summarize_sweep(grid, sweep: SweepConfig, base: Config, uri: str, parent: st
     return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
 
 
-def trial_row(result, sweep: SweepConfig, base: Config) -> dict[str, Any]:
+def trial_row(result, sweep: SweepDocument, base: Config) -> dict[str, Any]:
     """One Tune result -> trial id, its sampled knobs, the metric, the last step and how it ended."""
     metrics = result.metrics or {}
     trial_id = metrics.get("trial_id", result.path.rstrip("/").split("/")[-1] if result.path else "")
@@ -357,7 +209,7 @@ def trial_row(result, sweep: SweepConfig, base: Config) -> dict[str, Any]:
             sweep.tune.metric: metrics.get(sweep.tune.metric), "step": step, "status": status}
 
 
-def log_sweep_results(uri: str, parent: str, table, sweep: SweepConfig, best_cfg: Config,
+def log_sweep_results(uri: str, parent: str, table, sweep: SweepDocument, best_cfg: Config,
                       metrics: dict[str, float]) -> None:
     """The parent run's results table, knob plot, best config and `metrics`; then the parent run ends."""
     with tempfile.TemporaryDirectory() as tmp:
