@@ -5,7 +5,7 @@ single-process torch loop over the same tar files and the same saved model; writ
     .venv/bin/python -m benchmarks.batch_inference            # writes the section
     .venv/bin/python -m benchmarks.batch_inference --quick    # small sizes, prints only
 
-Both sides decode the same webdataset shards (pipelines.evaluate.data), run `encode_image` of the same
+Both sides decode the same webdataset shards (pipelines.data.eval_reader), run `encode_image` of the same
 model file and write the embeddings as parquet. The plain loop uses every core for torch (one
 process, `torch.set_num_threads(cores)`); the pool is timed with 1 actor x `cores` threads and with
 `cores` actors x 1 thread. The local Ray is started before timing (a cluster is up when a job runs);
@@ -56,7 +56,7 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
 
     from models.model_file import load_model
     from pipelines.evaluate.inference import _fixed_lists
-    from pipelines.evaluate.data import iter_local_batches
+    from pipelines.data.eval_reader import iter_local_batches
 
     torch.set_num_threads(threads)
     model = load_model(model_file)

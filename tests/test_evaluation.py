@@ -20,7 +20,8 @@ import jobs.evaluate
 from models.model_file import load_model
 from pipelines.config import ConfigError, EvalTask
 from pipelines.digits.dataset import NAMES, specific_captions
-from pipelines.evaluate.data import check_task, iter_local_batches, task_paths
+from pipelines.data.eval_reader import iter_local_batches
+from pipelines.data.eval_tasks import check_task, task_paths
 from pipelines.evaluate.embed import embed_task_locally
 from pipelines.tracking import model_file
 from pipelines.tune.config import load_sweep
@@ -201,7 +202,7 @@ def test_sweep_metric_that_no_task_reports_fails_at_load(tmp_path):
 def test_zero_shot_with_per_class_prompts_file(tmp_path):
     (tmp_path / "classnames.txt").write_text("cat\ndog\n")
     (tmp_path / "p.json").write_text(json.dumps({"cat": ["a cat", "kitty"], "dog": ["a dog"]}))
-    from pipelines.evaluate.data import zeroshot_prompts
+    from pipelines.data.eval_tasks import zeroshot_prompts
 
     task = EvalTask(name="z", kind="zeroshot", data=str(tmp_path), split="test", templates=str(tmp_path / "p.json"))
     assert zeroshot_prompts(task) == (["cat", "dog"], [["a cat", "kitty"], ["a dog"]])

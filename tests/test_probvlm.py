@@ -22,7 +22,8 @@ from models.probvlm import ProbVLMAdapter
 from models.scoring.metrics import calibration
 from pipelines.adapt.config import load_adapt_config
 from pipelines.config import ConfigError, EvalTask
-from pipelines.evaluate.data import iter_local_batches, task_paths
+from pipelines.data.eval_reader import iter_local_batches
+from pipelines.data.eval_tasks import task_paths
 from pipelines.evaluate.embed import embed_task_locally
 from pipelines.evaluate.tasks import rank_retrieval, sigma2
 
@@ -408,7 +409,7 @@ def test_adapted_mlflow_model_loads_in_a_fresh_python(adapted, tmp_path):
     from models.preprocess import encoded_to_model_input
     from models.tokenizer import tokenize
     from pipelines.data.reader import shard_paths
-    from pipelines.evaluate.data import iter_tar_samples
+    from pipelines.data.tars import iter_tar_samples
 
     res, _, root, _ = adapted
     samples = list(iter_tar_samples(shard_paths(f"{root}/eval/retrieval", "test"), limit=4))

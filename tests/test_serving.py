@@ -70,7 +70,7 @@ def served(trained_clip, digits_root, tmp_path_factory):
 
     from models.model_file import load_model
     from pipelines.data.reader import shard_paths
-    from pipelines.evaluate.data import iter_tar_samples
+    from pipelines.data.tars import iter_tar_samples
     from pipelines.tracking import model_file
     from tests.helpers import free_port, wait_http
 

@@ -31,7 +31,7 @@ from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples
 from pipelines.digits.shards import prepare_digits, write_digit_pairs
 from pipelines.evaluate import EvaluationError
-from pipelines.evaluate.data import check_task
+from pipelines.data.eval_tasks import check_task
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri

@@ -1,6 +1,7 @@
-"""Evaluation: tasks on any data (tasks), in-process and Ray Data embeddings (embed, inference), the data (data),
-the uncertainty analyses (uncertainty) and `jobs.evaluate` (job). Only the error type lives here: the jobs' error
-handling imports it without the evaluation's dependencies."""
+"""Evaluation: tasks on any data (tasks), in-process and Ray Data embeddings (embed, inference), the uncertainty
+analyses (uncertainty) and `jobs.evaluate` (job); the tasks' data is read by `pipelines.data.eval_reader` and
+`pipelines.data.eval_tasks`. Only the error type lives here: the jobs' error handling imports it without the
+evaluation's dependencies."""
 from __future__ import annotations
 
 

@@ -11,7 +11,8 @@ import torch
 from models.preprocess import to_device
 from models.tokenizer import tokenize
 from pipelines.config import EvalTask
-from pipelines.evaluate.data import parse_levels, zeroshot_prompts
+from pipelines.data.eval_reader import parse_levels
+from pipelines.data.eval_tasks import zeroshot_prompts
 
 
 @dataclass
@@ -42,7 +43,7 @@ def split_captions(column: Iterable[str]) -> list[list[str]]:
 
 def embed_images(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[str], dict[str, torch.Tensor],
                                                                            list[list[str]], torch.Tensor]:
-    """Decoded eval batches (pipelines.evaluate.data) -> keys, stacked image outputs, captions, classes (sorted by key)."""
+    """Decoded eval batches (pipelines.data.eval_reader) -> keys, stacked image outputs, captions, classes (sorted by key)."""
     return _embed_images(model, batches)[:4]
 
 

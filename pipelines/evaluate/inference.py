@@ -1,6 +1,6 @@
 """Ray Data batch inference: a saved model's embeddings of images and captions, written as parquet.
 
-Images: decoded shards (pipelines.evaluate.data) -> `map_batches(ImageEmbedder)` on an actor pool (one model
+Images: decoded shards (pipelines.data.eval_reader) -> `map_batches(ImageEmbedder)` on an actor pool (one model
 per actor, loaded once; `num_gpus` per actor on a GPU cluster) -> ``{out}/images/*.parquet`` with
 columns key, captions (one per line), cls, and the model's outputs (mu, logvar for probabilistic
 models, mix for Llip's mixture tokens, flattened) as fixed-size float32 lists, readable by pandas,
@@ -25,7 +25,8 @@ from models.model_file import load_model
 from models.preprocess import to_device, to_model_input
 from models.tokenizer import tokenize
 from pipelines.cluster.check import only_here
-from pipelines.evaluate.data import REQUIRES, read_eval_shards, task_paths
+from pipelines.data.eval_reader import REQUIRES, read_eval_shards
+from pipelines.data.eval_tasks import task_paths
 from pipelines.evaluate.embed import TaskEmbeddings, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)

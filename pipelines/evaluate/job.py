@@ -21,7 +21,7 @@ from models.objective import Objective
 from pipelines.config import Config, ConfigError
 from pipelines.data.reader import read_shards
 from pipelines.data.stats import drop_stats, reader_stats, report_metrics, reports_summary, skipped_keys
-from pipelines.evaluate.data import read_caption_levels, task_paths
+from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
 from pipelines.tracking import finish_with_results, start_run, tracking_uri

@@ -19,7 +19,8 @@ from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
 from pipelines.data.stats import BadDataError
 from pipelines.digits.shards import prepare_digits
-from pipelines.evaluate.data import REQUIRES, check_task, driver_texts, read_eval_shards, task_paths
+from pipelines.data.eval_reader import REQUIRES, read_eval_shards
+from pipelines.data.eval_tasks import check_task, driver_texts, task_paths
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer

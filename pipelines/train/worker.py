@@ -27,7 +27,7 @@ from pipelines.train.trainer import eval_dataset_name
 from pipelines.train.state import Progress
 from pipelines.config import Config, EvalTask
 from pipelines.evaluate import EvaluationError
-from pipelines.evaluate.data import use_texts
+from pipelines.data.eval_tasks import use_texts
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.evaluate.embed import embed_task_locally, model_device
