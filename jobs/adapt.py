@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_adapt_config(args.config, args.overrides)
 
-    from pipelines.adapt.evaluate import summary_lines  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.adapt.run import adapt
+    from pipelines.adapt.scoring import summary_lines  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.adapt.job import adapt
     from pipelines.tracking import LOCAL_DIR
 
     if cfg.run.name is None:

@@ -8,31 +8,10 @@ Exit status: 0 when every shard is finished, 3 when some shards failed (re-run t
 """
 from __future__ import annotations
 
-import json
-import re
 import sys
 
 from jobs.cli import config_parser, job_main
 from pipelines.config import load_download_config
-
-
-def log_to_mlflow(cfg, summary: dict) -> str | None:
-    """One MLflow run per download invocation, when tracking is configured (tracking.uri or $MLFLOW_TRACKING_URI)."""
-    import os
-
-    if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
-        return None
-    from pipelines.tracking import finish_with_results, git_commit, start_run, tracking_uri
-
-    uri = tracking_uri(cfg.tracking.uri)
-    params = {f"download.{k}": v for k, v in cfg.download.model_dump(mode="json").items()}
-    tags = {"probvlp.job": "download", "mlflow.source.git.commit": git_commit() or ""}
-    run_id = start_run(uri, cfg.run.experiment, f"{cfg.run.name}-download", params, cfg.to_yaml(), tags)
-    numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    for reason, n in summary["failed_by_reason"].items():
-        numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
-    finish_with_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
-    return run_id
 
 
 @job_main
@@ -42,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_download_config(args.config, args.overrides)  # fail fast, before Ray starts
 
     from pipelines.cluster.runtime import init_ray  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.download.run import run_download
+    from pipelines.download.job import log_download, run_download
     from pipelines.download.summary import format_summary
     from pipelines.download.urls import DownloadError
 
@@ -54,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_summary(summary))
     print(f"summary saved to {cfg.download.output.rstrip('/')}/_summary.json")
-    run_id = log_to_mlflow(cfg, summary)
+    run_id = log_download(cfg, summary)
     if run_id:
         print(f"MLflow run {run_id} in experiment {cfg.run.experiment!r}")
     return 0 if summary["shards_complete"] == summary["shards"] else 3

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.cluster.runtime import init_ray, local_cpus
     from pipelines.data.reader import shard_paths
     from pipelines.data.stats import drop_stats, reader_stats, report_lines, skipped_keys
-    from pipelines.evaluate.embed import distinct_captions, split_captions
+    from pipelines.evaluate.in_process import distinct_captions, split_captions
     from pipelines.evaluate.inference import (InferenceOptions, read_embeddings, write_image_embeddings,
                                               write_text_embeddings)
     from pipelines.tracking import resolve_model, tracking_uri

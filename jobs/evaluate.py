@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.evaluate.job import evaluate_model
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
     from pipelines.train.driver import check_eval_tasks, prepare_data
-    from pipelines.train.summary import headline
+    from pipelines.train.run_summary import headline
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)

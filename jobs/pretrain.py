@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
 
     from pipelines.train.driver import fit  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.train.summary import run_summary
+    from pipelines.train.run_summary import run_summary
 
     result = fit(cfg)  # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
     for line in run_summary(cfg, result):

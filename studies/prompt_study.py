@@ -30,7 +30,7 @@ from models.registry import create_model
 from pipelines.config import EvalTask, load_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
 from pipelines.evaluate.tasks import score_task
-from pipelines.evaluate.embed import TaskEmbeddings, embed_texts
+from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from tests.digit_fit import config_sampler, digit_arrays, fit_in_process
 from tests.helpers import OFF_DOMAIN
 

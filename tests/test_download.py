@@ -22,7 +22,7 @@ import yaml
 from PIL import Image
 
 from pipelines.config import DownloadConfig, load_config
-from pipelines.download.run import run_download
+from pipelines.download.job import run_download
 from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.download.urls import DownloadError

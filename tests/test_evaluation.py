@@ -22,7 +22,7 @@ from pipelines.config import ConfigError, EvalTask
 from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.data.eval_reader import iter_local_batches
 from pipelines.data.eval_tasks import check_task, task_paths
-from pipelines.evaluate.embed import embed_task_locally
+from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.tracking import model_file
 from pipelines.tune.config import load_sweep
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy

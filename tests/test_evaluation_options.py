@@ -18,7 +18,7 @@ from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, 
                                      weighted_ensemble)
 from pipelines.config import Config, ConfigError, EvalTask, load_config
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
-from pipelines.evaluate.embed import TaskEmbeddings
+from pipelines.evaluate.in_process import TaskEmbeddings
 
 # ------------------------------------------------------------------------------------ BPRW (ProLIP A.5)
 

@@ -137,7 +137,7 @@ def evaluate_job(runs: Runs, tmp: Path):
 
 
 def adapt_job(runs: Runs, tmp: Path, digits_root: str):
-    from pipelines.adapt.run import adapt
+    from pipelines.adapt.job import adapt
     from pipelines.adapt.config import load_adapt_config
 
     def job():

@@ -28,7 +28,7 @@ from pipelines.digits.dataset import (
 )
 from pipelines.tracking import model_file
 from pipelines.train.driver import fit
-from pipelines.train.summary import run_summary
+from pipelines.train.run_summary import run_summary
 from tests.helpers import OFF_DOMAIN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,7 +186,7 @@ def wrong_template_top1(fits, how: str, **options) -> dict[str, float]:
     """Held-out zero-shot top-1 of the ProLIP fit with deliberately wrong prompts added to every class's
     five templates: the plain ensemble and `how`."""
     from pipelines.config import EvalTask
-    from pipelines.evaluate.embed import TaskEmbeddings, embed_texts
+    from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
     from pipelines.evaluate.tasks import score_task
 
     model, _ = trained_model(fits, "prolip")

@@ -13,7 +13,7 @@ from models.scoring.metrics import calibration, mean_per_class_recall, rank_quer
 from pipelines.config import Config, ConfigError, load_config
 from pipelines.evaluate.names import metric_names, task_metric_names
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
-from pipelines.evaluate.embed import TaskEmbeddings
+from pipelines.evaluate.in_process import TaskEmbeddings
 
 
 def naive_ranking(scores: np.ndarray, positives: np.ndarray):

@@ -24,7 +24,7 @@ from pipelines.adapt.config import load_adapt_config
 from pipelines.config import ConfigError, EvalTask
 from pipelines.data.eval_reader import iter_local_batches
 from pipelines.data.eval_tasks import task_paths
-from pipelines.evaluate.embed import embed_task_locally
+from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.evaluate.tasks import rank_retrieval, sigma2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,7 +260,7 @@ def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tupl
     the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
     import time
 
-    from pipelines.adapt.run import adapt
+    from pipelines.adapt.job import adapt
 
     cfg, result, _ = trained_clip
     adapt_cfg = load_adapt_config(CONFIG, [

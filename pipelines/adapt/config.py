@@ -94,7 +94,7 @@ class EmbedConfig(Section):
     gpus_per_actor: float = Field(0.0, ge=0)
 
 
-class AdaptConfig(JobDocument):
+class AdaptDocument(JobDocument):
     run: RunConfig = Field(default_factory=lambda: RunConfig(experiment="probvlp-adapt"))
     source: SourceConfig
     data: AdaptDataConfig = Field(default_factory=AdaptDataConfig)
@@ -105,7 +105,7 @@ class AdaptConfig(JobDocument):
     # eval: tasks scored at the end (retrieval / zeroshot; calibration of the adapter and the baseline).
 
     @model_validator(mode="after")
-    def _checks(self) -> "AdaptConfig":
+    def _checks(self) -> "AdaptDocument":
         spec = self.source
         if not spec.model.startswith("open_clip:") and (spec.weights is not None or spec.build is not None or spec.overrides):
             raise ValueError("source.weights / build / overrides: only for open_clip:<arch> sources")
@@ -118,7 +118,7 @@ class AdaptConfig(JobDocument):
     def default_tasks(self) -> list[EvalTask]:
         return [EvalTask(name="heldout", kind="retrieval")]  # no loss task: the adapter has no training loss
 
-    def with_absolute_paths(self) -> "AdaptConfig":
+    def with_absolute_paths(self) -> "AdaptDocument":
         """Local paths absolute (Ray workers run in other directories); URIs and open_clip: as they are."""
         model = self.source.model
         return self._with_absolute(
@@ -128,12 +128,12 @@ class AdaptConfig(JobDocument):
                                               "embeddings": local_path(self.data.embeddings)}))
 
 
-def load_adapt_config(path: str | Path, overrides: list[str] | None = None) -> AdaptConfig:
+def load_adapt_config(path: str | Path, overrides: list[str] | None = None) -> AdaptDocument:
     return adapt_config_from_dict(read_config_file(path, overrides))
 
 
-def adapt_config_from_dict(data: dict[str, Any]) -> AdaptConfig:
+def adapt_config_from_dict(data: dict[str, Any]) -> AdaptDocument:
     try:
-        return AdaptConfig.model_validate(data)
+        return AdaptDocument.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None

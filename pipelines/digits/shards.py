@@ -3,7 +3,7 @@
 The digits take the same path as a user's URL table: the images are written to a folder, served by
 `http.server` on 127.0.0.1 (ephemeral port, a thread), listed in one URL table per split (url,
 caption, and label / split / captions / digit_index as extra columns that land in each sample's
-json), and downloaded by `pipelines.download.run` (img2dataset on Ray tasks) into
+json), and downloaded by `pipelines.download.job` (img2dataset on Ray tasks) into
 {root}/{split}/NNNNN.tar webdataset shards. Every job on the digits calls `prepare_digits` on its driver; on a
 cluster that spans nodes the readers send these local files through Ray (`pipelines.data.tars`).
 """
@@ -24,7 +24,7 @@ from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples, write_tar
 from pipelines.digits.dataset import (EVAL_TEMPLATES, NAMES, SPLITS, iter_digits, retrieval_captions,
                                       specific_captions)
-from pipelines.download.run import run_download
+from pipelines.download.job import run_download
 from pipelines.download.summary import format_summary
 
 

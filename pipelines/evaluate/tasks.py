@@ -37,7 +37,7 @@ from models.scoring.metrics import (Calibration, Ranked, calibration, mean_per_c
                                     rank_queries, retrieval_summary, topk_accuracy)
 from models.scoring.prompts import bprw_em, bprw_observations, filter_weights, weighted_ensemble
 from pipelines.config import EvalTask
-from pipelines.evaluate.embed import TaskEmbeddings, autocast, model_device, on_device
+from pipelines.evaluate.in_process import TaskEmbeddings, autocast, model_device, on_device
 from pipelines.evaluate.names import DIRECTIONS
 from pipelines.plotting import pyplot
 from pipelines.evaluate.uncertainty import Analyses, analyse, write_analyses

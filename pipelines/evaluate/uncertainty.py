@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from models.distributions import inclusion_test
-from pipelines.evaluate.embed import embed_texts
+from pipelines.evaluate.in_process import embed_texts
 from pipelines.plotting import pyplot
 
 

@@ -30,7 +30,7 @@ from pipelines.evaluate import EvaluationError
 from pipelines.data.eval_tasks import use_texts
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
-from pipelines.evaluate.embed import embed_task_locally, model_device
+from pipelines.evaluate.in_process import embed_task_locally, model_device
 from pipelines.train.optim import adamw, param_groups, warmup_cosine
 from pipelines.progress import ProgressLine
 from pipelines.train.data_health import DataHealth

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from models.model_file import save_model
 from models.probvlm import embedding_width
 from models.registry import create_model
-from pipelines.adapt.config import AdaptConfig
-from pipelines.adapt.data import Pairs, compute_embeddings, has_embeddings, load_pairs
-from pipelines.adapt.evaluate import comparison_plot, score_adapted
+from pipelines.adapt.config import AdaptDocument
+from pipelines.adapt.pairs import Pairs, compute_embeddings, has_embeddings, load_pairs
+from pipelines.adapt.scoring import comparison_plot, score_adapted
 from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import ConfigError
@@ -56,7 +56,7 @@ class AdaptResult:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
 
 
-def pair_shards(cfg: AdaptConfig) -> list[str]:
+def pair_shards(cfg: AdaptDocument) -> list[str]:
     """The training pairs' shards (the digits' are written first when missing)."""
     if cfg.data.source == "digits":
         folder = write_digit_pairs(cfg.data.root, cfg.data.split)
@@ -67,13 +67,13 @@ def pair_shards(cfg: AdaptConfig) -> list[str]:
         raise AdaptError(f"data.root: {err}") from None
 
 
-def adapter_overrides(cfg: AdaptConfig, source: Source, head: str) -> dict[str, Any]:
+def adapter_overrides(cfg: AdaptDocument, source: Source, head: str) -> dict[str, Any]:
     a = cfg.adapter
     extra = {"dropout": a.dropout, "mc_samples": a.mc_samples, "mc_seed": a.mc_seed} if head == "probvlm" else {}
     return {"source": source.name, "source_overrides": source.overrides, "hidden": a.hidden, **extra}
 
 
-def build_adapted(cfg: AdaptConfig, source: Source, head: str, adapter_state: dict):
+def build_adapted(cfg: AdaptDocument, source: Source, head: str, adapter_state: dict):
     """The adapted model: the source's exact weights + the trained adapter."""
     model = create_model(REGISTRY_NAMES[head], **adapter_overrides(cfg, source, head))
     model.source.load_state_dict(source.model.state_dict())
@@ -91,7 +91,7 @@ def source_unchanged(source: Source, models: list) -> bool:
     return file_sha256(source.path) == source.sha256
 
 
-def check_before_ray(cfg: AdaptConfig, out: Path, uri: str) -> tuple[Source, Path, Pairs | None]:
+def check_before_ray(cfg: AdaptDocument, out: Path, uri: str) -> tuple[Source, Path, Pairs | None]:
     """Source, embeddings folder and (if they exist) the checked pairs; AdaptError on bad input."""
     source = resolve_source(cfg.source, uri, out / "source")
     folder = Path(cfg.data.embeddings) if cfg.data.embeddings else out / "embeddings"
@@ -99,7 +99,7 @@ def check_before_ray(cfg: AdaptConfig, out: Path, uri: str) -> tuple[Source, Pat
     return source, folder, pairs
 
 
-def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
+def adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -170,7 +170,7 @@ def adapt(cfg: AdaptConfig, out: Path) -> AdaptResult:
                        source, len(pairs.image), plots, seconds)
 
 
-def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:
+def save_models(cfg: AdaptDocument, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:
     files = {}
     for name, model in models.items():
         files[name] = out / ("model.safetensors" if name == "adapter" else f"{name}.safetensors")
@@ -178,7 +178,7 @@ def save_models(cfg: AdaptConfig, source: Source, heads: dict[str, str], models:
     return files
 
 
-def evaluate_adapted(cfg: AdaptConfig, source: Source, models: dict, tasks, out: Path, opts):
+def evaluate_adapted(cfg: AdaptDocument, source: Source, models: dict, tasks, out: Path, opts):
     """Each task: the source's embeddings by batch inference, scored for every adapted model; plots."""
     metrics: dict[str, float] = {}
     plots: list[Path] = []

@@ -9,15 +9,17 @@
    ``part failed: ...``) and retried by the next run. Nothing else stops the run.
 3. **Summary** (`pipelines.download.summary`): input rows, duplicates removed, rows without URL,
    written, failed by reason, shard counts and throughput; printed, saved as ``_summary.json``, and
-   logged to MLflow by ``jobs.download`` when tracking is set.
+   logged to MLflow (`log_download`) when tracking is set.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from typing import Any
 
-from pipelines.config import DownloadConfig
+from pipelines.config import DownloadConfig, DownloadDocument
 from pipelines.download.plan import plan
 from pipelines.download.shard import TMP_DIR, shard_done, shard_name
 from pipelines.download.summary import summarize_download
@@ -53,3 +55,21 @@ def run_download(cfg: DownloadConfig, local_only: bool = False, log=print) -> di
         fs.rm(f"{out}/{TMP_DIR}", recursive=True)
     write_bytes_atomic(fs, f"{out}/{SUMMARY_FILE}", json.dumps(summary, indent=1).encode())
     return summary
+
+
+def log_download(cfg: DownloadDocument, summary: dict[str, Any]) -> str | None:
+    """One MLflow run per download invocation, when tracking is configured (tracking.uri or $MLFLOW_TRACKING_URI)."""
+    if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        return None
+    # deferred: MLflow loads only when tracking is set
+    from pipelines.tracking import finish_with_results, git_commit, start_run, tracking_uri
+
+    uri = tracking_uri(cfg.tracking.uri)
+    params = {f"download.{k}": v for k, v in cfg.download.model_dump(mode="json").items()}
+    tags = {"probvlp.job": "download", "mlflow.source.git.commit": git_commit() or ""}
+    run_id = start_run(uri, cfg.run.experiment, f"{cfg.run.name}-download", params, cfg.to_yaml(), tags)
+    numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for reason, n in summary["failed_by_reason"].items():
+        numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
+    finish_with_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
+    return run_id

@@ -13,7 +13,7 @@ from pipelines.config import EvalTask
 from pipelines.data.stats import reports_summary
 from pipelines.data.eval_reader import REQUIRES, iter_local_batches
 from pipelines.data.eval_tasks import task_paths
-from pipelines.evaluate.embed import embed_texts, split_captions, task_texts
+from pipelines.evaluate.in_process import embed_texts, split_captions, task_texts
 from pipelines.evaluate.tasks import classes_from_prompts, sigma2
 from pipelines.tracking import sqlite_artifact_root
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.evaluate.embed import TaskEmbeddings
+from pipelines.evaluate.in_process import TaskEmbeddings
 from pipelines.plotting import pyplot
 from pipelines.evaluate.tasks import TaskResult, score_task
 
