@@ -55,7 +55,7 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
     import torch
 
     from models.model_file import load_model
-    from pipelines.evaluate.inference import _fixed_lists
+    from pipelines.evaluate.inference import fixed_lists
     from pipelines.data.eval_reader import iter_local_batches
 
     torch.set_num_threads(threads)
@@ -64,7 +64,7 @@ def plain_loop(model_file: str, paths: list[str], size: int, out: Path, threads:
     with torch.no_grad():
         for i, batch in enumerate(iter_local_batches(paths, size, batch_size=256)):
             out_ = model.encode_image(torch.as_tensor(batch["image"]))
-            pq.write_table(pa.table({"key": list(batch["key"]), **_fixed_lists(out_)}), out / f"{i}.parquet")
+            pq.write_table(pa.table({"key": list(batch["key"]), **fixed_lists(out_)}), out / f"{i}.parquet")
             n += len(batch["key"])
     return n
 

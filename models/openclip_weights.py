@@ -117,7 +117,7 @@ def read_openclip_state(source: str) -> dict[str, torch.Tensor]:
     and cache, e.g. ``open_clip:ViT-B-16/laion2b_s34b_b88k``), a ``.safetensors`` file, or a torch file
     read with ``weights_only=True`` (a bare state dict or one under ``"state_dict"``)."""
     if source.startswith("open_clip:"):
-        import open_clip
+        import open_clip  # deferred: its model zoo loads only for an open_clip: source
 
         arch, _, tag = source.removeprefix("open_clip:").partition("/")
         return open_clip.create_model(arch, pretrained=tag or None).state_dict()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 MEAN, STD = 0.5, 0.5
 
 
-def _cv2():
+def opencv():
     import cv2  # deferred: OpenCV's import costs every Ray worker that never decodes an image
 
     cv2.setNumThreads(1)
@@ -98,7 +98,7 @@ def decode_image(data: bytes, min_size: int | None = None) -> np.ndarray:
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_size or 0, min_width=min_size or 0)
         except ValueError:
             pass  # e.g. CMYK, which OpenCV converts
-    cv2 = _cv2()
+    cv2 = opencv()
     # JPEG: IMREAD_COLOR applies EXIF orientation (and JPEGs carry no alpha); others: unchanged, to see the alpha
     flags = cv2.IMREAD_COLOR if is_jpeg else cv2.IMREAD_UNCHANGED
     try:
@@ -135,7 +135,7 @@ def resize(arr: np.ndarray, size: int, box: tuple[int, int, int, int] | None = N
         arr = arr[y : y + h, x : x + w]
     if arr.shape[:2] == (size, size):
         return np.ascontiguousarray(arr)
-    cv2 = _cv2()
+    cv2 = opencv()
     shrink = min(arr.shape[:2]) >= 2 * size
     return cv2.resize(arr, (size, size), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
 
@@ -164,7 +164,7 @@ def encode_png(image: np.ndarray) -> bytes:
     """The inverse of `to_model_input` for one image: (3, H, W) in [-1, 1] -> PNG bytes (exact for images
     that came from uint8 pixels)."""
     rgb = ((image.transpose(1, 2, 0) * STD + MEAN) * 255).round().clip(0, 255).astype(np.uint8)
-    cv2 = _cv2()
+    cv2 = opencv()
     ok, data = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
     if not ok:
         raise ValueError(f"could not encode an image of shape {image.shape} as PNG")

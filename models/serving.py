@@ -96,7 +96,7 @@ class EmbeddingModel:
         return out
 
     def predict(self, model_input, params=None):
-        import pandas as pd
+        import pandas as pd  # deferred: MLflow's dependency, there where MLflow calls predict; the model needs none
 
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         unknown = set(frame.columns) - {"image", "caption"}

@@ -526,7 +526,7 @@ def load_download_config(path: str | Path, overrides: list[str] | None = None) -
     try:
         return DownloadDocument.model_validate({k: v for k, v in data.items() if k in DownloadDocument.model_fields})
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
 
 
 def local_path(value: str | None) -> str | None:
@@ -542,7 +542,7 @@ def absolute_local(path: str) -> str:
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
-def _format_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
     kind, msg = first["type"], first["msg"]
@@ -560,7 +560,7 @@ def _validate(data: dict[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
     _check_loss(cfg)
     return cfg
 

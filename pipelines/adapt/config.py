@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, WorkerResources, _format_error,
-                              local_path, read_config_file)
+from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, WorkerResources,
+                              format_validation_error, local_path, read_config_file)
 
 
 class SourceConfig(Section):
@@ -136,4 +136,4 @@ def adapt_config_from_dict(data: dict[str, Any]) -> AdaptDocument:
     try:
         return AdaptDocument.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None

@@ -14,11 +14,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray.train
+import ray.train.torch
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file, save_file
 
 from models.losses import create_loss
 from models.probvlm import build_adapter
+from pipelines.adapt.config import adapt_config_from_dict
+from pipelines.tracking import StepLogger
 
 ADAPTER_FILE = "adapters.safetensors"
 
@@ -120,13 +125,6 @@ STATE_FILE = "state.safetensors"
 
 
 def adapt_loop(config: dict[str, Any]) -> None:
-    import ray.train
-    import ray.train.torch
-    from safetensors.torch import load_file, save_file
-
-    from pipelines.adapt.config import adapt_config_from_dict
-    from pipelines.tracking import StepLogger
-
     cfg = adapt_config_from_dict(config["config"])
     t = cfg.train
     ctx = ray.train.get_context()

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from models.preprocess import _cv2, resize
+from models.preprocess import opencv, resize
 
 LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float64)
 _RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
@@ -136,7 +136,7 @@ def augment_batch(images: list[np.ndarray], size: int, rng: np.random.Generator,
 
 def augment_uint8(images: list[np.ndarray], size: int, rng: np.random.Generator, flip_p: float = 0.0) -> np.ndarray:
     """`augment_batch`'s augmentation on uint8 (same draws, rounded to uint8): (B, size, size, 3) uint8."""
-    cv2 = _cv2()
+    cv2 = opencv()
     crops = _crops(images, size, rng)
     means = np.array([cv2.mean(c)[:3] for c in crops], np.float64) / 255.0
     mats, biases = color_maps(means.reshape(-1, 3), rng)

@@ -35,6 +35,7 @@ import json
 
 import numpy as np
 import ray
+import ray.data
 
 from models.preprocess import ImageTooLarge, decode_image, resize, to_model_input
 from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_uint8, device_params
@@ -227,8 +228,6 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     uint8, augment_on, decode_size, flip_p: see `Preprocess`. stats_sync: each batch's counts reach the stats
     before the batch goes on (evaluation reads; training sends them without waiting).
     """
-    import ray.data
-
     # File-order shuffling at read time (reseeded every epoch) streams; randomize_block_order would be a
     # barrier that reads the whole dataset before the first batch.
     file_shuffle = ray.data.FileShuffleConfig(seed=seed) if shuffle else None

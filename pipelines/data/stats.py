@@ -15,6 +15,9 @@ from __future__ import annotations
 import functools
 import re
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from pipelines.config import InputError
 
 STATS_ACTOR, STATS_NAMESPACE = "probvlp_reader_stats", "probvlp"
@@ -39,8 +42,6 @@ class BadDataError(InputError):
 
 @functools.lru_cache(maxsize=None)
 def _stats_actor_class():
-    import ray
-
     @ray.remote(num_cpus=0)
     class ReaderStats:
         """Decoded / skipped sample counts per dataset name, the skipped samples' (file, key) by reason (capped),
@@ -95,9 +96,6 @@ def stats_actor():
     the autoscaler would never remove it, and dies with it. Restarted (empty) if its node is lost anyway, and
     its calls retried: losing a node must not fail the readers with it.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     # Hard affinity: a soft one was seen to land (or restart) the actor on a worker node of the local cluster.
     heads = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
     here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(),
@@ -109,20 +107,14 @@ def stats_actor():
 
 def reader_stats(name: str, examples: int = EXAMPLES) -> dict:
     """{decoded, skipped, skipped_unique, examples, files} of a dataset read with this stats_name (see ReaderStats)."""
-    import ray
-
     return ray.get(stats_actor().get.remote(name, examples))
 
 
 def skipped_keys(name: str) -> dict[str, list[list[str]]]:
-    import ray
-
     return ray.get(stats_actor().keys.remote(name))
 
 
 def drop_stats(name: str) -> None:
-    import ray
-
     ray.get(stats_actor().drop.remote(name))
 
 

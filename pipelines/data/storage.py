@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import uuid
 
+import fsspec
+
 
 def fs_path(uri: str):
     """(filesystem, path without trailing slash) for a local path or an fsspec URI."""
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(uri)
     return fs, path.rstrip("/")
 

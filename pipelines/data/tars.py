@@ -15,9 +15,14 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+import fsspec
+import pandas as pd
+import ray
+import ray.data
 from ray.data.datasource import FileBasedDatasource
 
 from pipelines.cluster.check import only_here
+from pipelines.data.stats import stats_actor
 
 # key = everything before the first "." of the member's base name, directories included (webdataset's rule)
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
@@ -91,8 +96,6 @@ def iter_tar_samples(paths: list[str], limit: int | None = None,
                      on_broken: Callable[[str, BrokenFile], None] | None = None) -> Iterator[dict]:
     """Samples of tar files (local or fsspec paths), in order, keys without their folders; a broken file gives
     the samples before its break and is passed to `on_broken` (path, BrokenFile), never raised."""
-    import fsspec
-
     seen = 0
     for path in paths:
         try:
@@ -124,8 +127,6 @@ class _Unopened:
 
 
 def _block(rows: list[dict]):
-    import pandas as pd
-
     columns = list(dict.fromkeys(c for row in rows for c in row))
     # object columns with None where a sample lacks an extension (from_records would put NaN there)
     return pd.DataFrame({c: pd.Series([row.get(c) for row in rows], dtype=object) for c in columns})
@@ -172,17 +173,11 @@ class TarShards(FileBasedDatasource):
         print(f"[probvlp] skipped {'the rest of ' if err.kept else ''}{path}: {err.reason} after {err.kept} "
               f"samples ({err.detail})", flush=True)
         if self.stats is not None:
-            import ray
-
             ray.get(self.stats.add_file.remote(self.stats_name, path, err.reason, err.detail, err.kept))
 
 
 def read_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None):
     """A Ray Dataset of the raw samples of webdataset .tar files (`TarShards`); `shuffle`: a FileShuffleConfig."""
-    import ray.data
-
-    from pipelines.data.stats import stats_actor
-
     stats = stats_actor() if stats_name else None
     source = TarShards(paths, stats, stats_name, shuffle=shuffle)
     if only_here(paths):

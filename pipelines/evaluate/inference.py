@@ -44,7 +44,7 @@ def _device(num_gpus: float) -> torch.device:
     return torch.device("cuda") if num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
 
 
-def _fixed_lists(out: dict[str, torch.Tensor]) -> dict:
+def fixed_lists(out: dict[str, torch.Tensor]) -> dict:
     cols = {}
     for k in OUTPUT_KEYS:
         if k in out:
@@ -80,7 +80,7 @@ class ImageEmbedder(_Embedder):
         out = self.model.encode_image(to_device(torch.from_numpy(to_model_input(batch["image"])), self.device))
         return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
                          "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
-                         "cls": pa.array(np.asarray(batch["cls"], np.int64)), **_fixed_lists(out)})
+                         "cls": pa.array(np.asarray(batch["cls"], np.int64)), **fixed_lists(out)})
 
 
 class TextEmbedder(_Embedder):
@@ -91,7 +91,7 @@ class TextEmbedder(_Embedder):
         texts = [str(t) for t in batch["text"]]
         out = self.model.encode_text(to_device(tokenize(texts, self.model.context_length), self.device))
         return pa.table({"index": pa.array(np.asarray(batch["index"], np.int64)), "text": pa.array(texts, pa.string()),
-                         **_fixed_lists(out)})
+                         **fixed_lists(out)})
 
 
 @functools.lru_cache(maxsize=1)

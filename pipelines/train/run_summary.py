@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import torch
 
+from models.model_file import load_model
 from pipelines.config import EvalTask
-from pipelines.data.stats import reports_summary
 from pipelines.data.eval_reader import REQUIRES, iter_local_batches
 from pipelines.data.eval_tasks import task_paths
+from pipelines.data.stats import reports_summary
 from pipelines.evaluate.in_process import embed_texts, split_captions, task_texts
 from pipelines.evaluate.tasks import classes_from_prompts, sigma2
-from pipelines.tracking import sqlite_artifact_root
+from pipelines.tracking import resolve_model, sqlite_artifact_root
 
 
 def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:
@@ -55,11 +57,6 @@ def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> li
 
 def run_summary(cfg, result) -> list[str]:
     """The end of `jobs.pretrain`: metrics per eval task, where the model is, how to look, sample predictions."""
-    import tempfile
-
-    from models.model_file import load_model
-    from pipelines.tracking import resolve_model
-
     lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
              f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
              "final metrics:", *headline(result.metrics)]

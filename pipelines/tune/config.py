@@ -10,8 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (Config, ConfigError, Section, _format_error, apply_overrides, load_config, read_yaml,
-                              set_dotted)
+from pipelines.config import (Config, ConfigError, Section, apply_overrides, format_validation_error, load_config,
+                              read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
 
 
@@ -106,7 +106,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
     base_path = Path(sweep.base)
     if not base_path.is_absolute() and not base_path.exists():
         base_path = path.parent / base_path
