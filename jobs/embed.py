@@ -14,13 +14,10 @@ index on the images' mu (rows in key order, as `read_embeddings(folder, "key")` 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import uuid
 from pathlib import Path
 
 from jobs.cli import job_main, job_parser
-from pipelines.config import InputError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,44 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from models.model_file import load_model  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from models.scoring.ann import MeanIndex
-    from pipelines.cluster.runtime import init_ray, local_cpus
-    from pipelines.data.reader import shard_paths
-    from pipelines.data.stats import drop_stats, reader_stats, report_lines, skipped_keys
-    from pipelines.evaluate.in_process import distinct_captions, split_captions
-    from pipelines.evaluate.inference import (InferenceOptions, read_embeddings, write_image_embeddings,
-                                              write_text_embeddings)
-    from pipelines.tracking import resolve_model, tracking_uri
+    from pipelines.evaluate.job import embed_shards  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.evaluate.inference import InferenceOptions
 
-    out = Path(args.out).resolve()
-    try:
-        source = resolve_model(args.model, tracking_uri(args.tracking_uri), out / "source")
-        paths = shard_paths(args.data, args.split)
-    except (ValueError, FileNotFoundError) as err:
-        raise InputError(str(err)) from None
-    init_ray(num_cpus=local_cpus(args.actors, 1))  # a local Ray keeps CPUs beside the actors for decoding
-    model = load_model(source["model"])
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-    stats_name = f"embed-{uuid.uuid4().hex[:12]}"  # this run's own reader counts
-    folder = write_image_embeddings(str(source["model"]), paths, model.img_size, out, opts, stats_name=stats_name)
-    skipped = {**reader_stats(stats_name), "samples": skipped_keys(stats_name)}
-    drop_stats(stats_name)
-    (out / "skipped.json").write_text(json.dumps(skipped, indent=1, sort_keys=True))
-    cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
-    print(f"{len(cols['key'])} image embeddings in {folder}")
-    for line in report_lines("embed", skipped):
-        print(line)
-    if skipped["skipped_unique"] or skipped["files"]:
-        print(f"skipped samples and files: {out / 'skipped.json'}")
-    if args.index:
-        MeanIndex(outputs["mu"], kind=args.index).save(out / "images.faiss")
-        print(f"faiss {args.index} index on the image means in {out / 'images.faiss'}")
-    if not args.no_texts:
-        texts = distinct_captions(split_captions(cols["captions"]))
-        if texts:
-            print(f"{len(texts)} caption embeddings in "
-                  f"{write_text_embeddings(str(source['model']), texts, out, opts)}")
+    embed_shards(args.model, args.data, args.split, Path(args.out).resolve(), opts, args.tracking_uri,
+                 texts=not args.no_texts, index=args.index)
     return 0
 
 

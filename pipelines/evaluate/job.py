@@ -1,7 +1,11 @@
-"""`jobs.evaluate`: a saved model on the eval tasks of a config, embeddings by Ray Data batch inference.
+"""The evaluation stage's jobs, embeddings by Ray Data batch inference.
 
-Writes {out}/{task}/images|texts/*.parquet (the embeddings), {out}/results.json (one record per task
-and metric) and the uncertainty plots, and logs them to a new MLflow run tagged with the source run.
+`jobs.evaluate` (`evaluate_model`): a saved model on the eval tasks of a config. Writes
+{out}/{task}/images|texts/*.parquet (the embeddings), {out}/results.json (one record per task and metric) and the
+uncertainty plots, and logs them to a new MLflow run tagged with the source run.
+
+`jobs.embed` (`embed_shards`): a saved model's embeddings of a shard set, its skipped samples, an optional faiss
+index (see the job's help).
 """
 from __future__ import annotations
 
@@ -18,13 +22,18 @@ from models import default_loss
 from models.losses import create_loss
 from models.model_file import load_model
 from models.objective import Objective
-from pipelines.config import Config, ConfigError
-from pipelines.data.reader import read_shards
-from pipelines.data.stats import drop_stats, reader_stats, report_metrics, reports_summary, skipped_keys
+from models.scoring.ann import MeanIndex
+from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.config import Config, ConfigError, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
-from pipelines.evaluate.inference import InferenceOptions, embed_task
+from pipelines.data.reader import read_shards, shard_paths
+from pipelines.data.stats import (drop_stats, reader_stats, report_lines, report_metrics, reports_summary,
+                                  skipped_keys)
+from pipelines.evaluate.in_process import distinct_captions, split_captions
+from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_embeddings, write_image_embeddings,
+                                          write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
-from pipelines.tracking import finish_with_results, start_run, tracking_uri
+from pipelines.tracking import finish_with_results, resolve_model, start_run, tracking_uri
 
 
 def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, dict]:
@@ -97,3 +106,36 @@ def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
     for name in stats_names.values():
         drop_stats(name)
     return reports
+
+
+def embed_shards(model_ref: str, data: str, split: str | None, out: Path, opts: InferenceOptions,
+                 tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> Path:
+    """`jobs.embed`: {out}/images (one row per readable sample), {out}/skipped.json, with `texts` the distinct
+    captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns the images folder."""
+    try:
+        source = resolve_model(model_ref, tracking_uri(tracking), out / "source")
+        paths = shard_paths(data, split)
+    except (ValueError, FileNotFoundError) as err:
+        raise InputError(str(err)) from None
+    init_ray(num_cpus=local_cpus(opts.concurrency, 1))  # a local Ray keeps CPUs beside the actors for decoding
+    model = load_model(source["model"])
+    stats_name = f"embed-{uuid.uuid4().hex[:12]}"  # this run's own reader counts
+    folder = write_image_embeddings(str(source["model"]), paths, model.img_size, out, opts, stats_name=stats_name)
+    skipped = {**reader_stats(stats_name), "samples": skipped_keys(stats_name)}
+    drop_stats(stats_name)
+    (out / "skipped.json").write_text(json.dumps(skipped, indent=1, sort_keys=True))
+    cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
+    log(f"{len(cols['key'])} image embeddings in {folder}")
+    for line in report_lines("embed", skipped):
+        log(line)
+    if skipped["skipped_unique"] or skipped["files"]:
+        log(f"skipped samples and files: {out / 'skipped.json'}")
+    if index:
+        MeanIndex(outputs["mu"], kind=index).save(out / "images.faiss")
+        log(f"faiss {index} index on the image means in {out / 'images.faiss'}")
+    if texts:
+        captions = distinct_captions(split_captions(cols["captions"]))
+        if captions:
+            written = write_text_embeddings(str(source["model"]), captions, out, opts)
+            log(f"{len(captions)} caption embeddings in {written}")
+    return folder
