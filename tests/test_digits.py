@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipelines.digits.dataset import SPLITS, attribute_levels, attribute_values, captions_for, iter_digits, split_of
-from pipelines.digits.shards import write_digit_shards
+from pipelines.digits.dataset import (NAMES, SPLITS, attribute_levels, attribute_values, captions_for, iter_digits,
+                                      split_of)
+from pipelines.digits.shards import prepare_digits, write_digit_shards
 
 
 def read_shards(root: Path, split: str) -> dict[str, dict]:
@@ -120,3 +121,17 @@ def test_run_seed_leaves_the_held_out_split_alone(digits_root):
     prepare_data(cfg)
     assert json.loads((root / "_SUCCESS.json").read_text()) == marker and marker["params"]["seed"] == 0
     assert (root / "test" / "00000.tar").stat().st_mtime_ns == stamp
+
+
+def test_digits_written_before_are_kept_for_a_job_that_asks_so(digits_root):
+    """prepare_digits, which every job on the digits calls: with keep_written (the adapter, whose source model trained
+    on the digits already there) shards written with other parameters stay; the eval sets are there either way."""
+    root = Path(digits_root)
+    marker = (root / "_SUCCESS.json").read_text()
+    stamp = (root / "test" / "00000.tar").stat().st_mtime_ns
+    out = prepare_digits(root, image_size=64, shard_size=100, seed=3, keep_written=True)
+    assert (root / "_SUCCESS.json").read_text() == marker and json.loads(marker)["params"]["image_size"] == 32
+    assert (root / "test" / "00000.tar").stat().st_mtime_ns == stamp
+    assert out == {"zeroshot": root / "eval" / "zeroshot", "retrieval": root / "eval" / "retrieval"}
+    assert all((out[kind] / split / "0.tar").exists() for kind in out for split in ("val", "test"))
+    assert (out["zeroshot"] / "classnames.txt").read_text().split() == NAMES
