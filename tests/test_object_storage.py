@@ -3,6 +3,8 @@ tests/conftest.py's `s3`), and jobs.adapt's refusal of a local checkpoint folder
 jobs.embed and jobs.adapt on S3: tests/test_evaluation.py and tests/test_probvlm.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from models.model_file import load_model, save_model
 from models.preprocess import encode_png
 from pipelines.tracking import resolve_model, save_mlflow_model, tracked_run
 
+ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
 
 
@@ -48,3 +51,27 @@ def test_mlflow_artifacts_go_straight_to_s3_and_load_back(s3, tmp_path):
     assert got["run_id"] == run.run_id and got["config"] == "train:\n  steps: 1\n"
     original, loaded = load_model(weights).state_dict(), load_model(got["model"]).state_dict()
     assert loaded.keys() == original.keys() and all(torch.equal(loaded[k], original[k]) for k in original)
+
+
+def test_adapter_checkpoints_on_this_nodes_disk_are_refused_on_a_cluster_of_several_nodes(tmp_path):
+    """jobs.adapt, as jobs.pretrain, stops in one line before any worker starts when run.storage_path is a folder on
+    the driver's disk and the cluster spans nodes (Ray Train would fail at the first checkpoint); object storage and a
+    folder every node mounts (ray.shared_paths) pass, as does any folder on a single node. (Whether a cluster spans
+    nodes is `spans_nodes`, run on real clusters by tests/test_autoscaling.py.)"""
+    from pipelines.adapt.config import load_adapt_config
+    from pipelines.adapt.job import check_storage
+    from pipelines.config import ConfigError
+
+    def adapt_config(*sets: str):
+        config = ROOT / "configs" / "probvlm_demo.yaml"
+        return load_adapt_config(config, [f"run.storage_path={tmp_path / 'ray'}", *sets]).with_absolute_paths()
+
+    with pytest.raises(ConfigError) as err:
+        check_storage(adapt_config(), spans=True)
+    message = str(err.value)
+    assert message.startswith(f"run.storage_path: {tmp_path / 'ray'} is a folder on this node's disk, which the "
+                              "cluster's other nodes do not see; Ray Train writes the adapter's checkpoints there")
+    assert "--set run.storage_path=s3://" in message and "\n" not in message
+    check_storage(adapt_config(f"run.storage_path=s3://{BUCKET}/adapt"), spans=True)
+    check_storage(adapt_config(f"ray.shared_paths=[{tmp_path}]"), spans=True)
+    check_storage(adapt_config(), spans=False)

@@ -25,6 +25,7 @@ from pipelines.adapt.config import AdaptDocument
 from pipelines.adapt.pairs import Pairs, compute_embeddings, has_embeddings, load_pairs
 from pipelines.adapt.scoring import comparison_plot, score_adapted
 from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
+from pipelines.cluster.check import check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import ConfigError
 from pipelines.data.reader import shard_paths
@@ -91,10 +92,11 @@ def source_unchanged(source: Source, models: list) -> bool:
     return file_sha256(source.path) == source.sha256
 
 
-def check_before_ray(cfg: AdaptDocument, out: Path, uri: str) -> tuple[Source, Path, Pairs | None]:
-    """Source, embeddings folder and (if they exist) the checked pairs; AdaptError on bad input."""
+def check_before_ray(cfg: AdaptDocument, out: Path, uri: str) -> tuple[Source, str | Path, Pairs | None]:
+    """Source, embeddings folder (a local Path or a URI) and (if they exist) the checked pairs; AdaptError on bad
+    input."""
     source = resolve_source(cfg.source, uri, out / "source")
-    folder = Path(cfg.data.embeddings) if cfg.data.embeddings else out / "embeddings"
+    folder = cfg.data.embeddings or out / "embeddings"
     pairs = load_pairs(folder, embedding_width(source.model)) if has_embeddings(folder) else None
     return source, folder, pairs
 
@@ -110,6 +112,7 @@ def adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
 
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(max(t.num_workers, cfg.embed.actors), t.cpus_per_worker))
+    check_storage(cfg)
     from pipelines.adapt.loop import ADAPTER_FILE, adapt_loop  # deferred until init_ray quietened the logs
 
     if cfg.data.source == "digits":
@@ -148,7 +151,8 @@ def adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
         if int(train.get("step", 0)) < t.steps:  # train.stop_at_step: resumable, not scored
             run.end_status = "KILLED"
             return AdaptResult(out, None, None, {}, train, uri, run.run_id, source, len(pairs.image), seconds=seconds)
-        state = load_file(str(Path(result.checkpoint.path) / ADAPTER_FILE))
+        with result.checkpoint.as_directory() as folder:  # on object storage: downloaded to a local folder
+            state = load_file(str(Path(folder) / ADAPTER_FILE))
         heads = {"adapter": cfg.adapter.head, **({"baseline": cfg.adapter.baseline} if cfg.adapter.baseline != "none" else {})}
         models = {name: build_adapted(cfg, source, head, {k.removeprefix(f"{name}."): v for k, v in state.items()
                                                           if k.startswith(f"{name}.")})
@@ -168,6 +172,16 @@ def adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
         log_adapter_results(run, metrics, plots, {**train, **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
     return AdaptResult(out, files["adapter"], files.get("baseline"), metrics, train, uri, run.run_id,
                        source, len(pairs.image), plots, seconds)
+
+
+def check_storage(cfg: AdaptDocument, spans: bool | None = None) -> None:
+    """Before any worker starts: a ConfigError (one line) when the adapter's Ray Train storage is a folder on this
+    node's disk and the cluster spans nodes (`spans`, None: this cluster's; the workers' checkpoints go there)."""
+    share_paths(cfg.ray.shared_paths)
+    check_storage_reachable("run.storage_path", cfg.run.storage_path,
+                            "Ray Train writes the adapter's checkpoints there: set it to object storage, e.g. "
+                            "--set run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's "
+                            "environment)", spans)
 
 
 def save_models(cfg: AdaptDocument, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:

@@ -13,15 +13,18 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.adapt.source import AdaptError
+from pipelines.data.storage import fs_path
 from pipelines.evaluate.in_process import distinct_captions, split_captions
 from pipelines.evaluate.inference import read_embeddings, write_image_embeddings, write_text_embeddings
 
 
-def has_embeddings(folder: Path) -> bool:
-    return any((folder / "images").glob("*.parquet")) and any((folder / "texts").glob("*.parquet"))
+def has_embeddings(folder: str | Path) -> bool:
+    """Whether the folder (local, or a URI on object storage) holds image and text embeddings."""
+    fs, path = fs_path(str(folder))
+    return all(fs.glob(f"{path}/{part}/*.parquet") for part in ("images", "texts"))
 
 
-def compute_embeddings(model_file: Path, paths: list[str], image_size: int, folder: Path, opts) -> None:
+def compute_embeddings(model_file: Path, paths: list[str], image_size: int, folder: str | Path, opts) -> None:
     """The source model's image and caption embeddings of the pair shards (Ray Data actor pools)."""
     images = write_image_embeddings(str(model_file), paths, image_size, folder, opts, stats_name="adapt_embed")
     cols, _ = read_embeddings(images, "key")
@@ -39,7 +42,7 @@ class Pairs:
     n_texts: int
 
 
-def _check(what: str, folder: Path, out: dict, width: int, names: list) -> np.ndarray:
+def _check(what: str, folder: str | Path, out: dict, width: int, names: list) -> np.ndarray:
     if "logvar" in out:
         raise AdaptError(f"data.embeddings: {folder}/{what} carries logvar (sigma^2): embeddings of a probabilistic "
                          "model; the adapter learns uncertainty for a deterministic model's embeddings")
@@ -55,11 +58,12 @@ def _check(what: str, folder: Path, out: dict, width: int, names: list) -> np.nd
     return mu
 
 
-def load_pairs(folder: Path, width: int) -> Pairs:
-    """Pairs from an embeddings folder, or AdaptError naming what is wrong with it."""
+def load_pairs(folder: str | Path, width: int) -> Pairs:
+    """Pairs from an embeddings folder (local, or a URI on object storage), or AdaptError naming what is wrong with
+    it."""
     try:
-        image_cols, image = read_embeddings(folder / "images", "key")
-        text_cols, text = read_embeddings(folder / "texts", "index")
+        image_cols, image = read_embeddings(f"{folder}/images", "key")
+        text_cols, text = read_embeddings(f"{folder}/texts", "index")
     except (ValueError, OSError, KeyError) as err:
         raise AdaptError(f"data.embeddings: cannot read {folder} as jobs.embed output ({err})") from None
     image_mu = _check("image", folder, image, width, image_cols["key"])

@@ -85,10 +85,10 @@ def node_only(path: str) -> bool:
     return is_local_path(path) and not any(local == s or local.startswith(s.rstrip("/") + "/") for s in _SHARED)
 
 
-def check_storage_reachable(what: str, path: str, fix: str) -> None:
+def check_storage_reachable(what: str, path: str, fix: str, spans: bool | None = None) -> None:
     """A ConfigError (one line) when `path`, which every node must reach, is on this node's disk alone and the
-    cluster spans nodes."""
-    if not node_only(path) or not spans_nodes():
+    cluster spans nodes (`spans`; None: as `spans_nodes` finds the cluster this process joined)."""
+    if not node_only(path) or not (spans_nodes() if spans is None else spans):
         return
     raise ConfigError(f"{what}: {path} is a folder on this node's disk, which the cluster's other nodes do not see; "
                       f"{fix} (or list a folder every node mounts in ray.shared_paths)")
