@@ -1,6 +1,6 @@
 """Zero-shot prompt weighting with deliberately wrong prompts, on models trained in this process (no Ray):
 the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts" (it reuses the tests' in-process
-digit fits, tests/digit_fit.py). Run it as a module:
+digit fits, pipelines/digits/quick_fit.py). Run it as a module:
 
     .venv/bin/python -m studies.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
     .venv/bin/python -m studies.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps
@@ -28,11 +28,10 @@ import torch
 
 from models.registry import create_model
 from pipelines.config import EvalTask, load_config
-from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, mid_captions, specific_captions
-from pipelines.evaluate.tasks import score_task
+from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, OFF_DOMAIN, mid_captions, specific_captions
+from pipelines.digits.quick_fit import config_sampler, digit_arrays, fit_in_process
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
-from tests.digit_fit import config_sampler, digit_arrays, fit_in_process
-from tests.helpers import OFF_DOMAIN
+from pipelines.evaluate.tasks import score_task
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_DOMAIN = GENERAL_CAPTIONS + mid_captions(1)  # fits every digit, or half of them: names no class

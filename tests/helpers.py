@@ -72,11 +72,6 @@ def jpeg(seed: int, size=(48, 40)) -> bytes:
     return buf.getvalue()
 
 
-# Deliberately wrong zero-shot prompts: off the digits' domain, no class named (docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts")
-OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
-              "a mountain at sunset"]
-
-
 def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> None:
     """`cfg` trains to the end and its final evaluation fails (eval.calibration_bins above the eval sets' query
     count): the run raises EvaluationError naming the task, the MLflow run is FAILED with that one-line reason,

@@ -23,13 +23,13 @@ from pipelines.config import load_config
 from pipelines.digits.dataset import (
     GENERAL_CAPTIONS,
     NAMES,
+    OFF_DOMAIN,
     iter_digits,
     specific_captions,
 )
 from pipelines.tracking import model_file
 from pipelines.train.driver import fit
 from pipelines.train.run_summary import run_summary
-from tests.helpers import OFF_DOMAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.long  # ~28 min on 2 cores for the paper configs, plus the official recipes: `make test-long`

@@ -285,14 +285,14 @@ SOURCE_STEPS = 600  # the in-process demo CLIP of the uncertainty behaviours (he
 @pytest.fixture(scope="module")
 def held_out():
     """A repeatable adapted CLIP, all in this process on one thread from fixed seeds (a Ray fit's data order is not
-    fixed): the demo CLIP trained SOURCE_STEPS (tests/digit_fit.py), each training image paired with its two
+    fixed): the demo CLIP trained SOURCE_STEPS (pipelines/digits/quick_fit.py), each training image paired with its two
     retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained LONG_STEPS over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
     from pipelines.config import load_config
     from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
     from models.tokenizer import tokenize
-    from tests.digit_fit import digit_arrays, fit_in_process
+    from pipelines.digits.quick_fit import digit_arrays, fit_in_process
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

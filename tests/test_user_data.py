@@ -99,7 +99,7 @@ from models.objective import build_training_objective
 from models.tokenizer import tokenize
 from pipelines.config import load_config
 from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
-from tests.digit_fit import config_sampler, digit_arrays
+from pipelines.digits.quick_fit import config_sampler, digit_arrays
 rank, steps, per_rank = int(os.environ["RANK"]), int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 skip_inference_comm_op()

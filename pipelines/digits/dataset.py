@@ -23,6 +23,10 @@ SPECIFIC_TEMPLATES = [
     "the number {name} written by hand",
 ]
 GENERAL_CAPTIONS = ["a handwritten digit", "a number", "a scanned handwritten number"]
+# Deliberately wrong zero-shot prompts: off the digits' domain, no class named (docs/RESULTS.md "Zero-shot prompt
+# weighting with wrong prompts")
+OFF_DOMAIN = ["a photo of a car", "a red bicycle", "a cat sleeping on a sofa", "a bowl of soup",
+              "a mountain at sunset"]
 SPLITS = ("train", "val", "test")
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)
 

@@ -1,5 +1,6 @@
 """A tiny model trained in this process on the bundled digits (no Ray, no DeepSpeed): the same model and
-loss as a Ray Train fit of the config, single process, AdamW, for tests that need trained embeddings fast."""
+loss as a Ray Train fit of the config, single process, AdamW, for tests and studies that need trained embeddings
+fast."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,12 +12,11 @@ from models.preprocess import to_model_input
 from models.tokenizer import tokenize
 from pipelines.config import Config
 from pipelines.data.captions import CaptionSampler
+from pipelines.digits.dataset import iter_digits
 
 
 def digit_arrays(split: str):
     """(images as model input, labels, sample metadata) of one split of the bundled digits at 32 px."""
-    from pipelines.digits.dataset import iter_digits
-
     samples = [s for s in iter_digits(32) if s.split == split]
     images = torch.from_numpy(to_model_input(np.stack([np.asarray(s.image) for s in samples])))
     return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
