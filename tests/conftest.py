@@ -175,10 +175,10 @@ SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray
 # runs in the same worker, so the work is done once per pytest run, not once per worker (the first listed that a
 # module uses names its group).
 SHARED_FIXTURES = ("trained_clip", "user_shards")
-# Groups that take longest, started first so that one worker is not left alone with a long one at the end.
-# The second worker starts with the elastic run's cluster (started in process, under the port lock): with the
-# autoscaling cluster's `ray start` there, the first worker's local Ray once failed to start beside it.
-LONGEST_FIRST = ("trained_clip", "test_elastic", "user_shards", "test_autoscaling", "test_scale")
+# Groups that take longest, started first so that one worker is not left alone with a long one at the end: the
+# cluster module (one cluster, one worker, the longest group by far) on one, the session's CLIP and the rest on the
+# other. Clusters and local Rays start under the port lock (pipelines.cluster.runtime), so they can start together.
+LONGEST_FIRST = ("test_autoscaling", "trained_clip", "test_elastic", "user_shards", "test_scale")
 
 
 def _module(item) -> str:

@@ -4,8 +4,9 @@ CPUs and token auth, all on 127.0.0.1, with what its nodes share: an S3-protocol
 with its artifacts there (pipelines.cluster.services). Used through `ray job submit`: a node sees no file of the head
 or of another node; the demo travels with `--working-dir` (its bundled digits sent through Ray, its sqlite store
 reached through the driver); a download writes its shards to S3 from the nodes; a training job from S3 with its
-checkpoints on S3 and its results on the server scales the cluster up, survives the loss of a worker node bit-exactly
-and the idle nodes go away; a GPU job says why it waits; the jobs API refuses a client without the token."""
+checkpoints on S3 and its results on the server scales the cluster up, survives the loss of a worker node bit-exactly,
+its model is evaluated on the cluster and loaded from the server, and the idle nodes go away; a two-trial sweep keeps
+its state on S3; a GPU job says why it waits; the jobs API refuses a client without the token."""
 from __future__ import annotations
 
 import json
@@ -66,6 +67,15 @@ def mlflow_server(s3, tmp_path_factory):
         services.stop(proc)
 
 
+@pytest.fixture(scope="module")
+def digits_on_s3(s3, straight_small_run) -> str:
+    """The reference run's digit shards, uploaded to S3 (the same files: the node-loss run ends bit for bit on the
+    reference's weights)."""
+    for part in ("train", "val", "test", "eval"):
+        s3.put(f"{straight_small_run['data_root']}/{part}", f"{BUCKET}/digits/{part}", recursive=True)
+    return f"s3://{BUCKET}/digits"
+
+
 def dashboard(cluster: LocalCluster, path: str) -> dict:
     """GET `path` of the dashboard's HTTP API, with the token (a request, where the `ray` CLI would start a Python)."""
     with urllib.request.urlopen(cluster.api_request(path), timeout=30) as response:
@@ -110,7 +120,7 @@ def job_args(tmp: Path, digits_root: str, name: str, *extra: str, tracking: str 
             *(a for kv in cfg for a in ("--set", kv))]
 
 
-def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, s3, ray_local,
+def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, s3, digits_on_s3,
                                                                   straight_small_run, tmp_path):
     """jobs.pretrain submitted to the 0-CPU head, logging to an `mlflow server`: the autoscaler starts worker nodes
     for Ray Train's workers and Ray Data; after the first checkpoint the raylet of a node running a train worker is
@@ -122,12 +132,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     uri, server_dir = mlflow_server
     assert alive_workers(cluster) == set()  # the head only: nothing runs on it
     t0 = time.monotonic()
-    # the reference run's samples, in its order (the run ends bit for bit on its weights)
-    # the reference run's shards, on S3 (the same files: the run ends bit for bit on its weights)
-    for part in ("train", "val", "test", "eval"):
-        s3.put(f"{straight_small_run['data_root']}/{part}", f"{BUCKET}/digits/{part}", recursive=True)
-    job = submit(cluster, job_args(tmp_path, f"s3://{BUCKET}/digits", "lost-node", *RUN, "data.source=shards",
-                                   tracking=uri), log)
+    job = submit(cluster, job_args(tmp_path, digits_on_s3, "lost-node", *RUN, "data.source=shards", tracking=uri), log)
     try:
         wait_for("a worker node", lambda: job.poll() is None and alive_workers(cluster), timeout_s=300)
         scale_up_s = time.monotonic() - t0
@@ -156,15 +161,20 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     assert "sample predictions: 4 held-out images of eval task 'digits_zeroshot'" in out
     assert "model: runs:/" in out
     assert {n["node_id"]: n["state"] for n in nodes(cluster)}[lost] == "DEAD"
-    wait_for("the idle worker nodes to go away", lambda: not alive_workers(cluster), timeout_s=300, every_s=1)
     print(f"scale-up {scale_up_s:.0f}s; replacement node {sorted(replacement)[0][-5:]} {replaced_s:.0f}s after the "
-          f"raylet kill, job done {finished_s:.0f}s after it; worker nodes gone {time.monotonic() - killed_at:.0f}s "
-          f"after it; {len(nodes(cluster)) - 1} worker nodes started in all")
+          f"raylet kill, job done {finished_s:.0f}s after it")
 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("test-autoscaling").experiment_id])
     assert len(runs) == 1 and runs[0].info.run_name == "lost-node" and runs[0].info.status == "FINISHED"
     run = runs[0]
+    # The recipe's next step at once, on the nodes still up: jobs.evaluate of the run's model on the eval sets on S3,
+    # its embedding actors on the worker nodes.
+    model = f"runs:/{run.info.run_id}/model"
+    evaluated = submit(cluster, ["-m", "jobs.evaluate", "--config", str(ROOT / "configs" / "demo.yaml"), "--model",
+                                 model, "--set", "data.source=shards", "--set", f"data.root={digits_on_s3}",
+                                 "--set", f"tracking.uri={uri}",
+                                 "--set", "run.experiment=test-autoscaling-eval"], tmp_path / "evaluate.log")
     assert int(run.data.tags["probvlp.resumed_from_step"]) % 5 == 0  # the workers restarted from a checkpoint
     assert run.data.tags["probvlp.master_addr"] == "127.0.0.1"
     assert run.data.params["train.steps"] == "40" and run.data.params["tracking.uri"] == uri
@@ -184,13 +194,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     s3.get(final, str(tmp_path / "final"), recursive=True)
     assert assert_identical(load_state(str(tmp_path / "final")), load_state(straight_small_run["checkpoint"])) > 20
 
-    # The recipe's last steps: jobs.evaluate of the run's model on the eval sets on S3, submitted to the cluster
-    # (its embedding actors on the worker nodes), and the model loaded from MLflow in a fresh Python.
-    model = f"runs:/{run.info.run_id}/model"
-    evaluated = submit(cluster, ["-m", "jobs.evaluate", "--config", str(ROOT / "configs" / "demo.yaml"), "--model",
-                                 model, "--set", "data.source=shards", "--set", f"data.root=s3://{BUCKET}/digits",
-                                 "--set", f"tracking.uri={uri}",
-                                 "--set", "run.experiment=test-autoscaling-eval"], tmp_path / "evaluate.log")
+    # The recipe's last steps: the evaluation's results, and the model loaded from MLflow in a fresh Python.
     assert evaluated.wait(timeout=600) == 0, (tmp_path / "evaluate.log").read_text()[-4000:]
     evals = client.search_runs([client.get_experiment_by_name("test-autoscaling-eval").experiment_id])
     assert evals[0].data.tags["probvlp.source_run"] == run.info.run_id
@@ -201,6 +205,39 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
                             model], env={**os.environ, "MLFLOW_TRACKING_URI": uri}, capture_output=True, text=True,
                            timeout=300, cwd=tmp_path)
     assert fresh.returncode == 0 and "MU " in fresh.stdout, fresh.stderr[-3000:]
+    wait_for("the idle worker nodes to go away", lambda: not alive_workers(cluster), timeout_s=300, every_s=1)
+    print(f"worker nodes gone {time.monotonic() - killed_at:.0f}s after the kill; {len(nodes(cluster)) - 1} worker "
+          f"nodes started in all")
+
+
+def test_a_two_trial_sweep_keeps_its_storage_on_s3(local_cluster, mlflow_server, s3, digits_on_s3, tmp_path):
+    """jobs.tune submitted to the cluster: two trials at once, each a Ray Train run on a worker node, reading the
+    digit shards from S3; Tune's experiment state and every trial's checkpoints on S3, every trial a child run of
+    the sweep's parent run on the MLflow server."""
+    uri, _ = mlflow_server
+    storage = f"{BUCKET}/tune"
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "base": str(ROOT / "configs" / "demo.yaml"),
+        "overrides": ["data.source=shards", f"data.root={digits_on_s3}", f"tracking.uri={uri}",
+                      "run.experiment=test-autoscaling-trials", *SMALL, "train.steps=10", "train.eval_every=5",
+                      "train.checkpoint_every=5", "train.num_workers=1"],
+        "space": {"train.lr": {"choice": [1.0e-3, 3.0e-3]}},
+        "tune": {"name": "on-s3", "num_samples": 2, "max_concurrent": 2, "search_alg": "random", "scheduler": "fifo",
+                 "storage_path": f"s3://{storage}", "experiment": "test-autoscaling-sweeps",
+                 "metric": "digits_zeroshot/top1", "mode": "max"}}))
+    job = submit(local_cluster, ["-m", "jobs.tune", "--config", str(sweep)], tmp_path / "tune.log")
+    assert job.wait(timeout=900) == 0, (tmp_path / "tune.log").read_text()[-4000:]
+    out = (tmp_path / "tune.log").read_text()
+    assert "[sweep] trial 2/2 (100%)" in out and "Traceback" not in out, out[-3000:]
+    s3.invalidate_cache()
+    assert s3.ls(f"{storage}/on-s3")  # Tune's experiment state
+    assert len({p.split("/")[-2] for p in s3.glob(f"{storage}/on-s3_train/*/checkpoint_*/")}) == 2  # each trial's run
+    client = MlflowClient(uri)
+    parent = client.search_runs([client.get_experiment_by_name("test-autoscaling-sweeps").experiment_id])[0]
+    trials = client.search_runs([client.get_experiment_by_name("test-autoscaling-trials").experiment_id])
+    assert len(trials) == 2 and {r.data.tags["mlflow.parentRunId"] for r in trials} == {parent.info.run_id}
+    assert all(r.info.status == "FINISHED" and "digits_zeroshot/top1" in r.data.metrics for r in trials)
 
 
 def registered_on(fs, run_folder: str) -> list[str]:
@@ -349,7 +386,7 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     digits (written on the head, sent to the workers through Ray's object store) and logs to its default sqlite store
     (the head's copy of the working directory; the workers, on other nodes, log through the driver's node)."""
     def submit_demo(*overrides: str) -> subprocess.CompletedProcess:
-        sets = [a for kv in ("train.steps=30", "train.log_every=10", *overrides) for a in ("--set", kv)]
+        sets = [a for kv in ("train.steps=10", "train.log_every=5", *overrides) for a in ("--set", kv)]
         return subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
                                "jobs.pretrain", "--config", "configs/prolip_demo.yaml", *sets],
                               cwd=ROOT, env=local_cluster.client_env(), capture_output=True, text=True, timeout=900)
@@ -364,13 +401,13 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     done = submit_demo(f"run.storage_path=s3://{BUCKET}/demo", "run.name=demo-on-the-cluster")
     logs = done.stdout + done.stderr
     assert done.returncode == 0 and "succeeded" in logs.lower(), logs[-4000:]
-    assert "[train] step 30/30" in logs and "digits_zeroshot: top1" in logs and "model: runs:/" in logs
+    assert "[train] step 10/10" in logs and "digits_zeroshot: top1" in logs and "model: runs:/" in logs
     assert "not found" not in logs.lower()
     stores = list(Path(local_cluster.temp_dir).glob("session_2*/runtime_resources/working_dir_files/*/.probvlp/mlflow.db"))
     assert len(stores) == 1, stores  # on the head only, in the job's copy of the project
     client = MlflowClient(f"sqlite:///{stores[0]}")
     run = client.search_runs([client.get_experiment_by_name("probvlp-demo").experiment_id])[0]
-    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "30"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30]  # rank 0's, relayed
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "10"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10]  # rank 0's, relayed
     assert {f.path for f in client.list_artifacts(run.info.run_id, "model")} >= {"model/MLmodel", "model/data"}
     assert registered_on(s3, f"{BUCKET}/demo/demo-on-the-cluster")
