@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import ray.train
@@ -17,6 +18,9 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
+from fsspec.implementations.arrow import ArrowFSWrapper
+
+from pipelines.train import reshard
 
 TAG = "state"
 
@@ -53,13 +57,17 @@ def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def restore(engine) -> Progress | None:
-    """Load Ray Train's latest checkpoint (after a worker failure, or a re-run with the same run name)."""
+def restore(engine) -> tuple[Progress, dict | None] | None:
+    """Load Ray Train's latest checkpoint (after a worker failure, a re-run with the same run name, or an elastic
+    resize: a ZeRO-1/2/3 checkpoint of another world size loads resharded, pipelines.train.reshard). Returns the
+    progress and the resharding's record (None where the checkpoint loaded as saved)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
+    # Ray's own filesystem for the checkpoint, as fsspec: an object store keeps the endpoint and credentials Ray has
+    fs = ArrowFSWrapper(checkpoint.filesystem)
     with checkpoint.as_directory() as folder:
-        path, client_state = engine.load_checkpoint(folder, tag=TAG)
+        path, client_state, resharded = reshard.load(engine, fs, checkpoint.path.rstrip("/"), Path(folder), TAG)
     if path is None:
         raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed state with tag {TAG!r}")
-    return Progress(**client_state["progress"])
+    return Progress(**client_state["progress"]), resharded

@@ -197,7 +197,7 @@ class TrainWorker:
         self.tasks = cfg.resolved_tasks()
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
-        self.progress = train_state.restore(self.engine) or Progress()
+        self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = None
@@ -215,6 +215,8 @@ class TrainWorker:
             self.logger.tag("probvlp.device", device_name(self.device))
             if self.progress.step:
                 self.logger.tag("probvlp.resumed_from_step", str(self.progress.step))
+            if resharded:  # a resize's universal conversion (world sizes, seconds, bytes), one tag per resize
+                self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
 
     def _build_engine(self):
         cfg, t = self.cfg, self.t
