@@ -26,11 +26,10 @@ import torch.nn.functional as F
 from models.distributions import ppcl_logits
 from models.losses import ProLIPLoss
 from models.objective import Objective, build_objective
-from models.preprocess import to_model_input
 from models.tokenizer import tokenize
 from pipelines.config import EvalTask, load_config, read_config_file
-from pipelines.data.captions import CaptionSampler
-from pipelines.digits.dataset import NAMES, iter_digits, specific_captions
+from pipelines.digits.dataset import NAMES, specific_captions
+from pipelines.digits.quick_fit import config_sampler, digit_arrays
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
 
@@ -103,21 +102,15 @@ class MultiPositiveProLIP(ProLIPLoss):
         return F.softplus(-y * logits).sum() / logits.shape[0], s, b
 
 
-def digit_split(split: str):
-    samples = [s for s in iter_digits(32) if s.split == split]
-    images = torch.from_numpy(to_model_input(np.stack([np.asarray(s.image) for s in samples])))
-    return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
-
-
 def train(cfg, seed: int, multi_positive: bool):
     """cfg's model and loss, cfg.train.steps AdamW steps of the global batch (batch_size x num_workers) on the train
-    split with cfg.data's caption mix, in this process; the model in eval mode."""
+    split with cfg.data's caption mix, in this process; the model in eval mode. pipelines.digits.quick_fit's loop,
+    with the batch's match labels set before each step when `multi_positive`."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    images, _, metas = digit_split("train")
+    images, _, metas = digit_arrays("train")
     fits = caption_sets(metas)
-    d, t = cfg.data, cfg.train
-    sampler = CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob)
+    t, sampler = cfg.train, config_sampler(cfg)
     objective = build_objective(cfg)
     if multi_positive:
         objective = Objective(objective.model, MultiPositiveProLIP(**cfg.loss.params))
@@ -143,7 +136,7 @@ def train(cfg, seed: int, multi_positive: bool):
 def measure(model) -> dict[str, float]:
     """The demo's held-out numbers: zero-shot top-1 with the class templates, and the level analyses of the test
     split as a retrieval task (its caption: the first class template, as the demo's held-out shards)."""
-    images, labels, metas = digit_split("test")
+    images, labels, metas = digit_arrays("test")
     image = {k: v.float() for k, v in model.encode_image(images).items()}
     keys = [f"{i:04d}" for i in range(len(labels))]
     prompts = [specific_captions(c) for c in range(len(NAMES))]
