@@ -1,5 +1,6 @@
 """Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), failures that end a run (a
-loss that stays NaN, a final evaluation that cannot be computed), a worker no node can hold. Elastic runs:
+loss that stays NaN, a final evaluation that cannot be computed), a worker no node can hold. The bit-exact runs
+accumulate features over two micro-batches a step (train.grad_accum). Elastic runs:
 tests/test_elastic.py. ZeRO-2, the default, trains the demo model in tests/test_pretrain.py; ZeRO-3 trains on user
 shards in tests/test_user_data.py."""
 from __future__ import annotations
@@ -28,7 +29,9 @@ def steps_logged(result, key="loss") -> list[int]:
 
 def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_small_run, tmp_path):
     """Stopped at step 10, resumed by running the same run name again; the resumed run then loses a worker at
-    step 17 and Ray Train restarts it from the step-15 checkpoint. The final state equals an uninterrupted run's."""
+    step 17 and Ray Train restarts it from the step-15 checkpoint. The final state equals an uninterrupted run's.
+    Every step accumulates two micro-batches (small_runs.REFERENCE: train.grad_accum=2), so both restarts continue
+    an epoch part way, at a step's first micro-batch."""
     common = [*REFERENCE, "train.log_every=1"]
     data = straight_small_run["data_root"]  # the reference run's samples, in its order
     first = fit(config(tmp_path, data, "resumed", *common, "train.stop_at_step=10"))
@@ -41,6 +44,7 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     assert any("optim_states" in name for name in a)
     assert assert_identical(a, b) > 20  # parameters, Adam moments and fp32 partitions, bit for bit
     run = MlflowClient(resumed.mlflow_uri).get_run(resumed.mlflow_run_id)
+    assert run.data.params["train.contrastive_batch"] == "128"  # 32 x 2 micro-batches x 2 workers
     assert run.data.tags["probvlp.resumes"] == "1"
     assert run.data.tags["probvlp.resumed_from_step"] == "15"  # the failure restarted from the last checkpoint
     assert (LOCAL_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "17"
