@@ -1,7 +1,7 @@
 """Feature-cache accumulation (models.accumulate, train.grad_accum) is exact: k micro-batches give the loss and every
 parameter gradient of one pass over the k x batch rows with the same random draws (float64, within 1e-10), for every
-method, on one process and on a 2-process gloo group; a DeepSpeed ZeRO-2 / ZeRO-3 step with it equals the one-pass
-step."""
+method, on one process and on a 2-process gloo group; a DeepSpeed step with it at ZeRO-0/1/2/3 (and bf16) equals the
+one-pass step. A Ray Train run with it stops, resumes and recovers a failed worker bit-exactly: tests/test_scale.py."""
 from __future__ import annotations
 
 import copy
@@ -162,7 +162,7 @@ def test_micro_batches_must_split_the_batch_evenly():
 # ---------------------------------------------------------------------------------------------------------------
 WORLD = 2
 DS_CASE = "prob_llip"  # masked draws, and the mixer's parameters in the whole-batch stage (gathered by ZeRO-3)
-DS_RUNS = [(2, False), (3, False), (0, False), (2, True)]  # (ZeRO stage, bf16)
+DS_RUNS = [(2, False), (3, False), (1, False), (0, False), (2, True)]  # (ZeRO stage, bf16)
 
 
 def _mean_over_workers(t: torch.Tensor) -> torch.Tensor:
@@ -274,7 +274,7 @@ def test_two_workers_k_micro_batches_equal_one_batch_for_every_method(two_worker
 
 @pytest.mark.timeout(600)
 def test_deepspeed_step_with_accumulation_equals_the_one_batch_step(two_workers):
-    """ZeRO-2, ZeRO-3 and ZeRO-0, fp32: the first SGD step's weights agree to float32 rounding of the update (a
+    """ZeRO-2, ZeRO-3, ZeRO-1 and ZeRO-0, fp32: the first SGD step's weights agree to float32 rounding of the update (a
     gradient counted k times, divided by k, or reduced as one micro-batch's would be off by its size); bf16: the
     same step to bf16 rounding."""
     runs = two_workers["deepspeed"]
