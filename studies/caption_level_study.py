@@ -63,6 +63,8 @@ ARMS = {
     "steps_1500": Arm("1,500 steps", ("train.steps=1500",)),
     "alpha1_0.1": Arm("inclusion inc(image in caption) weight alpha1 1e-3 -> 0.1", ("loss.params.alpha1=0.1",)),
     "alpha1_1": Arm("alpha1 1e-3 -> 1", ("loss.params.alpha1=1.0",)),
+    "alpha1_1_eps0": Arm("alpha1 1 with the inclusion's eps -10 -> 0: the mean distance counts in H(image in caption) "
+                         "(at eps -10 it is scaled by e^-10)", ("loss.params.alpha1=1.0", "loss.params.eps=0.0")),
     "alpha2_1": Arm("masked inclusion inc(x in masked x) weight alpha2 1e-2 -> 1", ("loss.params.alpha2=1.0",)),
     "mix_unseen": Arm("mid and general captions never trained on (0.8 specific, 0.2 instance): only seen at test, "
                       "as HierarCaps' levels", _mix(0.2, 0.0, 0.0)),
