@@ -1,7 +1,7 @@
 """Embed a shard set with a saved model (Ray Data batch inference), for indexing or the ProbVLM adapter.
 
     python -m jobs.embed --model <file.safetensors | runs:/<run_id>/model | run id> --data DIR_OR_URI
-        [--split test] --out DIR [--actors 2] [--gpus-per-actor 0] [--no-texts] [--index hnsw|ivf]
+        [--split test] --out DIR_OR_URI [--actors 2] [--gpus-per-actor 0] [--no-texts] [--index hnsw|ivf]
 
 Writes {out}/images/*.parquet (key, captions, cls, mu[, logvar][, mix]), one row per sample with a readable image;
 {out}/skipped.json: every sample left out (its file and key, by reason: no image, undecodable image, image too
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.evaluate.inference import InferenceOptions
 
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-    embed_shards(args.model, args.data, args.split, Path(args.out).resolve(), opts, args.tracking_uri,
+    out = args.out if "://" in args.out else Path(args.out).resolve()  # a URI: object storage, written there
+    embed_shards(args.model, args.data, args.split, out, opts, args.tracking_uri,
                  texts=not args.no_texts, index=args.index)
     return 0
 

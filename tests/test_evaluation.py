@@ -228,3 +228,34 @@ def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path
         written = write_text_embeddings(str(model_file(Path(folder))), texts, tmp_path / "out", InferenceOptions(concurrency=1))
     columns, outputs = read_embeddings(written, "index")
     assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3
+
+
+def test_jobs_embed_reads_its_shards_from_s3_and_writes_its_output_there(trained_clip, digits_root, s3, tmp_path):
+    """jobs.embed with --data and --out on S3 (moto's server): one row per test image, the embeddings a plain
+    in-process loop gives, the distinct captions, skipped.json and the faiss index are objects under --out, and a file
+    left there by an earlier run is gone (Ray Data adds files beside any already in a folder)."""
+    import jobs.embed
+    from models.scoring.ann import MeanIndex
+
+    _, result, _ = trained_clip
+    data, out = "probvlp-test/embed/digits", "probvlp-test/embed/out"
+    for tar in sorted((Path(digits_root) / "test").glob("*.tar")):
+        s3.put(str(tar), f"{data}/test/{tar.name}")
+    s3.pipe(f"{out}/images/stale.parquet", b"an earlier run's file")
+    rc = jobs.embed.main(["--model", f"runs:/{result.mlflow_run_id}/model", "--data", f"s3://{data}", "--split", "test",
+                          "--out", f"s3://{out}", "--actors", "1", "--index", "hnsw", "--tracking-uri", result.mlflow_uri])
+    assert rc == 0
+    s3.invalidate_cache()
+    assert s3.glob(f"{out}/images/*.parquet") and not s3.exists(f"{out}/images/stale.parquet")
+    images = pq.read_table(f"{out}/images", filesystem=s3).sort_by("key")
+    task = EvalTask(name="test", kind="retrieval", data=digits_root, split="test")
+    local = embed_task_locally(model_of(result, tmp_path), task, iter_local_batches(task_paths(task), 32))
+    assert images.column("key").to_pylist() == local.keys and len(local.keys) == 359  # the digits' test split
+    np.testing.assert_allclose(np.stack(images.column("mu").to_pylist()), local.image["mu"].numpy(), atol=1e-6)
+    texts = pq.read_table(f"{out}/texts", filesystem=s3).sort_by("index")
+    assert sorted(texts.column("text").to_pylist()) == sorted(local.texts)
+    assert texts.column("index").to_pylist() == list(range(texts.num_rows))
+    skipped = json.loads(s3.cat(f"{out}/skipped.json"))
+    assert skipped["files"] == {} and not any(skipped["samples"].values()), skipped
+    s3.get(f"{out}/images.faiss", str(tmp_path / "images.faiss"))
+    assert MeanIndex.load(tmp_path / "images.faiss").size == images.num_rows

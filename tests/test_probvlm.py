@@ -274,9 +274,20 @@ def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tupl
     return res, result, digits_root, tmp
 
 
+ON_S3 = "probvlp-test/adapt"  # the module's jobs.adapt run reads and writes object storage (tests/conftest.py's s3)
+
+
 @pytest.fixture(scope="module")
-def adapted(trained_clip, digits_root, tmp_path_factory):
-    return run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt"), "test_adapt", STEPS)
+def adapted(trained_clip, digits_root, s3, tmp_path_factory):
+    """The job with everything it reads and writes beside its --out folder on S3: its training pairs (the digits'
+    pair shards) and eval set, the pairs' embeddings and the Ray Train checkpoints."""
+    from pipelines.digits.shards import write_digit_pairs
+
+    s3.put(str(write_digit_pairs(digits_root, "train") / "0.tar"), f"{ON_S3}/data/train/0.tar")
+    s3.put(f"{digits_root}/eval/retrieval", f"{ON_S3}/data/eval/retrieval", recursive=True)
+    return run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt"), "test_adapt", STEPS,
+                     ("data.source=shards", f"data.root=s3://{ON_S3}/data", f"data.embeddings=s3://{ON_S3}/embeddings",
+                      f"run.storage_path=s3://{ON_S3}/ray"))
 
 
 SOURCE_STEPS = 600  # the in-process demo CLIP of the uncertainty behaviours (held-out zero-shot ~0.85)
@@ -327,7 +338,7 @@ def held_out():
         torch.set_num_threads(threads)
 
 
-def test_adapter_trains_without_changing_the_frozen_model(adapted):
+def test_adapter_trains_without_changing_the_frozen_model(adapted, s3):
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
     from safetensors.torch import load_file
@@ -336,6 +347,11 @@ def test_adapter_trains_without_changing_the_frozen_model(adapted):
     from pipelines.tracking import model_file
 
     res, result, _, tmp = adapted
+    # on S3: the pairs' embeddings (one image row per training image) and the adapter's checkpoints, nothing local
+    s3.invalidate_cache()
+    assert pq.read_table(f"{ON_S3}/embeddings/images", filesystem=s3).num_rows == 1258
+    assert s3.glob(f"{ON_S3}/embeddings/texts/*.parquet") and s3.glob(f"{ON_S3}/ray/test_adapt/checkpoint_*/*")
+    assert not (tmp / "ray").exists() and not (tmp / "out" / "embeddings").exists()
     # the source as the pretraining run stored it, fetched here independently of the job
     folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp / "dl"),
                                 tracking_uri=result.mlflow_uri)

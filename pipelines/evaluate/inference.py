@@ -24,9 +24,10 @@ import torch
 from models.model_file import load_model
 from models.preprocess import to_device, to_model_input
 from models.tokenizer import tokenize
-from pipelines.cluster.check import only_here
+from pipelines.cluster.check import is_local_path, only_here
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.eval_tasks import task_paths
+from pipelines.data.storage import fs_path, uri
 from pipelines.evaluate.in_process import TaskEmbeddings, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
@@ -110,17 +111,23 @@ def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
                 num_cpus=None if opts.num_gpus else opts.threads)
 
 
-def _fresh(folder: Path) -> Path:
-    """`folder` emptied: Ray Data adds its files beside any already there, so a rerun would double the rows."""
-    shutil.rmtree(folder, ignore_errors=True)
-    return folder
+def _fresh(out: str | Path, name: str) -> str | Path:
+    """`{out}/{name}` emptied (a local Path, or a URI on object storage): Ray Data adds its files beside any already
+    there, so a rerun would double the rows."""
+    if is_local_path(str(out)):
+        shutil.rmtree(Path(out) / name, ignore_errors=True)
+        return Path(out) / name
+    fs, path = fs_path(f"{str(out).rstrip('/')}/{name}")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    return uri(fs, path)
 
 
 def write_image_embeddings(model_file: str, paths: list[str], image_size: int, out: str | Path, opts: InferenceOptions,
-                 stats_name: str | None = None, require: str | None = None) -> Path:
+                 stats_name: str | None = None, require: str | None = None) -> str | Path:
     """Shards -> {out}/images/*.parquet through an actor pool; returns the folder. What the reader skipped is
     counted under `stats_name`; require: see `EvalDecode` (None: every sample with a readable image)."""
-    folder = _fresh(Path(out) / "images")
+    folder = _fresh(out, "images")
     # streamed (one pass), images moved as uint8 and scaled in the actor
     ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
                           uint8=True, require=require)
@@ -128,15 +135,15 @@ def write_image_embeddings(model_file: str, paths: list[str], image_size: int, o
     return folder
 
 
-def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> Path:
+def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> str | Path:
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
-    folder = _fresh(Path(out) / "texts")
+    folder = _fresh(out, "texts")
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
     _write(ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)), folder)
     return folder
 
 
-def _write(ds, folder: Path) -> None:
+def _write(ds, folder: str | Path) -> None:
     """The embeddings as parquet files in `folder`: by Ray Data's writers where every node reaches it, else (a folder
     on this node's disk, the cluster spanning nodes) by this process, the tables sent to it through the object store."""
     if not only_here([str(folder)], size_limit=False):

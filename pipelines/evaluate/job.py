@@ -10,6 +10,7 @@ index (see the job's help).
 from __future__ import annotations
 
 import json
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from models.losses import create_loss
 from models.model_file import load_model
 from models.objective import Objective
 from models.scoring.ann import MeanIndex
+from pipelines.cluster.check import is_local_path
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import Config, ConfigError, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.data.reader import read_shards, shard_paths
+from pipelines.data.storage import fs_path
 from pipelines.data.stats import (drop_stats, reader_stats, report_lines, report_metrics, reports_summary,
                                   skipped_keys)
 from pipelines.evaluate.in_process import distinct_captions, split_captions
@@ -108,12 +111,28 @@ def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
     return reports
 
 
-def embed_shards(model_ref: str, data: str, split: str | None, out: Path, opts: InferenceOptions,
-                 tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> Path:
+def embed_shards(model_ref: str, data: str, split: str | None, out: str | Path, opts: InferenceOptions,
+                 tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> str | Path:
     """`jobs.embed`: {out}/images (one row per readable sample), {out}/skipped.json, with `texts` the distinct
-    captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns the images folder."""
+    captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns the images folder.
+    `out`: a local folder, or a URI on object storage (the parquet written there by Ray Data, the other files here
+    first, then copied)."""
+    with tempfile.TemporaryDirectory(prefix="probvlp_embed_") as tmp:
+        here = Path(out) if is_local_path(str(out)) else Path(tmp)
+        folder = _embed_shards(model_ref, data, split, out, here, opts, tracking, texts, index, log)
+        if here != Path(out):
+            fs, path = fs_path(str(out))
+            for name in ("skipped.json", "images.faiss"):
+                if (here / name).is_file():
+                    fs.put_file(str(here / name), f"{path}/{name}")
+    return folder
+
+
+def _embed_shards(model_ref: str, data: str, split: str | None, out: str | Path, here: Path, opts: InferenceOptions,
+                  tracking: str | None, texts: bool, index: str | None, log) -> str | Path:
+    """`embed_shards` with the files other than the parquet (source model, skipped.json, index) written in `here`."""
     try:
-        source = resolve_model(model_ref, tracking_uri(tracking), out / "source")
+        source = resolve_model(model_ref, tracking_uri(tracking), here / "source")
         paths = shard_paths(data, split)
     except (ValueError, FileNotFoundError) as err:
         raise InputError(str(err)) from None
@@ -123,16 +142,17 @@ def embed_shards(model_ref: str, data: str, split: str | None, out: Path, opts: 
     folder = write_image_embeddings(str(source["model"]), paths, model.img_size, out, opts, stats_name=stats_name)
     skipped = {**reader_stats(stats_name), "samples": skipped_keys(stats_name)}
     drop_stats(stats_name)
-    (out / "skipped.json").write_text(json.dumps(skipped, indent=1, sort_keys=True))
+    here.mkdir(parents=True, exist_ok=True)
+    (here / "skipped.json").write_text(json.dumps(skipped, indent=1, sort_keys=True))
     cols, outputs = read_embeddings(folder, "key", getattr(model, "mixture_tokens", None))
     log(f"{len(cols['key'])} image embeddings in {folder}")
     for line in report_lines("embed", skipped):
         log(line)
     if skipped["skipped_unique"] or skipped["files"]:
-        log(f"skipped samples and files: {out / 'skipped.json'}")
+        log(f"skipped samples and files: {out}/skipped.json")
     if index:
-        MeanIndex(outputs["mu"], kind=index).save(out / "images.faiss")
-        log(f"faiss {index} index on the image means in {out / 'images.faiss'}")
+        MeanIndex(outputs["mu"], kind=index).save(here / "images.faiss")
+        log(f"faiss {index} index on the image means in {out}/images.faiss")
     if texts:
         captions = distinct_captions(split_captions(cols["captions"]))
         if captions:
