@@ -242,8 +242,9 @@ def test_jobs_embed_reads_its_shards_from_s3_and_writes_its_output_there(trained
     for tar in sorted((Path(digits_root) / "test").glob("*.tar")):
         s3.put(str(tar), f"{data}/test/{tar.name}")
     s3.pipe(f"{out}/images/stale.parquet", b"an earlier run's file")
-    rc = jobs.embed.main(["--model", f"runs:/{result.mlflow_run_id}/model", "--data", f"s3://{data}", "--split", "test",
-                          "--out", f"s3://{out}", "--actors", "1", "--index", "hnsw", "--tracking-uri", result.mlflow_uri])
+    rc = jobs.embed.main(["--model", f"runs:/{result.mlflow_run_id}/model", "--tracking-uri", result.mlflow_uri,
+                          "--data", f"s3://{data}", "--split", "test", "--out", f"s3://{out}", "--actors", "1",
+                          "--index", "hnsw"])
     assert rc == 0
     s3.invalidate_cache()
     assert s3.glob(f"{out}/images/*.parquet") and not s3.exists(f"{out}/images/stale.parquet")
