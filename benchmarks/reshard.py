@@ -1,0 +1,92 @@
+"""What resharding a ZeRO checkpoint costs (pipelines.train.reshard): the universal conversion's time and storage.
+
+Run (prints one JSON line per ZeRO stage; docs/SCALING.md "Elastic training" quotes it):
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.reshard --model clip_tiny --stages 2 3
+
+Per stage, `--world` gloo ranks build the training workers' engine (AdamW, the warmup + cosine schedule, the workers'
+DeepSpeed config) on the model, take one step and save; this process then times the conversion (``reshard.convert``,
+one CPU worker as in a training worker) and sizes the checkpoint and the universal folder, per parameter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str) -> None:
+    import deepspeed
+
+    from models.gather import World
+    from models.objective import build_training_objective
+    from models.tokenizer import tokenize
+    from pipelines.config import Config
+    from pipelines.train.optim import adamw, param_groups, warmup_cosine
+    from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        skip_inference_comm_op()
+        cfg = Config.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
+        torch.manual_seed(0)
+        objective = build_training_objective(cfg)
+        t = cfg.train
+        optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer,
+                                          lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
+                                          config=deepspeed_config(cfg, False), dist_init_required=False)
+        # one step on random inputs: Adam's moments exist, as in every checkpoint a run writes
+        model = objective.model
+        images = torch.randn(4, 3, model.img_size, model.img_size)
+        out = engine(images, tokenize(["a photo of a digit"] * 4, model.context_length), World.current())
+        engine.backward(out["loss"])
+        engine.step()
+        engine.save_checkpoint(folder, tag="state")
+    finally:
+        dist.destroy_process_group()
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    from models.registry import create_model
+    from pipelines.train import reshard
+    from tests.helpers import free_port
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="clip_tiny")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--world", type=int, default=2)
+    args = ap.parse_args()
+    params = sum(p.numel() for p in create_model(args.model).parameters())
+    for stage in args.stages:
+        with tempfile.TemporaryDirectory(prefix="probvlp-reshard-bench-") as tmp:
+            saved, out = Path(tmp) / "checkpoint", Path(tmp) / "universal"
+            mp.spawn(_save, args=(args.world, free_port(), args.model, stage, str(saved)), nprocs=args.world, join=True)
+            t0 = time.perf_counter()
+            reshard.convert(saved / "state", out)
+            seconds = time.perf_counter() - t0
+            checkpoint, universal = _bytes(saved / "state"), _bytes(out)
+            print(json.dumps({"model": args.model, "parameters": params, "stage": stage, "world": args.world,
+                              "convert_s": round(seconds, 2), "checkpoint_bytes": checkpoint,
+                              "universal_bytes": universal,
+                              "universal_bytes_per_param": round(universal / params, 2),
+                              "files": sum(1 for p in out.rglob("*") if p.is_file())}), flush=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
