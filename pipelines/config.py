@@ -135,8 +135,9 @@ class WorkerResources(Section):
 
 class TrainConfig(WorkerResources):
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
-    # min, at most max, and restarts at another size from the last checkpoint when nodes come or go
-    # (ZeRO stage 0; per-worker batch and learning rate kept: docs/SCALING.md "Elastic training").
+    # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
+    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.train.reshard; per-worker batch and learning rate kept:
+    # docs/SCALING.md "Elastic training").
     num_workers: int | tuple[int, int] = 2
     # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
     elastic_resize_interval_s: float = Field(60.0, gt=0)
@@ -183,16 +184,6 @@ class TrainConfig(WorkerResources):
         if low > high:
             raise ValueError(f"[min, max] with min > max (got {list(v)})")
         return v
-
-    @model_validator(mode="after")
-    def _elastic_stage(self) -> "TrainConfig":
-        if self.elastic and self.zero_stage != 0:
-            # DeepSpeed refuses to load ZeRO-partitioned optimizer state at another data-parallel world size
-            # ("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported")
-            # unless the checkpoint is first converted to its universal format; stage 0 keeps it whole.
-            raise ValueError("elastic training (num_workers: [min, max]) needs zero_stage 0: a ZeRO-1/2/3 "
-                             "checkpoint does not load at another world size")
-        return self
 
     @property
     def elastic(self) -> bool:
