@@ -192,8 +192,8 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     print(HEADER, flush=True)
-    for name in args.arms:
-        for seed in args.seeds:
+    for seed in args.seeds:  # every arm once before the next seed: an interrupted run still compares the arms
+        for name in args.arms:
             print(table_row(name, seed, run_arm(name, seed)), flush=True)
 
 
