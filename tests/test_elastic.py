@@ -240,7 +240,7 @@ def test_zero_run_resizes_with_its_optimizer_state_and_learns(stage, two_node_ra
         reference, converted = gathered_partitions(folder / "state"), universal_state(folder / reshard.UNIVERSAL / "state")
         assert reference.keys() == converted.keys() and reference
         for key, tensor in reference.items():
-            assert torch.equal(converted[key], tensor), key
+            assert torch.equal(converted[key], tensor.reshape(-1)), key
     # run.keep_checkpoints holds: the converted folders went with their checkpoints
     assert len(list(checkpoints.glob("checkpoint_*"))) <= 4
     assert not any((checkpoints / f.name).exists() for f in conversions[:1])

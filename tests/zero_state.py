@@ -47,6 +47,11 @@ def gathered_partitions(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def universal_state(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The same tensors from a universal folder (one folder per parameter, a file per state)."""
-    return {f"{key}/{p.name}": torch.load(p / f"{key}.pt", weights_only=True)["param"]
+    """The same tensors, flattened, from a universal folder (a folder per parameter, a file per state: a dict holding
+    the tensor after ZeRO-1/2, the flat tensor itself after ZeRO-3)."""
+    def flat(path: Path) -> torch.Tensor:
+        saved = torch.load(path, weights_only=True)
+        return (saved["param"] if isinstance(saved, dict) else saved).reshape(-1)
+
+    return {f"{key}/{p.name}": flat(p / f"{key}.pt")
             for p in sorted((tag_dir / "zero").iterdir()) if p.is_dir() for key in ("fp32", "exp_avg", "exp_avg_sq")}
