@@ -20,7 +20,8 @@ from tests.small_runs import assert_identical
 TAG = "state"
 STEPS = 3
 MICRO = 4
-STAGES = (1, 2, 3)
+# ZeRO-1 shares ZeRO-2's optimizer and conversion code (DeepSpeed's stage_1_and_2): `make test-long` only
+STAGES = (pytest.param(1, marks=pytest.mark.long), 2, 3)
 pytestmark = pytest.mark.timeout(900)
 
 
