@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.evaluate.inference import InferenceOptions
     from pipelines.evaluate.job import evaluate_model
     from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
-    from pipelines.train.driver import check_eval_tasks, prepare_data
+    from pipelines.train.job import check_eval_tasks, prepare_data
     from pipelines.train.run_summary import headline
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()

@@ -15,10 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.pretrain", __doc__, "experiment YAML (see configs/)", "train.steps=100").parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
 
-    from pipelines.train.driver import fit  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.train.job import pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.train.run_summary import run_summary
 
-    result = fit(cfg)  # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
+    result = pretrain(cfg)  # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
     for line in run_summary(cfg, result):
         print(line)
     return 0

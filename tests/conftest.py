@@ -86,10 +86,10 @@ def digits_root(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def trained_clip(ray_local, digits_root, tmp_path_factory):
-    """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, FitResult, folder).
+    """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, PretrainResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
     from pipelines.config import load_config
-    from pipelines.train.driver import fit
+    from pipelines.train.job import pretrain
 
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = load_config(ROOT / "configs" / "demo.yaml", [
@@ -100,7 +100,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
         # augmentation in a Ray fit is tests/test_scale.py's, the device's tests/test_user_data.py's
         "data.augment=false",
     ])
-    return cfg, fit(cfg), tmp
+    return cfg, pretrain(cfg), tmp
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +144,7 @@ def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> d
     import fcntl
     import json
 
-    from pipelines.train.driver import fit
+    from pipelines.train.job import pretrain
     from tests.small_runs import REFERENCE, config
 
     base = tmp_path_factory.getbasetemp()
@@ -154,7 +154,7 @@ def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> d
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not record.exists():
             tmp = tmp_path_factory.mktemp("straight")
-            result = fit(config(tmp, digits_root, "straight", *REFERENCE))
+            result = pretrain(config(tmp, digits_root, "straight", *REFERENCE))
             assert result.metrics["step"] == 40 and result.checkpoint_path
             record.write_text(json.dumps({"checkpoint": result.checkpoint_path, "data_root": digits_root}))
     return json.loads(record.read_text())

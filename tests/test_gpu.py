@@ -76,14 +76,14 @@ class Runs:
 
 
 def fit_job(cfg):
-    from pipelines.train.driver import fit
+    from pipelines.train.job import pretrain
 
-    return lambda: (cfg, fit(cfg))
+    return lambda: (cfg, pretrain(cfg))
 
 
 def resume_job(tmp: Path, digits_root: str):
     """A straight fp32 run and one stopped at RESUME_STOP and restarted by name: (straight, resumed) loss histories."""
-    from pipelines.train.driver import fit
+    from pipelines.train.job import pretrain
 
     def history(cfg, result):
         return {m.step: m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")}
@@ -94,11 +94,11 @@ def resume_job(tmp: Path, digits_root: str):
                   "data.deterministic=true", "data.augment=false")
         straight = gpu_config("demo.yaml", tmp, digits_root, "resume_straight", *common)
         stopped = gpu_config("demo.yaml", tmp, digits_root, "resume_stopped", *common, f"train.stop_at_step={RESUME_STOP}")
-        a = fit(straight)
-        first = fit(stopped)
+        a = pretrain(straight)
+        first = pretrain(stopped)
         assert first.metrics["step"] == RESUME_STOP
         stopped.train.stop_at_step = None
-        b = fit(stopped)
+        b = pretrain(stopped)
         return history(straight, a), history(stopped, b), b
 
     return job
@@ -178,7 +178,7 @@ def sweep_job(tmp: Path, digits_root: str):
 @pytest.fixture(scope="module")
 def runs(ray_local, digits_root, tmp_path_factory) -> Runs:
     """Every GPU job of this module, side by side (longest first); the tests read their outcomes."""
-    from pipelines.train.driver import prepare_data
+    from pipelines.train.job import prepare_data
 
     tmp = tmp_path_factory.mktemp("gpu")
     prepare_data(gpu_config("demo.yaml", tmp, digits_root, "prepare"))  # the eval sets, once, before the threads

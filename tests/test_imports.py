@@ -80,7 +80,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read():
     edges = graph()
-    assert "pipelines.train.driver" in edges and "pipelines.tracking" in edges["pipelines.train.driver"]
+    assert "pipelines.train.job" in edges and "pipelines.tracking" in edges["pipelines.train.job"]
     assert "models.registry" in edges["models.model_file"]
 
 

@@ -1,5 +1,5 @@
 """What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
-rank-0 MLflow logging. The driver side is `pipelines.train.driver`."""
+rank-0 MLflow logging. The driver side is `pipelines.train.job`."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """Hyperparameter sweeps (`jobs.tune`): one TorchTrainer run per trial of a sweep file (`pipelines.tune.config`).
 
-One trial is a Ray Tune function trainable that runs `pipelines.train.driver.fit` (Ray Train V2 + Tune:
+One trial is a Ray Tune function trainable that runs `pipelines.train.job.pretrain` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
 """
@@ -29,7 +29,7 @@ from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
-from pipelines.train.driver import check_eval_tasks, fit, prepare_data
+from pipelines.train.job import check_eval_tasks, prepare_data, pretrain
 from pipelines.tune.asha import ResumableASHA
 from pipelines.tune.config import SweepDocument, trial_config
 
@@ -42,8 +42,8 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, 
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
     set_dotted(data, "run.storage_path", storage_path)
     cfg = trial_config(data, params)
-    fit(cfg, callbacks=[TuneReportCallback()],
-        extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id, "probvlp.sweep": sweep_name})
+    pretrain(cfg, callbacks=[TuneReportCallback()],
+             extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id, "probvlp.sweep": sweep_name})
 
 
 def finite(value: Any) -> bool:

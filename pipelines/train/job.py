@@ -1,4 +1,4 @@
-"""Driver side of pretraining: data, MLflow run, Ray Train TorchTrainer (the workers run `pipelines.train.worker`)."""
+"""`jobs.pretrain` on the driver: data, MLflow run, Ray Train TorchTrainer (workers: `pipelines.train.worker`)."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,7 @@ from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
 
 
 @dataclass
-class FitResult:
+class PretrainResult:
     metrics: dict[str, Any]
     mlflow_uri: str
     mlflow_run_id: str
@@ -79,7 +79,8 @@ def run_tags(cfg: Config, extra_tags: dict[str, str] | None) -> dict[str, str]:
             "mlflow.source.git.commit": git_commit() or "", **(extra_tags or {})}
 
 
-def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] | None = None) -> FitResult:
+def pretrain(cfg: Config, callbacks: list | None = None,
+             extra_tags: dict[str, str] | None = None) -> PretrainResult:
     """Train `cfg` on Ray Train. `callbacks` go to the Train run (e.g. Tune's report callback);
     `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials)."""
     if cfg.run.name is None:
@@ -122,4 +123,5 @@ def fit(cfg: Config, callbacks: list | None = None, extra_tags: dict[str, str] |
         if metrics.get("step", 0) < t.steps:
             run.end_status = "KILLED"
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return FitResult(metrics, uri, run.run_id, cfg.run.experiment, cfg.run.name, checkpoint, run.registered_version)
+    return PretrainResult(metrics, uri, run.run_id, cfg.run.experiment, cfg.run.name, checkpoint,
+                          run.registered_version)
