@@ -27,10 +27,9 @@ def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str)
     import deepspeed
 
     from models.gather import World
-    from models.objective import build_training_objective
     from models.tokenizer import tokenize
     from pipelines.config import Config
-    from pipelines.train.optim import adamw, param_groups, warmup_cosine
+    from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
     from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -40,7 +39,7 @@ def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str)
         skip_inference_comm_op()
         cfg = Config.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
         torch.manual_seed(0)
-        objective = build_training_objective(cfg)
+        objective = training_objective(cfg)
         t = cfg.train
         optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer,

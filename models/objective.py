@@ -72,13 +72,13 @@ def build_objective(cfg: Any) -> Objective:
     return Objective(create_model(cfg.model.name, **cfg.model.overrides), create_loss(loss_name(cfg), **cfg.loss.params))
 
 
-def build_training_objective(cfg: Any) -> Objective:
-    """``build_objective`` with the training-only knobs of ``cfg.train``: ``grad_checkpointing`` (activation
-    checkpointing of the towers' blocks) and ``compile`` (torch.compile of every block). Evaluation builds
-    its objective with ``build_objective``: no backward to save memory for, no compile time to pay."""
+def build_training_objective(cfg: Any, *, grad_checkpointing: bool, compile: bool) -> Objective:
+    """``build_objective`` with the training-only knobs: ``grad_checkpointing`` (activation checkpointing of the
+    towers' blocks) and ``compile`` (torch.compile of every block). Evaluation builds its objective with
+    ``build_objective``: no backward to save memory for, no compile time to pay."""
     objective = build_objective(cfg)
-    set_grad_checkpointing(objective.model, cfg.train.grad_checkpointing)
-    if cfg.train.compile:
+    set_grad_checkpointing(objective.model, grad_checkpointing)
+    if compile:
         compile_blocks(objective.model)
     return objective
 

@@ -38,14 +38,13 @@ def _engine(world: int, stage: int):
     """The engine the training workers build (pipelines.train.worker), on a tiny CLIP."""
     import deepspeed
 
-    from models.objective import build_training_objective
     from pipelines.train import state
-    from pipelines.train.optim import adamw, param_groups, warmup_cosine
+    from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
     from pipelines.train.worker import deepspeed_config
 
     cfg = _config(world, stage)
     torch.manual_seed(0)
-    objective = build_training_objective(cfg)
+    objective = training_objective(cfg)
     t = cfg.train
     optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     engine, _, _, scheduler = deepspeed.initialize(

@@ -1,14 +1,15 @@
 """train.grad_checkpointing and train.compile: the same loss and gradients as without, and the config keys reach
-the model the trainer builds (models.objective.build_training_objective, which pipelines.train.worker calls)."""
+the model the trainer builds (pipelines.train.optim.training_objective, which pipelines.train.worker calls)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.objective import build_objective, build_training_objective
+from models.objective import build_objective
 from models.registry import METHODS
 from models.tokenizer import tokenize
 from pipelines.config import Config, ConfigError
+from pipelines.train.optim import training_objective
 
 CAPTIONS = ["the digit seven", "a handwritten digit four", "an odd digit", "a photo of the number three",
             "two", "a drawing of the digit 9 written by hand"]
@@ -52,7 +53,7 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(method):
     torch.manual_seed(0)
     plain = build_objective(config(f"{method}_tiny")).double().train()
     torch.manual_seed(0)
-    ckpt = build_training_objective(config(f"{method}_tiny", grad_checkpointing=True)).double().train()
+    ckpt = training_objective(config(f"{method}_tiny", grad_checkpointing=True)).double().train()
     assert ckpt.model.visual.grad_checkpointing and ckpt.model.text.grad_checkpointing
     assert not plain.model.visual.grad_checkpointing
     loss_a, grads_a = loss_and_grads(plain, images, tokens)
@@ -70,7 +71,7 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(method):
 
 def test_grad_checkpointing_off_in_evaluation_and_without_grad():
     images, tokens = inputs(2)
-    objective = build_training_objective(config("prolip_tiny", grad_checkpointing=True)).double().eval()
+    objective = training_objective(config("prolip_tiny", grad_checkpointing=True)).double().eval()
     with torch.no_grad():
         out = objective.model(images, tokens)
     torch.manual_seed(0)
@@ -90,7 +91,7 @@ def test_train_knobs_reject_wrong_types():
 @pytest.mark.slow  # inductor compiles the tiny blocks: ~35 s of CPU time
 def test_compile_knob_compiles_every_block_and_keeps_the_outputs():
     torch.manual_seed(0)
-    objective = build_training_objective(config("clip_tiny", compile=True)).eval()
+    objective = training_objective(config("clip_tiny", compile=True)).eval()
     blocks = [m for m in objective.model.modules() if type(m).__name__ == "Block"]
     assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
     assert set(objective.state_dict()) == set(build_objective(config("clip_tiny")).state_dict())

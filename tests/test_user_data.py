@@ -95,11 +95,11 @@ ZERO_RTOL = 1e-4
 ZERO_FIT = """
 import json, os, sys
 import numpy as np, torch, deepspeed
-from models.objective import build_training_objective
 from models.tokenizer import tokenize
 from pipelines.config import load_config
-from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 from pipelines.digits.quick_fit import config_sampler, digit_arrays
+from pipelines.train.optim import training_objective
+from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 rank, steps, per_rank = int(os.environ["RANK"]), int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 skip_inference_comm_op()
@@ -110,7 +110,7 @@ for recipe in sys.argv[3:]:
     for stage in (2, 3):
         cfg = load_config(f"configs/{recipe}", [f"train.zero_stage={stage}", f"train.batch_size={per_rank}"])
         torch.manual_seed(0)  # the same initial weights at both stages
-        objective = build_training_objective(cfg)
+        objective = training_objective(cfg)
         t = cfg.train
         opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                 weight_decay=t.weight_decay)

@@ -1,10 +1,19 @@
-"""AdamW (fused), its parameter groups and the warmup + cosine schedule."""
+"""What a training worker's engine is built from: the objective with the training knobs, AdamW (fused), its
+parameter groups and the warmup + cosine schedule."""
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.nn as nn
+
+from models.objective import Objective, build_training_objective
+from pipelines.config import Config
+
+
+def training_objective(cfg: Config) -> Objective:
+    """cfg's model and loss with train.grad_checkpointing and train.compile applied."""
+    return build_training_objective(cfg, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:

@@ -20,7 +20,7 @@ from models.preprocess import encode_png, to_device
 from models.model_file import save_model
 from models.accumulate import CachedBatch
 from models.gather import World
-from models.objective import build_objective, build_training_objective
+from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.train import state as train_state
 from pipelines.train.trainer import eval_dataset_name
@@ -31,7 +31,7 @@ from pipelines.data.eval_tasks import use_texts
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.evaluate.in_process import embed_task_locally, model_device
-from pipelines.train.optim import adamw, param_groups, warmup_cosine
+from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
 from pipelines.progress import ProgressLine
 from pipelines.train.data_health import DataHealth
 from pipelines.data.device_augment import model_images
@@ -221,7 +221,7 @@ class TrainWorker:
     def _build_engine(self):
         cfg, t = self.cfg, self.t
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        objective = build_training_objective(cfg)  # with train.grad_checkpointing / train.compile
+        objective = training_objective(cfg)
         if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
             fresh = load_openclip_weights(objective.model, self._read_openclip_state(cfg.model.init_from_openclip))
             if self.rank == 0:
