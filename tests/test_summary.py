@@ -20,7 +20,14 @@ def test_sigma2_by_caption_level_comes_from_the_logged_analyses():
     rows = [line.split() for line in lines[1:5]]  # one per level, in the task's order (specific -> general)
     assert [r[0] for r in rows] == LEVELS and [float(r[1]) for r in rows] == [0.001, 0.002, 0.003, 0.004]
     assert lines[5].split()[:2] == ["images", "0.0005"] and "90% of the pairs" in lines[5]
-    assert "rho +0.50 here" in lines[6] and len(lines) == 7
+    assert "rho(level, sigma^2) +0.50 here, the mean rising level by level" in lines[6] and len(lines) == 7
+    # the demo's digits: sigma^2 falls from the class captions to the general ones; the line says why
+    metrics.update({"heldout/unc_level_general_sigma2": 0.0015, "heldout/unc_level_rho": -0.31})
+    line = uncertainty_lines(metrics, TASKS)[6]
+    assert "-0.31 here, the means not rising" in line and "labelled negative" in line and "RESULTS.md" in line
+    # a positive rho alone (many instance captions below the class ones) does not make the order
+    metrics["heldout/unc_level_rho"] = 0.29
+    assert "+0.29 here, the means not rising" in uncertainty_lines(metrics, TASKS)[6]
     # a deterministic model's run has no sigma^2 metrics: nothing printed
     assert uncertainty_lines({"digits_zeroshot/top1": 0.9, "heldout/rsum": 300.0}, TASKS) == []
 

@@ -138,10 +138,20 @@ def uncertainty_lines(metrics: dict, tasks: list[EvalTask]) -> list[str]:
             lines.append(f"  {'images':<9} {metrics[f'{p}image_sigma2_mean']:.4g}  the held-out images; a caption is "
                          f"wider than its image in {metrics.get(f'{p}unc_caption_wider_frac', float('nan')):.0%} "
                          "of the pairs")
-        rho = metrics.get(f"{p}unc_level_rho", float("nan"))
-        lines.append(f"  sigma^2: how far an embedding spreads; a caption that fits more varied images should spread more "
-                     f"(ProLIP Fig. 7: Spearman rho(level, sigma^2) > 0): rho {rho:+.2f} here")
+        lines.append(level_rho_line(metrics.get(f"{p}unc_level_rho", float("nan")),
+                                    [metrics[f"{p}unc_level_{lv}_sigma2"] for lv in levels]))
     return lines
+
+
+def level_rho_line(rho: float, means: list[float]) -> str:
+    """ProLIP Fig. 7's claim beside this run's rho and, where the levels' mean sigma^2 (specific -> general) do not
+    rise level by level, why (docs/RESULTS.md, "sigma^2 by caption level": studies.caption_level_study)."""
+    claim = f"sigma^2: how far an embedding spreads; ProLIP Fig. 7 (web captions): more general, wider. rho(level, sigma^2) {rho:+.2f} here"
+    if all(a < b for a, b in zip(means, means[1:])):
+        return f"  {claim}, the mean rising level by level"
+    return (f"  {claim}, the means not rising level by level, as in every recipe tried on the digits: PPCL widens a "
+            "caption whose mean nearly matches batch images labelled negative (a class caption's classmates); a trained "
+            "caption that fits every image sits near none and narrows (docs/RESULTS.md)")
 
 
 def plot_lines(result) -> list[str]:
