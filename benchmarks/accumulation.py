@@ -37,7 +37,7 @@ from models.objective import build_objective
 from models.registry import TINY
 from models.towers import TowerConfig
 from models.tokenizer import tokenize
-from pipelines.config import Config, ModelConfig
+from pipelines.config import TrainDocument, ModelConfig
 from pipelines.train.optim import adamw, param_groups
 
 METHODS = {"CLIP": "clip_tiny", "SigLIP": "siglip_tiny", "ProLIP": "prolip_tiny", "PCME++": "pcmepp_tiny",
@@ -54,7 +54,7 @@ def build(name: str, quick: bool):
     if name in MIXTURE:
         overrides["mixture_tokens"] = 4 if quick else 16
     torch.manual_seed(0)
-    objective = build_objective(Config(model=ModelConfig(name=name, overrides=overrides))).train()
+    objective = build_objective(TrainDocument(model=ModelConfig(name=name, overrides=overrides))).train()
     return objective, adamw(param_groups(objective, 0.2), lr=1e-4)
 
 

@@ -134,14 +134,14 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
     import torch
 
     from models.objective import build_objective
-    from pipelines.config import Config, ModelConfig
+    from pipelines.config import TrainDocument, ModelConfig
     from pipelines.data.captions import CaptionSampler
     from pipelines.digits.shards import write_digit_shards
     from pipelines.cluster.runtime import init_ray
     from pipelines.data.reader import read_shards, read_split, shard_paths
 
     torch.manual_seed(0)
-    objective = build_objective(Config(model=ModelConfig(name="clip_tiny")))
+    objective = build_objective(TrainDocument(model=ModelConfig(name="clip_tiny")))
     model = objective.model
     opt = torch.optim.AdamW(objective.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.2)
     images = torch.randn(batch, 3, 32, 32)

@@ -28,7 +28,7 @@ def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str)
 
     from models.gather import World
     from models.tokenizer import tokenize
-    from pipelines.config import Config
+    from pipelines.config import TrainDocument
     from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
     from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 
@@ -37,7 +37,7 @@ def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         skip_inference_comm_op()
-        cfg = Config.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
+        cfg = TrainDocument.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
         torch.manual_seed(0)
         objective = training_objective(cfg)
         t = cfg.train

@@ -45,7 +45,7 @@ from models.objective import build_objective
 from models.registry import TINY, VIT_B16
 from models.tokenizer import tokenize
 from models.towers import TowerConfig, compile_blocks, set_grad_checkpointing
-from pipelines.config import Config, ModelConfig
+from pipelines.config import TrainDocument, ModelConfig
 from pipelines.train.optim import adamw, param_groups
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).
@@ -77,7 +77,7 @@ def build(name: str, size: TowerConfig, mixture_tokens: int, device: str):
     if name in MIXTURE_MODELS:
         overrides["mixture_tokens"] = mixture_tokens
     torch.manual_seed(0)
-    objective = build_objective(Config(model=ModelConfig(name=name, overrides=overrides))).to(device).train()
+    objective = build_objective(TrainDocument(model=ModelConfig(name=name, overrides=overrides))).to(device).train()
     opt = adamw(param_groups(objective, 0.2), lr=1e-4, betas=(0.9, 0.95))  # the trainer's optimizer
     return objective, opt
 

@@ -2,7 +2,7 @@
 
 Every section rejects unknown keys, wrong types and out-of-range values with a one-line
 message naming the key (`ConfigError`). Plain dicts appear only at the Ray boundary
-(`Config.to_dict()` / `Config.from_dict()`).
+(`TrainDocument.to_dict()` / `TrainDocument.from_dict()`).
 """
 from __future__ import annotations
 
@@ -315,7 +315,7 @@ class EvalConfig(Section):
         return out
 
     def with_local_paths(self, local) -> "EvalConfig":
-        """The tasks' data and template paths passed through `local` (see Config.with_absolute_paths)."""
+        """The tasks' data and template paths passed through `local` (see TrainDocument.with_absolute_paths)."""
         if self.tasks is None:
             return self
         return self.model_copy(update={"tasks": [
@@ -458,7 +458,7 @@ class JobDocument(Document):
         })
 
 
-class Config(JobDocument):
+class TrainDocument(JobDocument):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -467,7 +467,7 @@ class Config(JobDocument):
     download: DownloadConfig | None = None
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _cross_checks(self) -> "TrainDocument":
         from models.registry import list_models  # deferred: the registry imports timm and every model class
 
         if self.model.name not in list_models():
@@ -485,10 +485,10 @@ class Config(JobDocument):
         return {**super().flat(), "train.contrastive_batch": self.train.contrastive_batch}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
+    def from_dict(cls, data: dict[str, Any]) -> "TrainDocument":
         return _validate(data)
 
-    def with_absolute_paths(self) -> "Config":
+    def with_absolute_paths(self) -> "TrainDocument":
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
         in other working directories than the command that was started."""
         return self._with_absolute(
@@ -509,7 +509,7 @@ class DownloadDocument(Document):
 
 def load_download_config(path: str | Path, overrides: list[str] | None = None) -> DownloadDocument:
     data = read_config_file(path, overrides)
-    unknown = sorted(set(data) - set(Config.model_fields))
+    unknown = sorted(set(data) - set(TrainDocument.model_fields))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key")
     if data.get("download") is None:
@@ -547,18 +547,18 @@ def format_validation_error(err: ValidationError) -> str:
     return f"{loc}: {msg}{got_text}"
 
 
-def _validate(data: dict[str, Any]) -> Config:
+def _validate(data: dict[str, Any]) -> TrainDocument:
     try:
-        cfg = Config.model_validate(data)
+        cfg = TrainDocument.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
     _check_loss(cfg)
     return cfg
 
 
-def _check_loss(cfg: Config) -> None:
+def _check_loss(cfg: TrainDocument) -> None:
     """Validate loss params and model overrides against what their constructors take."""
-    from models.losses import list_losses, loss_class  # deferred, as in Config._cross_checks
+    from models.losses import list_losses, loss_class  # deferred, as in TrainDocument._cross_checks
     from models.objective import loss_name
     from models.registry import override_types
 
@@ -570,13 +570,13 @@ def _check_loss(cfg: Config) -> None:
     _check_openclip_init(cfg)
 
 
-def _check_openclip_init(cfg: Config) -> None:
+def _check_openclip_init(cfg: TrainDocument) -> None:
     source = cfg.model.init_from_openclip
     if source is None:
         return
     if not source.startswith("open_clip:") and not Path(source).is_file():
         raise ConfigError(f"model.init_from_openclip: no such file {source!r} (or use open_clip:<arch>/<tag>)")
-    import torch  # deferred, as in Config._cross_checks: only configs that start from open_clip weights
+    import torch  # deferred, as in TrainDocument._cross_checks: only configs that start from open_clip weights
     from models.objective import build_objective
 
     with torch.device("meta"):
@@ -647,5 +647,5 @@ def read_config_file(path: str | Path, overrides: list[str] | None = None) -> di
     return apply_overrides(data, overrides or [])
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainDocument:
     return _validate(read_config_file(path, overrides))

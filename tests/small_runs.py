@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pipelines.config import load_config
-from pipelines.train.state import _safe_globals
+from pipelines.train.state import checkpoint_safe_globals
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",
@@ -35,7 +35,7 @@ def load_state(checkpoint_dir: str) -> dict[str, object]:
     """Every tensor-bearing file of a DeepSpeed checkpoint, loaded weights-only."""
     files = sorted(Path(checkpoint_dir).rglob("*.pt"))
     assert files, f"no DeepSpeed files in {checkpoint_dir}"
-    with torch.serialization.safe_globals(_safe_globals()):
+    with torch.serialization.safe_globals(checkpoint_safe_globals()):
         return {f.name: torch.load(f, weights_only=True) for f in files}
 
 

@@ -194,11 +194,11 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     """The weights after one SGD step of a DeepSpeed engine (the worker's config), one pass or cached."""
     import deepspeed
 
-    from pipelines.config import Config
+    from pipelines.config import TrainDocument
     from pipelines.train.worker import cached_step, deepspeed_config, full_state_dict
 
     name, overrides, loss, params = CASES[DS_CASE]
-    cfg = Config.from_dict({"model": {"name": name, "overrides": {**SMALL, **overrides}},
+    cfg = TrainDocument.from_dict({"model": {"name": name, "overrides": {**SMALL, **overrides}},
                             "loss": {"name": loss, "params": params},
                             "train": {"num_workers": WORLD, "batch_size": MICRO if accum else MICRO * K,
                                       "grad_accum": K if accum else 1, "zero_stage": stage, "grad_clip": 0.0}})
@@ -288,12 +288,12 @@ def test_deepspeed_step_with_accumulation_equals_the_one_batch_step(two_workers)
 
 
 def test_config_states_the_contrastive_batch_and_refuses_per_sample_adapters():
-    from pipelines.config import Config, ConfigError
+    from pipelines.config import TrainDocument, ConfigError
 
-    cfg = Config.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": 2}})
+    cfg = TrainDocument.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": 2}})
     assert cfg.flat()["train.contrastive_batch"] == 128  # an MLflow param of every run
-    elastic = Config.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": [1, 3], "zero_stage": 0}})
+    elastic = TrainDocument.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": [1, 3], "zero_stage": 0}})
     assert elastic.flat()["train.contrastive_batch"] == "64-192"
     with pytest.raises(ConfigError, match=r"^train.grad_accum: probvlm_adapter has no per-sample features"):
-        Config.from_dict({"model": {"name": "probvlm_adapter", "overrides": {"source": "clip_tiny"}},
+        TrainDocument.from_dict({"model": {"name": "probvlm_adapter", "overrides": {"source": "clip_tiny"}},
                           "train": {"grad_accum": 2}})

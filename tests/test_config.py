@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import Config, ConfigError, load_config, load_download_config
+from pipelines.config import TrainDocument, ConfigError, load_config, load_download_config
 from pipelines.tune.config import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ def test_demo_config_loads_and_overrides():
     assert elastic.num_workers == (1, 4) and elastic.elastic and elastic.max_workers == 4
     for stage in (1, 2, 3):  # resharded on a resize (pipelines.train.reshard, tests/test_reshard.py)
         assert load_config(ROOT / "configs" / "demo.yaml", ["train.num_workers=[1, 4]", f"train.zero_stage={stage}"])
-    again = Config.from_dict(cfg.to_dict())
+    again = TrainDocument.from_dict(cfg.to_dict())
     assert again == cfg
     assert cfg.flat()["train.steps"] == 7
 
@@ -118,7 +118,7 @@ def test_cli_exit_code_through_module_entry_point(tmp_path):
 def test_local_paths_become_absolute_for_the_workers(tmp_path, monkeypatch):
     """Ray workers and Tune trials run in other directories: fit() hands them absolute local paths."""
     monkeypatch.chdir(tmp_path)
-    cfg = Config.model_validate({
+    cfg = TrainDocument.model_validate({
         "data": {"root": "data/digits"}, "tracking": {"uri": "sqlite:///runs/mlflow.db"},
         "eval": {"tasks": [{"name": "mine", "kind": "retrieval", "data": "my_eval"},
                            {"name": "zs", "kind": "zeroshot", "data": "{data.root}/eval", "templates": "t.json"},
@@ -130,7 +130,7 @@ def test_local_paths_become_absolute_for_the_workers(tmp_path, monkeypatch):
     assert out.eval.tasks[1].templates == str(tmp_path / "t.json")
     assert out.resolved_tasks()[1].data == str(tmp_path / "data" / "digits" / "eval")
     assert out.with_absolute_paths() == out and cfg.data.root == "data/digits"  # idempotent; the original kept
-    served = Config.model_validate({"tracking": {"uri": "http://127.0.0.1:5000"}}).with_absolute_paths()
+    served = TrainDocument.model_validate({"tracking": {"uri": "http://127.0.0.1:5000"}}).with_absolute_paths()
     assert served.tracking.uri == "http://127.0.0.1:5000"
 
 

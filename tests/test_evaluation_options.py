@@ -16,7 +16,7 @@ from models.scoring.ann import MeanIndex, pair_scores, rerank
 from models.scoring.metrics import rank_candidates, rank_queries
 from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
                                      weighted_ensemble)
-from pipelines.config import Config, ConfigError, EvalTask, load_config
+from pipelines.config import TrainDocument, ConfigError, EvalTask, load_config
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.in_process import TaskEmbeddings
 
@@ -236,10 +236,10 @@ def test_bad_options_are_one_line_errors(tmp_path, task, message):
 
 
 def test_options_survive_the_config_round_trip():
-    cfg = Config.model_validate({"eval": {"tasks": [
+    cfg = TrainDocument.model_validate({"eval": {"tasks": [
         {"name": "z", "kind": "zeroshot", "prompts": "bprw", "score": "mean", "bprw": {"alpha": 2.0}},
         {"name": "r", "kind": "retrieval", "index": "faiss", "faiss": {"kind": "ivf", "candidates": 50}}]}})
-    back = Config.from_dict(cfg.to_dict())
+    back = TrainDocument.from_dict(cfg.to_dict())
     assert back.eval.tasks == cfg.eval.tasks
 
 

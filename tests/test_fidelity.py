@@ -821,10 +821,10 @@ def test_bf16_autocast_leaves_heads_mixer_and_pooling_in_float32():
 
 
 def test_bf16_training_is_deepspeed_torch_autocast():
-    from pipelines.config import Config
+    from pipelines.config import TrainDocument
     from pipelines.train.worker import deepspeed_config
 
-    cfg = Config.from_dict({"model": {"name": "prolip_tiny"}})
+    cfg = TrainDocument.from_dict({"model": {"name": "prolip_tiny"}})
     on, off = deepspeed_config(cfg, True), deepspeed_config(cfg, False)
     assert on["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not off["torch_autocast"]["enabled"]
     assert "bf16" not in on  # DeepSpeed's bf16 engine would cast the float32 heads' parameters to bf16

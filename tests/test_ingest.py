@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from models.preprocess import to_model_input
-from pipelines.config import Config
+from pipelines.config import TrainDocument
 from pipelines.data.device_augment import augment
 from pipelines.data.reader import Preprocess, train_options
 from tests.test_device_augment import photos
@@ -17,14 +17,14 @@ SIZE = 48  # photos() are 56 px: the device path's decode size for 48 is 55, so 
 
 
 def where(**data) -> str:
-    cfg = Config.from_dict({"data": data, "train": {"use_gpu": data.pop("gpu", False)}})
+    cfg = TrainDocument.from_dict({"data": data, "train": {"use_gpu": data.pop("gpu", False)}})
     return train_options(cfg)["augment_on"]
 
 
 def test_where_the_augmentation_runs():
     assert where() == "reader" and where(gpu=True) == "device"  # auto: the GPU when there is one
     assert where(augment_on="device") == "device" and where(augment_on="reader", gpu=True) == "reader"
-    assert train_options(Config())["uint8"]
+    assert train_options(TrainDocument())["uint8"]
 
 
 def test_both_places_give_the_same_training_images():
@@ -39,7 +39,7 @@ def test_both_places_give_the_same_training_images():
            "txt": [f"caption {i}".encode() for i in range(32)], "json": [json.dumps({"label": 1}).encode()] * 32}
     out = {}
     for gpu in (False, True):
-        options = train_options(Config.from_dict({"train": {"use_gpu": gpu}}))
+        options = train_options(TrainDocument.from_dict({"train": {"use_gpu": gpu}}))
         out[options["augment_on"]] = Preprocess(SIZE, 16, seed=0, augment=True, **options)(dict(raw))
     reader, device = out["reader"], out["device"]
     assert reader["image"].shape == (32, SIZE, SIZE, 3) and "augment" not in reader

@@ -10,7 +10,7 @@ from sklearn.metrics import balanced_accuracy_score
 
 from models import create_model
 from models.scoring.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
-from pipelines.config import Config, ConfigError, load_config
+from pipelines.config import TrainDocument, ConfigError, load_config
 from pipelines.evaluate.names import metric_names, task_metric_names
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.in_process import TaskEmbeddings
@@ -115,19 +115,19 @@ def test_retrieval_scores_csd_and_means_and_shared_captions():
 
 
 def load_config_task(kind: str):
-    cfg = Config.model_validate({"data": {"root": "/data"}, "eval": {"tasks": [{"name": "t", "kind": kind}]}})
+    cfg = TrainDocument.model_validate({"data": {"root": "/data"}, "eval": {"tasks": [{"name": "t", "kind": kind}]}})
     return cfg.resolved_tasks()[0]
 
 
 def test_default_tasks_are_heldout_retrieval_and_loss():
-    cfg = Config.model_validate({"data": {"root": "/data/root/"}})
+    cfg = TrainDocument.model_validate({"data": {"root": "/data/root/"}})
     tasks = cfg.resolved_tasks()
     assert [(t.name, t.kind, t.data, t.split) for t in tasks] == [
         ("heldout", "retrieval", "/data/root", "test"), ("heldout_loss", "loss", "/data/root", "test")]
     names = metric_names(cfg)
     assert "heldout/i2t_R1" in names and "heldout_loss/loss" in names
     assert not any("top1" in n or "calib" in n for n in names)  # no labels, deterministic model
-    prob = metric_names(Config.model_validate({"model": {"name": "pcmepp_tiny"}}))
+    prob = metric_names(TrainDocument.model_validate({"model": {"name": "pcmepp_tiny"}}))
     assert {"heldout/cos_t2i_R5", "heldout/i2t_calib_score", "heldout/image_sigma2_mean"} <= set(prob)
 
 

@@ -12,7 +12,7 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.model_file import load_model
-from pipelines.config import Config
+from pipelines.config import TrainDocument
 from pipelines.tracking import StepLogger, model_file, redact
 from tests.helpers import DEMO_STEPS
 
@@ -105,7 +105,7 @@ def test_mlflow_run_reads_back(trained):
     assert (tmp / "mlartifacts").is_dir()
     saved = download_artifacts(run_id=result.mlflow_run_id, artifact_path="config.yaml",
                                dst_path=str(tmp / "dl"), tracking_uri=result.mlflow_uri)
-    assert Config.from_dict(yaml.safe_load(Path(saved).read_text())) == cfg
+    assert TrainDocument.from_dict(yaml.safe_load(Path(saved).read_text())) == cfg
 
 
 def test_saved_model_reloads_with_same_embeddings(trained):

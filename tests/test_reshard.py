@@ -26,9 +26,9 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _config(world: int, stage: int):
-    from pipelines.config import Config
+    from pipelines.config import TrainDocument
 
-    return Config.from_dict({"model": {"name": "clip_tiny", "overrides": {"vision_depth": 1, "text_depth": 1}},
+    return TrainDocument.from_dict({"model": {"name": "clip_tiny", "overrides": {"vision_depth": 1, "text_depth": 1}},
                              "loss": {"name": "infonce"},
                              "train": {"num_workers": world, "batch_size": MICRO, "zero_stage": stage, "steps": 20,
                                        "warmup_steps": 4, "lr": 1e-2, "grad_clip": 0.0}})

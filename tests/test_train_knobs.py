@@ -8,15 +8,15 @@ import torch
 from models.objective import build_objective
 from models.registry import METHODS
 from models.tokenizer import tokenize
-from pipelines.config import Config, ConfigError
+from pipelines.config import TrainDocument, ConfigError
 from pipelines.train.optim import training_objective
 
 CAPTIONS = ["the digit seven", "a handwritten digit four", "an odd digit", "a photo of the number three",
             "two", "a drawing of the digit 9 written by hand"]
 
 
-def config(name: str, **train) -> Config:
-    return Config.from_dict({"model": {"name": name}, "train": train})
+def config(name: str, **train) -> TrainDocument:
+    return TrainDocument.from_dict({"model": {"name": name}, "train": train})
 
 
 def inputs(n: int = 6):

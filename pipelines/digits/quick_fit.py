@@ -10,7 +10,7 @@ from models.accumulate import CachedBatch
 from models.objective import build_objective
 from models.preprocess import to_model_input
 from models.tokenizer import tokenize
-from pipelines.config import Config
+from pipelines.config import TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.digits.dataset import iter_digits
 
@@ -22,13 +22,13 @@ def digit_arrays(split: str):
     return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
 
 
-def config_sampler(cfg: Config) -> CaptionSampler:
+def config_sampler(cfg: TrainDocument) -> CaptionSampler:
     """The caption mix of cfg.data, as a Ray Train fit of cfg draws it."""
     d = cfg.data
     return CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob)
 
 
-def fit_in_process(cfg: Config, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
+def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
                    accum: int = 1, dtype: torch.dtype = torch.float32):
     """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
     on the train split with cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw);

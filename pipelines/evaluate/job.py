@@ -26,7 +26,7 @@ from models.objective import Objective
 from models.scoring.ann import MeanIndex
 from pipelines.cluster.check import is_local_path
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import Config, ConfigError, InputError
+from pipelines.config import TrainDocument, ConfigError, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.data.reader import read_shards, shard_paths
 from pipelines.data.storage import fs_path
@@ -39,7 +39,7 @@ from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_
 from pipelines.tracking import finish_with_results, resolve_model, start_run, tracking_uri
 
 
-def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, dict]:
+def loss_section(cfg: TrainDocument, source_config: str | None) -> tuple[str | None, dict]:
     """The loss to rebuild for `loss` tasks: the source run's, unless the eval config names one."""
     if cfg.loss.name is None and source_config:
         loss = (yaml.safe_load(source_config) or {}).get("loss") or {}
@@ -47,7 +47,7 @@ def loss_section(cfg: Config, source_config: str | None) -> tuple[str | None, di
     return cfg.loss.name, cfg.loss.params
 
 
-def held_out_loss_of(cfg: Config, model, source: dict, task, stats_name: str | None = None) -> float:
+def held_out_loss_of(cfg: TrainDocument, model, source: dict, task, stats_name: str | None = None) -> float:
     if source["loss"] is None:
         raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
                           f"{source['model']}")
@@ -64,7 +64,7 @@ def model_name(path: Path) -> str:
         return (f.metadata() or {})["model"]
 
 
-def evaluate_model(cfg: Config, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+def evaluate_model(cfg: TrainDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
     """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
     model = load_model(source["model"])
     tasks = cfg.resolved_tasks()

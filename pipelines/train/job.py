@@ -13,7 +13,7 @@ from ray.data import ExecutionOptions
 from models.objective import build_objective, loss_name
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, is_local_path, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import Config, ConfigError
+from pipelines.config import TrainDocument, ConfigError
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
@@ -37,7 +37,7 @@ class PretrainResult:
     registered_version: str | None = None  # tracking.register_as: the Model Registry version of this run
 
 
-def prepare_data(cfg: Config) -> None:
+def prepare_data(cfg: TrainDocument) -> None:
     if cfg.data.source == "digits":
         if not is_local_path(cfg.data.root):
             raise ConfigError(f"data.root: {cfg.data.root} is not a local folder; the bundled digits are written on "
@@ -46,13 +46,13 @@ def prepare_data(cfg: Config) -> None:
         prepare_digits(cfg.data.root, cfg.data.image_size, cfg.data.shard_size, cfg.data.split_seed)
 
 
-def check_eval_tasks(cfg: Config) -> None:
+def check_eval_tasks(cfg: TrainDocument) -> None:
     """Every eval task's data has what its kind needs (one-line ConfigError otherwise), before training."""
     for task in cfg.resolved_tasks():
         check_task(task)
 
 
-def build_datasets(cfg: Config, context_length: int, run_id: str = "") -> dict[str, Any]:
+def build_datasets(cfg: TrainDocument, context_length: int, run_id: str = "") -> dict[str, Any]:
     """The run's Ray datasets; their reader counts kept under `run_stats_name(run_id, name)`."""
     size = cfg.data.image_size
     datasets = {
@@ -74,12 +74,12 @@ def build_datasets(cfg: Config, context_length: int, run_id: str = "") -> dict[s
     return datasets
 
 
-def run_tags(cfg: Config, extra_tags: dict[str, str] | None) -> dict[str, str]:
+def run_tags(cfg: TrainDocument, extra_tags: dict[str, str] | None) -> dict[str, str]:
     return {"probvlp.run_name": cfg.run.name, "probvlp.model": cfg.model.name, "probvlp.method": loss_name(cfg),
             "mlflow.source.git.commit": git_commit() or "", **(extra_tags or {})}
 
 
-def pretrain(cfg: Config, callbacks: list | None = None,
+def pretrain(cfg: TrainDocument, callbacks: list | None = None,
              extra_tags: dict[str, str] | None = None) -> PretrainResult:
     """Train `cfg` on Ray Train. `callbacks` go to the Train run (e.g. Tune's report callback);
     `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials)."""

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.config import Config
+from pipelines.config import TrainDocument
 
 
-def model_card(cfg: Config, metrics: dict[str, Any], step: int) -> str:
+def model_card(cfg: TrainDocument, metrics: dict[str, Any], step: int) -> str:
     results = "\n".join(f"| {k} | {v:.4f} |" for k, v in metrics.items())
     return f"""# {cfg.model.name} ({cfg.run.name})
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 from models.objective import Objective, build_training_objective
-from pipelines.config import Config
+from pipelines.config import TrainDocument
 
 
-def training_objective(cfg: Config) -> Objective:
+def training_objective(cfg: TrainDocument) -> Objective:
     """cfg's model and loss with train.grad_checkpointing and train.compile applied."""
     return build_training_objective(cfg, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
 

@@ -25,13 +25,14 @@ from pipelines.train import reshard
 TAG = "state"
 
 
-def _safe_globals() -> list:
+def checkpoint_safe_globals() -> list:
+    """The DeepSpeed classes a checkpoint's pickles name: allowed by torch.load(weights_only=True), nothing else."""
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
     def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 

@@ -25,7 +25,7 @@ from models.tokenizer import tokenize
 from pipelines.train import state as train_state
 from pipelines.train.trainer import eval_dataset_name
 from pipelines.train.state import Progress
-from pipelines.config import Config, EvalTask
+from pipelines.config import TrainDocument, EvalTask
 from pipelines.evaluate import EvaluationError
 from pipelines.data.eval_tasks import use_texts
 from pipelines.evaluate.names import metric_names
@@ -51,7 +51,7 @@ def skip_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(cfg: Config, use_bf16: bool) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainDocument, use_bf16: bool) -> dict[str, Any]:
     """bf16 is DeepSpeed's torch autocast, not its bf16 engine: the engine casts every parameter to bf16
     (its keep_in_fp32_modules keeps buffers only), where the sigma heads, the mixer and the losses'
     scale / bias must stay float32 (models.heads); under autocast the parameters stay float32 and the
@@ -184,7 +184,7 @@ class DataWait:
 class TrainWorker:
     """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
 
-    def __init__(self, cfg: Config, mlflow_uri: str, run_id: str, failure_marker: str | None):
+    def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, failure_marker: str | None):
         self.cfg, self.t = cfg, cfg.train
         self.rank = ray.train.get_context().get_world_rank()
         self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
@@ -523,7 +523,7 @@ EXAMPLE_CAPTION = "a photo of a dog"
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    cfg = Config.from_dict(config["config"])
+    cfg = TrainDocument.from_dict(config["config"])
     use_texts(config.get("texts", {}))
     worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
     worker.fit()

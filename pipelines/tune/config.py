@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (Config, ConfigError, Section, apply_overrides, format_validation_error, load_config,
+from pipelines.config import (TrainDocument, ConfigError, Section, apply_overrides, format_validation_error, load_config,
                               read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
 
@@ -88,14 +88,14 @@ class SweepDocument(Section):
     eval_every: int = 0
 
 
-def trial_config(base: dict[str, Any], params: dict[str, Any]) -> Config:
+def trial_config(base: dict[str, Any], params: dict[str, Any]) -> TrainDocument:
     data = copy.deepcopy(base)
     for key, value in params.items():
         set_dotted(data, key, value)
-    return Config.from_dict(data)
+    return TrainDocument.from_dict(data)
 
 
-def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepDocument, Config]:
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepDocument, TrainDocument]:
     """Parse and validate the whole sweep before any trial starts; errors are one line."""
     path = Path(path)
     if not path.is_file():

@@ -24,7 +24,7 @@ from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
 from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import Config, ConfigError, absolute_local, set_dotted
+from pipelines.config import TrainDocument, ConfigError, absolute_local, set_dotted
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
@@ -50,7 +50,7 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
+def check_sweep_reaches_its_nodes(base: TrainDocument, storage: str) -> None:
     """One-line ConfigErrors, before any trial starts, on a cluster whose nodes share no disk: each trial drives its
     training from a node of its own, so the sweep's storage and the MLflow store must be reachable from every node."""
     share_paths(base.ray.shared_paths)
@@ -65,7 +65,7 @@ def check_sweep_reaches_its_nodes(base: Config, storage: str) -> None:
                           "reaches")
 
 
-def run_sweep(sweep: SweepDocument, base: Config, sweep_file_text: str):
+def run_sweep(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str):
     """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict). The summary is None when
     the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again resumes it."""
     s = sweep.tune
@@ -180,7 +180,7 @@ def _scheduler(sweep: SweepDocument, rungs_file: str):
                          reduction_factor=s.reduction_factor)
 
 
-def summarize_sweep(grid, sweep: SweepDocument, base: Config, uri: str, parent: str) -> dict[str, Any]:
+def summarize_sweep(grid, sweep: SweepDocument, base: TrainDocument, uri: str, parent: str) -> dict[str, Any]:
     """Child-run statuses, results table and plot, best config YAML; all logged to the parent run."""
     s = sweep.tune
     rows = [trial_row(result, sweep, base) for result in grid]
@@ -199,7 +199,7 @@ def summarize_sweep(grid, sweep: SweepDocument, base: Config, uri: str, parent: 
     return {"table": table, "best_params": best_params, "best_config": best_cfg, "best_metric": float(best[s.metric])}
 
 
-def trial_row(result, sweep: SweepDocument, base: Config) -> dict[str, Any]:
+def trial_row(result, sweep: SweepDocument, base: TrainDocument) -> dict[str, Any]:
     """One Tune result -> trial id, its sampled knobs, the metric, the last step and how it ended."""
     metrics = result.metrics or {}
     trial_id = metrics.get("trial_id", result.path.rstrip("/").split("/")[-1] if result.path else "")
@@ -209,7 +209,7 @@ def trial_row(result, sweep: SweepDocument, base: Config) -> dict[str, Any]:
             sweep.tune.metric: metrics.get(sweep.tune.metric), "step": step, "status": status}
 
 
-def log_sweep_results(uri: str, parent: str, table, sweep: SweepDocument, best_cfg: Config,
+def log_sweep_results(uri: str, parent: str, table, sweep: SweepDocument, best_cfg: TrainDocument,
                       metrics: dict[str, float]) -> None:
     """The parent run's results table, knob plot, best config and `metrics`; then the parent run ends."""
     with tempfile.TemporaryDirectory() as tmp:
