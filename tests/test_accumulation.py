@@ -1,7 +1,7 @@
 """Feature-cache accumulation (models.accumulate, train.grad_accum) is exact: k micro-batches give the loss and every
 parameter gradient of one pass over the k x batch rows with the same random draws (float64, within 1e-10), for every
-method, on one process and on a 2-process gloo group; a DeepSpeed step with it at ZeRO-0/1/2/3 (and bf16) equals the
-one-pass step. A Ray Train run with it stops, resumes and recovers a failed worker bit-exactly: tests/test_scale.py."""
+method, on one process, on a 2-process gloo group and in 2 Ray Train workers; a DeepSpeed step with it at
+ZeRO-0/1/2/3 (and bf16) equals the one-pass step. A Ray Train run with it stops, resumes and recovers a failed worker bit-exactly: tests/test_scale.py."""
 from __future__ import annotations
 
 import copy
@@ -268,6 +268,34 @@ def two_workers(tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_two_workers_k_micro_batches_equal_one_batch_for_every_method(two_workers):
     for case, r in two_workers["float64"].items():
+        assert r["same_params"], case
+        assert r["loss_err"] <= 1e-10 and r["grad_err"] <= 1e-10, (case, r)
+
+
+@pytest.mark.timeout(600)
+def test_two_ray_train_workers_k_micro_batches_equal_one_batch(ray_local, tmp_path):
+    """The same float64 check in 2 Ray Train workers (TorchTrainer, gloo): the process group and the gathers are the
+    ones a training run's workers use."""
+    import json
+
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    def loop(config):
+        torch.set_num_threads(1)
+        rank = ray.train.get_context().get_world_rank()
+        result = _float64_methods(rank, World.current())
+        if rank == 0:
+            with open(config["out"], "w") as f:
+                json.dump(result, f)
+
+    out = tmp_path / "result.json"
+    TorchTrainer(loop, train_loop_config={"out": str(out)}, torch_config=TorchConfig(backend="gloo"),
+                 scaling_config=ray.train.ScalingConfig(num_workers=WORLD, use_gpu=False),
+                 run_config=ray.train.RunConfig(name="accum-float64", storage_path=str(tmp_path / "ray"))).fit()
+    result = json.loads(out.read_text())
+    assert set(result) == set(CASES)
+    for case, r in result.items():
         assert r["same_params"], case
         assert r["loss_err"] <= 1e-10 and r["grad_err"] <= 1e-10, (case, r)
 

@@ -67,3 +67,27 @@ def test_a_local_node_type_that_cannot_hold_a_worker_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"^local cluster: node type 'cpu_worker' with 0.5 CPU cannot hold one worker"):
         local_config(gcs_port=6379, cpus_per_node={"cpu_worker": 0.5})
+
+
+def test_a_worker_node_whose_process_ended_is_no_longer_listed(monkeypatch, tmp_path):
+    """A node whose raylet failed to start (its process ended) leaves the provider's list, so the autoscaler starts
+    another for the demand, instead of waiting on it as a launch still pending; the live node and the head stay."""
+    import subprocess
+
+    from pipelines.cluster.isolated import IsolatedNodeProvider
+
+    monkeypatch.setenv("RAY_FAKE_CLUSTER", "1")
+    provider = IsolatedNodeProvider({"gcs_address": "127.0.0.1:1", "log_dir": str(tmp_path)}, "test")
+    ended = subprocess.Popen(["true"], start_new_session=True)
+    ended.wait()
+    live = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    head = provider.non_terminated_nodes({})
+    provider._nodes["dead"] = {"tags": {}, "process": ended}
+    provider._nodes["live"] = {"tags": {}, "process": live}
+    try:
+        assert provider.non_terminated_nodes({}) == [*head, "live"]
+        provider.terminate_node("dead")  # listed to the autoscaler before it ended: no error
+        provider.terminate_node("live")
+        assert live.wait(timeout=30) is not None and provider.non_terminated_nodes({}) == head
+    finally:
+        live.kill()

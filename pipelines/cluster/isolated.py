@@ -113,6 +113,21 @@ class IsolatedNodeProvider(FakeMultiNodeProvider):
                 "process": process,
             }
 
+    def non_terminated_nodes(self, tag_filters):
+        # A node whose process has ended (its raylet failed to start, on a loaded machine) is gone, as a cloud
+        # instance that died would be: left listed, the autoscaler waits on it as a pending launch and never
+        # starts another for the demand it was to meet.
+        with self.lock:
+            for node_id, node in list(self._nodes.items()):
+                if "process" in node and node["process"].poll() is not None:
+                    self._terminate_node(self._nodes.pop(node_id))  # whatever of its process group is left
+        return super().non_terminated_nodes(tag_filters)
+
+    def terminate_node(self, node_id):
+        with self.lock:
+            if node_id in self._nodes:  # not one dropped above since the autoscaler listed it
+                super().terminate_node(node_id)
+
     def _terminate_node(self, node):
         process: subprocess.Popen = node["process"]
         for sig in (signal.SIGTERM, signal.SIGKILL):
