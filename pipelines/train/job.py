@@ -79,16 +79,22 @@ def run_tags(cfg: TrainDocument, extra_tags: dict[str, str] | None) -> dict[str,
             "mlflow.source.git.commit": git_commit() or "", **(extra_tags or {})}
 
 
-def pretrain(cfg: TrainDocument, callbacks: list | None = None,
-             extra_tags: dict[str, str] | None = None) -> PretrainResult:
+def joined_cluster(cfg: TrainDocument) -> bool:
+    """Whether this driver joins a running cluster (whose autoscaler may add nodes) rather than starting a local Ray."""
+    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: dict[str, str] | None = None,
+             joined: bool | None = None) -> PretrainResult:
     """Train `cfg` on Ray Train. `callbacks` go to the Train run (e.g. Tune's report callback);
-    `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials)."""
+    `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials); `joined`: whether the cluster was
+    joined, not started here (default: from the config and RAY_ADDRESS)."""
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
     t = cfg.train
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
-    check_cluster_holds_a_worker(t.worker_resources, joined=bool(cfg.ray.address or os.environ.get("RAY_ADDRESS")))
+    check_cluster_holds_a_worker(t.worker_resources, joined=joined_cluster(cfg) if joined is None else joined)
     share_paths(cfg.ray.shared_paths)
     check_storage_reachable("run.storage_path", cfg.run.storage_path,
                             "Ray Train writes every worker's checkpoints there: set it to object storage, e.g. "

@@ -22,27 +22,28 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import FIFOScheduler
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-from pipelines.cluster.check import check_storage_reachable, share_paths, spans_nodes
+from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import TrainDocument, ConfigError, absolute_local, set_dotted
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
-from pipelines.train.job import check_eval_tasks, prepare_data, pretrain
+from pipelines.train.job import check_eval_tasks, joined_cluster, prepare_data, pretrain
 from pipelines.tune.asha import ResumableASHA
 from pipelines.tune.config import SweepDocument, trial_config
 
 
 def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, storage_path: str,
-              parent_run_id: str) -> None:
-    """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer."""
+              parent_run_id: str, joined: bool) -> None:
+    """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer. `joined`: the
+    sweep's driver joined a cluster (a trial runs in a Ray worker, where the environment does not say so)."""
     trial_id = tune.get_context().get_trial_id()
     data = copy.deepcopy(base)
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
     set_dotted(data, "run.storage_path", storage_path)
     cfg = trial_config(data, params)
-    pretrain(cfg, callbacks=[TuneReportCallback()],
+    pretrain(cfg, callbacks=[TuneReportCallback()], joined=joined,
              extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id, "probvlp.sweep": sweep_name})
 
 
@@ -72,6 +73,8 @@ def run_sweep(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str):
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.max_workers * s.max_concurrent, t.cpus_per_worker))
+    joined = joined_cluster(base)
+    check_cluster_holds_a_worker(t.worker_resources, joined=joined)
     check_sweep_reaches_its_nodes(base, absolute_local(s.storage_path))
     prepare_data(base)  # once, before concurrent trials could race on it
     check_eval_tasks(base)
@@ -90,7 +93,7 @@ def run_sweep(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str):
                            {"probvlp.run_name": f"sweep:{s.name}", "probvlp.sweep": s.name})
 
     trainable = tune.with_parameters(run_trial, base=base.to_dict(), sweep_name=s.name,
-                                     storage_path=f"{root}/{s.name}_train", parent_run_id=parent)
+                                     storage_path=f"{root}/{s.name}_train", parent_run_id=parent, joined=joined)
     # The trial function only drives its TorchTrainer (the workers request their own CPUs); Tune
     # needs a non-empty bundle for it, so a sliver of a CPU.
     trainable = tune.with_resources(trainable, {"CPU": 0.1})
