@@ -1,26 +1,34 @@
-"""Elastic training observed on a multi-node Ray on this machine (ray.cluster_utils.Cluster: every node a raylet
-with its own CPUs, added and removed by the test, as an autoscaler and a lost machine would): a run with
-train.num_workers [1, 2] and one worker per node shrinks to one worker when a node is lost and grows back to two
-when a node is added again, from the last checkpoint each time."""
+"""Elastic training on nodes that share no disk: a 0-CPU head (ray.cluster_utils, the job's driver, its sqlite MLflow
+store and Ray Train's controller) and worker nodes that are raylets in mount namespaces of their own
+(pipelines.cluster.isolated: a private, empty /tmp and project data folder each), added and removed by the test as an
+autoscaler and a lost machine would. The digits and the checkpoints live on the tests' S3 server (conftest's `s3`);
+rank 0, on a worker node, logs through the driver's relay. A run with train.num_workers [1, 2] and one worker per
+node shrinks to one worker when a node is lost and grows back to two when a node is added again, from the last
+checkpoint each time."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.cluster.local import processes
-from pipelines.config import load_config
+from pipelines.cluster.isolated import node_command, node_env
+from pipelines.cluster.local import LOCAL_DATA, processes
+from pipelines.config import PROJECT_ROOT, load_config
 from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.train.optim import warmup_cosine
-from tests.helpers import registered, wait_for
+from tests.helpers import wait_for
 from tests.small_runs import SMALL
 from tests.zero_state import gathered_partitions, universal_state
 
@@ -34,42 +42,124 @@ STEPS = 5000
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=0",
            "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
            "run.max_failures=4"]
+BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
 
 
 def ray_temp_dir() -> str:
     return f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
 
 
+class Node:
+    """A worker node with `cpus` CPUs: a raylet in a mount namespace of its own (pipelines.cluster.isolated), its
+    own process group, so that killing the group is a machine switched off."""
+
+    def __init__(self, gcs_address: str, cpus: float, log: Path):
+        self.node_id = secrets.token_hex(28)
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                node_command(gcs_address, ["/tmp", str(LOCAL_DATA)], cpus, {}, {}, [str(PROJECT_ROOT), sys.prefix]),
+                env=node_env(self.node_id, "elastic-worker"), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def pids(self) -> dict[int, str]:
+        """pid -> command line of this node's processes (its raylet, agents and workers)."""
+        table = list(processes())
+        ours, grew = {self.process.pid}, True
+        while grew:
+            more = {pid for pid, ppid, _ in table if ppid in ours} - ours
+            ours |= more
+            grew = bool(more)
+        return {pid: cmd for pid, _, cmd in table if pid in ours}
+
+    def train_workers(self) -> set[int]:
+        return {pid for pid, cmd in self.pids().items() if cmd.startswith("ray::RayTrainWorker")}
+
+    def kill(self) -> None:
+        """Every process of the node at once (SIGKILL), as when its machine is switched off."""
+        left = self.pids()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in left:  # any that left the group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+class Cluster:
+    """The head and the worker nodes of the test; `add()` a node, `lose(node)` one."""
+
+    def __init__(self, head, folder: Path):
+        self.head, self.folder, self.nodes = head, folder, []
+        self.address = head.address
+
+    def add(self, cpus: float = 3) -> Node:
+        node = Node(self.address, cpus, self.folder / "nodes.log")
+        self.nodes.append(node)
+        return node
+
+    def lose(self, node: Node) -> None:
+        node.kill()
+        self.nodes.remove(node)
+
+    def alive(self) -> set[str]:
+        return {n["NodeID"] for n in self.head.global_state.node_table() if n["Alive"]}
+
+    def shutdown(self) -> None:
+        for node in list(self.nodes):
+            self.lose(node)
+        self.head.shutdown()
+
+
 @pytest.fixture
-def two_node_ray(tmp_path, monkeypatch):
-    """A head with no CPUs (its dashboard on 127.0.0.1) and two 3-CPU nodes."""
-    from ray.cluster_utils import Cluster
+def two_node_ray(s3, tmp_path, monkeypatch):
+    """A head with no CPUs (its dashboard on 127.0.0.1) and two isolated 3-CPU worker nodes."""
+    from ray.cluster_utils import Cluster as RayCluster
 
     # Right after a node loss Ray Train still counts the lost node for ~20 s and asks for 2 workers; on a cloud
-    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 10 s here (the raylets started
-    # below pass it to the Train controller) keeps the test short and leaves a loaded machine time to place the
-    # workers of a regrown group.
+    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 10 s here (the job's driver passes
+    # it to the Train controller) keeps the test short and leaves a loaded machine time to place the workers of a
+    # regrown group.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
-    local = {"node_ip_address": "127.0.0.1", "num_cpus": 3}
     temp_dir = ray_temp_dir()
     with port_lock():  # the dashboard's port is taken by the head before another local Ray looks
         dashboard = local_port()
-        cluster = Cluster(initialize_head=True, head_node_args={
-            **local, "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        head = RayCluster(initialize_head=True, head_node_args={
+            "node_ip_address": "127.0.0.1", "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": dashboard, "temp_dir": temp_dir})
+    cluster = Cluster(head, tmp_path)
     try:
-        for _ in range(2):
-            cluster.add_node(**local)
-        yield cluster, local, f"http://127.0.0.1:{dashboard}"
+        nodes = [cluster.add(), cluster.add()]
+        wait_for("two worker nodes", lambda: {n.node_id for n in nodes} <= cluster.alive(), 120, 0.5)
+        yield cluster, f"http://127.0.0.1:{dashboard}"
     finally:
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def train_workers(node) -> set[int]:
-    """Pids of the Ray Train workers that a node's raylet runs."""
-    raylet = node.all_processes["raylet"][0].process.pid
-    return {pid for pid, ppid, cmd in processes() if ppid == raylet and cmd.startswith("ray::RayTrainWorker")}
+@pytest.fixture(scope="module")
+def digits_on_s3(s3, digits_root) -> str:
+    """The digit shards and eval sets, on S3: no worker node sees the head's copy."""
+    from pipelines.digits.shards import write_digit_eval_sets
+
+    write_digit_eval_sets(digits_root)  # what the digits source adds to its shards (idempotent)
+    s3.put(digits_root, f"{BUCKET}/elastic/digits", recursive=True)
+    return f"s3://{BUCKET}/elastic/digits"
+
+
+def registered(s3, run_folder: str) -> list[str]:
+    """Checkpoints Ray Train has registered (listed in its snapshot file on S3), which a restart resumes from."""
+    s3.invalidate_cache()
+    try:
+        snapshot = json.loads(s3.cat(f"{run_folder}/checkpoint_manager_snapshot.json"))
+        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):  # not written yet (FileNotFoundError), or caught mid-write
+        return []
+
+
+def seen_by(pid: int, *paths: Path) -> dict[str, bool]:
+    """Which of `paths` the process `pid` sees, in its own view of the filesystem (/proc/<pid>/root: its node's, in
+    a mount namespace of its own)."""
+    return {str(p): os.path.lexists(f"/proc/{pid}/root{p}") for p in paths}
 
 
 def world_sizes(client: MlflowClient) -> list[int]:
@@ -107,16 +197,17 @@ def regrown(sizes: list[int]) -> bool:
     return shrunk is not None and 2 in sizes[shrunk + 1:]
 
 
-def run_resizing(cluster, local, dashboard, digits_root, tmp_path: Path, settings: list[str], watch=lambda: None,
-                 until=lambda client: True) -> MlflowClient:
+def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_path: Path, settings: list[str], s3,
+                 watch=lambda: None, until=lambda client: True) -> tuple[MlflowClient, str]:
     """The job on two workers (one a node) until a checkpoint; one node lost; on until a step by one worker is logged;
     a node added; on until a step by two workers again and `until(client)`; then stopped. `watch()` runs at every
-    poll. Returns the MLflow client of the run."""
-    first, second = list(cluster.worker_nodes)
-    cfg = [f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-           f"run.storage_path={tmp_path}/ray", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *settings,
-           # the nodes of ray.cluster_utils.Cluster are processes of this machine: they share its disk
-           f'ray.shared_paths=["{tmp_path}", "{digits_root}"]']
+    poll. `digits`: the digits on S3, and the head's folder they were uploaded from. Returns the MLflow client of the
+    run and its checkpoints' folder on S3 (bucket/path)."""
+    first, second = cluster.nodes
+    digits, head_digits = digits
+    storage = f"{BUCKET}/elastic/{tmp_path.name}"
+    cfg = [f"data.root={digits}", "data.source=shards", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+           f"run.storage_path=s3://{storage}", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *settings]
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard}
     log = tmp_path / "job.log"
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -130,16 +221,24 @@ def run_resizing(cluster, local, dashboard, digits_root, tmp_path: Path, setting
         return running(job, log)
 
     try:
-        checkpoints = tmp_path / "ray" / "elastic"
-        wait_for("a worker on each node", lambda: going() and train_workers(first) and train_workers(second), 300, 0.2)
-        before = set(registered(checkpoints))
+        checkpoints = f"{storage}/elastic"
+        workers = wait_for("a worker on each node", lambda: going() and all(
+            pids := [node.train_workers() for node in (first, second)]) and set.union(*pids), 300, 0.5)
+        # what makes the cluster shared-nothing: the head's files (the job's log and MLflow store, its Ray session,
+        # the digits written for the upload) are not on the training workers' nodes
+        head_files = [log, Path(ray_temp_dir()), Path(head_digits) / "train"]
+        assert all(f.exists() for f in head_files)
+        for pid in workers:  # each sees its own node's Ray folder, none of the head's files
+            seen = seen_by(pid, Path("/tmp/ray/session_latest"), *head_files)
+            assert list(seen.values()) == [True] + [False] * len(head_files), seen
+        before = set(registered(s3, checkpoints))
         wait_for("a checkpoint registered by the two workers",
-                 lambda: going() and set(registered(checkpoints)) - before, 300, 0.2)
-        cluster.remove_node(second, allow_graceful=False)  # the machine is gone, its processes with it
+                 lambda: going() and set(registered(s3, checkpoints)) - before, 300, 0.5)
+        cluster.lose(second)  # the machine is gone, its processes with it
         # A step run by 1 worker in MLflow means the run has shrunk (a new worker on the node left may still
         # belong to a 2-worker group Ray placed before it noticed the loss).
         wait_for("a checkpointed step run by 1 worker", lambda: going() and 1 in world_sizes(client), 300, 1)
-        cluster.add_node(**local)  # what the autoscaler does for a run that asks for more
+        cluster.add()  # what the autoscaler does for a run that asks for more
         try:
             wait_for("a checkpointed step run by 2 workers again",
                      lambda: going() and regrown(world_sizes(client)) and until(client), 600, 1)
@@ -150,17 +249,17 @@ def run_resizing(cluster, local, dashboard, digits_root, tmp_path: Path, setting
     finally:
         job.kill()
         job.wait(timeout=60)
-    return client
+    return client, checkpoints
 
 
 @pytest.mark.timeout(900)
-def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, digits_root, tmp_path):
+def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, s3, digits_on_s3, digits_root, tmp_path):
     """Two workers on the two nodes checkpoint; one node is lost (every process of it killed); Ray Train restarts
     from the checkpoint with the one worker that fits, then with two once a node is added. Every step is logged
     once across the restarts, every loss is finite, and the learning rate is on its schedule whatever the size
     (docs/SCALING.md, "Elastic training"). The job is stopped once two workers have run a step again: how a
     run ends is tested on fixed-size runs."""
-    client = run_resizing(*two_node_ray, digits_root, tmp_path, ELASTIC)
+    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path, ELASTIC, s3)
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
     assert int(run.data.tags["probvlp.resumed_from_step"]) % 10 == 0  # each restart from a checkpoint
@@ -203,33 +302,45 @@ TOP1 = 0.35  # held-out zero-shot top-1, chance 0.10
 @pytest.mark.long
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_run_resizes_with_its_optimizer_state_and_learns(stage, two_node_ray, digits_root, tmp_path):
+def test_zero_run_resizes_with_its_optimizer_state_and_learns(stage, two_node_ray, s3, digits_on_s3, digits_root,
+                                                              tmp_path):
     """ZeRO-2 / ZeRO-3 with [1, 2] workers: each resize converts the checkpoint it restarts from once (2 -> 1, then
     1 -> 2) and the converted fp32 weights and Adam moments equal those gathered from the checkpoint's partitions;
     every step is logged once; the model of the last checkpoint learns (held-out zero-shot top-1)."""
     from pipelines.train import reshard
 
-    checkpoints, copies = tmp_path / "ray" / "elastic", tmp_path / "converted"
+    checkpoints, copies = f"{BUCKET}/elastic/{tmp_path.name}/elastic", tmp_path / "converted"
 
     def keep_conversions() -> None:
-        for marker in checkpoints.glob(f"checkpoint_*/{reshard.MARKER}"):
-            if not (copies / marker.parent.name).exists():
-                shutil.copytree(marker.parent, copies / marker.parent.name)
+        s3.invalidate_cache()
+        folders = [e["name"] for e in s3.ls(checkpoints, detail=True) if e["type"] == "directory"] \
+            if s3.exists(checkpoints) else []
+        for folder in folders:
+            name = folder.rsplit("/", 1)[1]
+            if name.startswith("checkpoint_") and not (copies / name).exists() \
+                    and s3.exists(f"{folder}/{reshard.MARKER}"):
+                with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+                    s3.get(folder, f"{tmp}/copy", recursive=True)
+                    copies.mkdir(exist_ok=True)
+                    os.rename(f"{tmp}/copy", copies / name)  # whole, or not there
 
     def trained(client) -> bool:
         return len(world_sizes(client)) >= ZERO_TRAINED_STEPS
 
     settings = [*(s for s in ELASTIC if not s.startswith("train.zero_stage")), f"train.zero_stage={stage}",
                 "run.keep_checkpoints=3"]
-    client = run_resizing(*two_node_ray, digits_root, tmp_path, settings, watch=keep_conversions, until=trained)
+    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path, settings, s3,
+                             watch=keep_conversions, until=trained)
     keep_conversions()
+    top1 = resized_run_checks(client, s3, checkpoints, copies, digits_root, tmp_path)
+    print(f"ZeRO-{stage}: steps by size {world_sizes(client)}; held-out top-1 {top1:.3f}")
+    assert top1 >= TOP1
 
-    assert resized_run_checks(client, checkpoints, copies, digits_root) >= TOP1
 
-
-def resized_run_checks(client: MlflowClient, checkpoints: Path, copies: Path, digits_root) -> float:
+def resized_run_checks(client: MlflowClient, s3, checkpoints: str, copies: Path, digits_root, tmp_path) -> float:
     """What a ZeRO run that resized must show (every step once, both conversions, each equal to its checkpoint's
-    partitions, run.keep_checkpoints kept); returns the held-out zero-shot top-1 of its last checkpoint's model."""
+    partitions, run.keep_checkpoints kept, on S3); returns the held-out zero-shot top-1 of its last checkpoint's
+    model."""
     from models.objective import build_objective
     from pipelines.digits.dataset import NAMES, specific_captions
     from pipelines.digits.quick_fit import digit_arrays
@@ -250,11 +361,14 @@ def resized_run_checks(client: MlflowClient, checkpoints: Path, copies: Path, di
         assert reference.keys() == converted.keys() and reference
         for key, tensor in reference.items():
             assert torch.equal(converted[key], tensor.reshape(-1)), key
-    # run.keep_checkpoints holds: the converted folders went with their checkpoints
-    assert len([p for p in checkpoints.glob("checkpoint_*") if p.is_dir()]) <= 4  # 3, and one the stop cut short
-    assert not any((checkpoints / f.name).exists() for f in conversions[:1])
+    # run.keep_checkpoints holds on S3: the converted folders went with their checkpoints
+    s3.invalidate_cache()
+    on_s3 = [e["name"].rsplit("/", 1)[1] for e in s3.ls(checkpoints, detail=True) if e["type"] == "directory"]
+    assert len([n for n in on_s3 if n.startswith("checkpoint_")]) <= 4  # 3, and one the stop cut short
+    assert conversions[0].name not in on_s3
     # the model of the last checkpoint (its fp32 weights) learns
-    last = checkpoints / registered(checkpoints)[-1] / "state"
+    last = tmp_path / "last"
+    s3.get(f"{checkpoints}/{registered(s3, checkpoints)[-1]}/state", str(last), recursive=True)
     weights = {k.split("/", 1)[1]: v for k, v in gathered_partitions(last).items() if k.startswith("fp32/model.")}
     cfg = load_config(ROOT / "configs" / "demo.yaml", [*SMALL, f"data.root={digits_root}"])
     model = build_objective(cfg).model.eval()
