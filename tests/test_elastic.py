@@ -191,6 +191,12 @@ def controller_lines(last: int = 25) -> str:
     return "\n".join(lines[-last:]) or "(none logged)"
 
 
+def size_runs(sizes: list[int]) -> str:
+    """Which worker count ran which steps: "2 workers from step 1, 1 from step 11, ..."."""
+    changes = [(s + 1, b) for s, (a, b) in enumerate(zip(sizes, sizes[1:]), start=1) if a != b]
+    return f"{sizes[0]} workers from step 1" + "".join(f", {b} from step {step}" for step, b in changes)
+
+
 def regrown(sizes: list[int]) -> bool:
     """Two workers, then one, then two again."""
     shrunk = next((i for i, (a, b) in enumerate(zip(sizes, sizes[1:])) if (a, b) == (2, 1)), None)
@@ -270,7 +276,7 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, s3, digit
     assert sorted(history["loss"]) == list(steps)  # every step once, across the restarts
     sizes = [int(history["world_size"][s]) for s in steps]
     changes = [(s + 1, a, b) for s, (a, b) in enumerate(zip(sizes, sizes[1:]), start=1) if a != b]
-    runs = f"{sizes[0]} workers from step 1" + "".join(f", {b} from step {step}" for step, _, b in changes)
+    runs = size_runs(sizes)
     shrink = next((step for step, a, b in changes if (a, b) == (2, 1)), None)
     assert shrink is not None and shrink % 10 == 1, runs  # the 1-worker run resumed from a step-10k checkpoint
     assert any(step > shrink and (a, b) == (1, 2) and step % 10 == 1 for step, a, b in changes), runs
@@ -333,7 +339,9 @@ def test_zero_run_resizes_with_its_optimizer_state_and_learns(stage, two_node_ra
                              watch=keep_conversions, until=trained)
     keep_conversions()
     top1 = resized_run_checks(client, s3, checkpoints, copies, digits_root, tmp_path)
-    print(f"ZeRO-{stage}: steps by size {world_sizes(client)}; held-out top-1 {top1:.3f}")
+    resharded = [v for k, v in client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
+                 .data.tags.items() if k.startswith("probvlp.resharded")]
+    print(f"ZeRO-{stage}: {size_runs(world_sizes(client))}; conversions {resharded}; held-out top-1 {top1:.3f}")
     assert top1 >= TOP1
 
 
