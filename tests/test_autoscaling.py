@@ -251,29 +251,24 @@ def registered_on(fs, run_folder: str) -> list[str]:
         return []
 
 
-def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, digits_root, tmp_path):
-    """The local node types have no GPU (ray_cluster.yaml's GPUs are dropped here): the driver says at once that
-    no node holds a worker, and Ray's autoscaler that no node type can; the job is stopped, not left hanging."""
-    cluster, log = local_cluster, tmp_path / "submit.log"
+@pytest.fixture(scope="module")
+def gpu_job(local_cluster, digits_root, tmp_path_factory):
+    """A training job that asks for a GPU, submitted with --no-wait (the local node types have none): it waits
+    beside the other jobs of the module until the test reading its log stops it. (job id, its log's reader)."""
+    tmp = tmp_path_factory.mktemp("gpu_job")
     job_id = f"gpu-{os.getpid()}"
-    submitted = submit(cluster, job_args(tmp_path, digits_root, "gpu", "train.use_gpu=true"), log, "--no-wait",
+    log = tmp / "submit.log"
+    submitted = submit(local_cluster, job_args(tmp, digits_root, "gpu", "train.use_gpu=true"), log, "--no-wait",
                        f"--submission-id={job_id}")
     assert submitted.wait(timeout=120) == 0, log.read_text()
-    env = cluster.client_env()
-
-    def job_log() -> str:  # what `ray job logs` prints, from the Jobs REST API
-        return dashboard(cluster, f"/api/jobs/{job_id}/logs")["logs"]
-
     try:
-        text = wait_for("both messages in the job's log", lambda: (lambda t: t if (
-            re.search(r"No available node types can fulfill resource request \{[^}]*'GPU': 1\.0", t)
-            and "one training worker needs CPU 1, GPU 1" in t) else None)(job_log()), timeout_s=300, every_s=2)
+        yield job_id, lambda: dashboard(local_cluster, f"/api/jobs/{job_id}/logs")["logs"]  # what `ray job logs` prints
     finally:
-        subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=env, capture_output=True, timeout=120)
-    assert "waiting for the autoscaler to add one" in text
+        subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=local_cluster.client_env(), capture_output=True,
+                       timeout=120)
 
 
-def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, tmp_path):
+def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, gpu_job, tmp_path):
     """jobs.download submitted to the cluster, from a URL table on S3 to shards on S3: its parts run as Ray tasks on
     the worker nodes the autoscaler starts (the URLs are on this machine's loopback, which every node shares), every
     shard is complete with no temporary object left, the summary agrees with the per-part lines and says which node
@@ -317,6 +312,22 @@ def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, tmp_
     assert len(by_node) >= 2 and not head & set(by_node), by_node
     assert "downloaded this run by" in log
 
+
+
+def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, gpu_job):
+    """The local node types have no GPU (ray_cluster.yaml's GPUs are dropped here): the driver says at once that
+    no node holds a worker, and Ray's autoscaler that no node type can, while the cluster runs other jobs (the
+    download's, which started its worker nodes); the job is stopped, not left hanging."""
+    job_id, job_log = gpu_job
+    text = wait_for("both messages in the job's log", lambda: (lambda t: t if (
+        re.search(r"No available node types can fulfill resource request \{[^}]*'GPU': 1\.0", t)
+        and "one training worker needs CPU 1, GPU 1" in t) else None)(job_log()), timeout_s=300, every_s=2)
+    assert "waiting for the autoscaler to add one" in text
+    stop = subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=local_cluster.client_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert wait_for("the job stopped", lambda: dashboard(local_cluster, f"/api/jobs/{job_id}")["status"] == "STOPPED",
+                    timeout_s=120, every_s=1)
 
 
 def test_jobs_api_refuses_requests_without_the_token(local_cluster):
