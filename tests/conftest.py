@@ -134,6 +134,19 @@ def user_shards(ray_local, tmp_path_factory):
     return root, tmp
 
 
+@pytest.fixture
+def one_sweep_at_a_time(tmp_path_factory, worker_id):
+    """Held while a test runs a sweep of two trials at once (about 5 GiB of Ray processes each): the two pytest
+    workers running theirs together filled this 24-GiB machine, and Ray's memory monitor killed trial workers."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # the folder of this pytest run that all workers see
+    with (shared / "sweeps.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> dict[str, str]:
     """tests/small_runs.py's REFERENCE run, uninterrupted, on the plain local Ray: {"checkpoint": its final DeepSpeed

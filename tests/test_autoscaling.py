@@ -210,7 +210,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
           f"nodes started in all")
 
 
-def test_a_two_trial_sweep_keeps_its_storage_on_s3(local_cluster, mlflow_server, s3, digits_on_s3, tmp_path):
+def test_a_two_trial_sweep_keeps_its_storage_on_s3(local_cluster, mlflow_server, s3, digits_on_s3,
+                                                  one_sweep_at_a_time, tmp_path):
     """jobs.tune submitted to the cluster: two trials at once, each a Ray Train run on a worker node, reading the
     digit shards from S3; Tune's experiment state and every trial's checkpoints on S3, every trial a child run of
     the sweep's parent run on the MLflow server."""
@@ -350,22 +351,34 @@ def test_jobs_api_refuses_requests_without_the_token(local_cluster):
 
 
 PROBE = '''
-import os, sys, time
+import os, sys
 from pathlib import Path
 import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 ray.init()
+nodes = placement_group([{"CPU": 2}, {"CPU": 2}], strategy="STRICT_SPREAD")  # two whole nodes, held throughout
+ray.get(nodes.ready())
+on = [PlacementGroupSchedulingStrategy(nodes, placement_group_bundle_index=i) for i in range(2)]
 
 
-@ray.remote(num_cpus=2)  # a whole node each: the two run on two nodes
-def look(i, head_file, data_file):
+@ray.remote(num_cpus=2)
+def write(i):
     Path(f"/tmp/probvlp_node_probe_{i}").write_text("written on this node")
-    time.sleep(4)  # both hold their node at once; the other has written its file by now
+    return ray.get_runtime_context().get_node_id()
+
+
+@ray.remote(num_cpus=2)
+def look(i, head_file, data_file):
     return (ray.get_runtime_context().get_node_id(), os.path.exists(head_file), os.path.exists(data_file),
-            os.path.exists(f"/tmp/probvlp_node_probe_{1 - i}"))
+            os.path.exists(f"/tmp/probvlp_node_probe_{1 - i}"), os.path.exists(f"/tmp/probvlp_node_probe_{i}"))
 
 
-print("SEEN", ray.get([look.remote(i, sys.argv[1], sys.argv[2]) for i in range(2)]))
+written = ray.get([write.options(scheduling_strategy=on[i]).remote(i) for i in range(2)])
+seen = ray.get([look.options(scheduling_strategy=on[i]).remote(i, sys.argv[1], sys.argv[2]) for i in range(2)])
+print("WRITTEN", written)
+print("SEEN", seen)
 '''
 
 
@@ -385,8 +398,10 @@ def test_nodes_see_no_file_of_the_head_or_of_each_other(local_cluster, tmp_path)
     assert out.returncode == 0, logs[-3000:]
     seen = eval(logs.split("SEEN ", 1)[1].splitlines()[0])  # noqa: S307 - the probe's own printed list
     head = {n["node_id"] for n in nodes(local_cluster) if n["is_head_node"]}
-    assert len({s[0] for s in seen}) == 2 and not head & {s[0] for s in seen}
-    assert [s[1:] for s in seen] == [(False, False, False)] * 2  # the head's files, the other node's: absent
+    written = eval(logs.split("WRITTEN ", 1)[1].splitlines()[0])  # noqa: S307 - the probe's own printed list
+    assert len({s[0] for s in seen}) == 2 and not head & {s[0] for s in seen} and [s[0] for s in seen] == written
+    # the head's files and the other node's are absent; the node's own file, written by the task before, is there
+    assert [s[1:] for s in seen] == [(False, False, False, True)] * 2
     assert not list(Path("/tmp").glob("probvlp_node_probe_*"))  # and the nodes' files are not on the head
 
 

@@ -74,7 +74,8 @@ def ended_trials(log: Path) -> set[str]:
 
 
 @pytest.mark.timeout(2400)
-def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_shards, s3, tmp_path):
+def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_shards, s3, one_sweep_at_a_time,
+                                                                          tmp_path):
     """A 2-trial ASHA sweep over the six knobs on user-style shards, run as a user would, its storage (Tune's
     experiment and every trial's Ray Train run) on S3: the paper's point, then a sampled one (seeded: a hopeless
     learning rate). Interrupted with Ctrl-C once the first trial has ended, then the same command again: the ended
