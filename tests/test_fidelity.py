@@ -416,7 +416,9 @@ def test_prolip_official_masked_share_and_kept_patches_against_official_counts()
         indices_to_keep = torch.randperm(n)[:remain_size]
         indices_to_keep, _ = torch.sort(indices_to_keep)
         assert torch.equal(ours, indices_to_keep.expand(5, -1))
-    assert model.image_mask_ratio == 0.25  # official ProLIP's --drop-prob 0.75 is the share KEPT    assert random_keep(3, 49, 0.25).shape == (3, 37) and random_keep(3, 49, 0.25, counts="floor").shape == (3, 36)
+    assert model.image_mask_ratio == 0.25  # official ProLIP's --drop-prob 0.75 is the share KEPT
+    # 49 * 0.75 = 36.75 kept: the paper's reading rounds, official ProLIP's int() floors
+    assert random_keep(3, 49, 0.25).shape == (3, 37) and random_keep(3, 49, 0.25, counts="floor").shape == (3, 36)
     per_row = random_keep(64, 49, 0.25)
     assert len({tuple(r) for r in per_row.tolist()}) > 1  # the paper's reading: a subset per image
 
