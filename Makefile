@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-long test-gpu install clean bench cluster-up cluster-down
+.PHONY: demo test test-cluster test-fast test-long test-gpu install clean bench cluster-up cluster-down
 
 # pip byte-compiles the ~20,000 installed modules one at a time; compileall does the same on every core (fresh
 # clones on 2 cores, alternating: 70-104 s, against 98-129 s for pip's own). Its exit status is not checked: like
@@ -23,13 +23,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jobs.pretrain --config configs/prolip_demo.yaml
 
-# Two pytest workers, one per core: the long Ray runs go to one while the other takes the short tests.
-# Modules sharing a trained or downloaded fixture run in one worker, longest first (tests/conftest.py; xdist would
-# otherwise start the groups with the most tests first).
+# Everything one node can show. Two pytest workers, one per core: the long Ray runs go to one while the other takes
+# the short tests. Modules sharing a trained or downloaded fixture run in one worker, longest first
+# (tests/conftest.py; xdist would otherwise start the groups with the most tests first). Every deadline in the tests
+# scales with the machine's measured speed (tests/pace.py; PROBVLP_TEST_SLOWNESS sets it).
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 tests
+
+# The tests on nodes that share no disk (marker cluster: a local autoscaling cluster, isolated raylets, S3 on
+# loopback), in one pytest process and never beside other Ray work: their nodes and jobs take both cores.
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -m "cluster and not long" --durations=0 tests
 
 # No Ray, no training, no servers: formulas, models, metrics, configs, readers (~1 minute on 2 cores).
 test-fast: $(STAMP)

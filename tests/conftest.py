@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.helpers import DEMO_STEPS
+from tests.pace import ENV, scaled, slowness
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -188,20 +189,33 @@ SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray
 # runs in the same worker, so the work is done once per pytest run, not once per worker (the first listed that a
 # module uses names its group).
 SHARED_FIXTURES = ("trained_clip", "user_shards")
-# Groups that take longest, started first so that one worker is not left alone with a long one at the end: the
-# cluster module (one cluster, one worker, the longest group by far) on one, the session's CLIP and the rest on the
-# other. Clusters and local Rays start under the port lock (pipelines.cluster.runtime), so they can start together.
-LONGEST_FIRST = ("test_autoscaling", "trained_clip", "test_elastic", "user_shards", "test_scale")
+# Groups that take longest, started first so that one worker is not left alone with a long one at the end. Local
+# Rays start under the port lock (pipelines.cluster.runtime), so they can start together.
+LONGEST_FIRST = ("trained_clip", "user_shards", "test_scale")
 
 
 def _module(item) -> str:
     return item.module.__name__.rsplit(".", 1)[-1]
 
 
+def pytest_configure(config):
+    slowness()  # measured once, before pytest-xdist starts its workers: they and every process the tests start read it
+
+
+def pytest_report_header(config):
+    return f"deadlines x{slowness():.2f} for this machine's speed (tests/pace.py; {ENV} to set it)"
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group markers
 def pytest_collection_modifyitems(config, items):
     shared = {}
     for item in items:
+        # pytest-timeout's limit (the test's marker, else --timeout) scaled to this machine, as every wait is
+        marker = item.get_closest_marker("timeout")
+        limit = marker.args[0] if marker and marker.args else marker.kwargs.get("timeout") if marker else None
+        limit = limit if limit is not None else getattr(config, "_env_timeout", None)
+        if limit:
+            item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
         if item.nodeid.startswith(PENDING):
             item.add_marker(pytest.mark.pending)
         if SLOW_FIXTURES & set(item.fixturenames):

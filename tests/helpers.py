@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from tests.pace import scaled, slowness
+
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
 DEMO_STEPS = 300
 
@@ -21,20 +23,25 @@ def free_port() -> int:
 
 
 def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):
-    """Poll `probe` until it returns something truthy (returned), or fail after a generous deadline."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `probe` until it returns something truthy (returned), or fail naming `what` was still missing.
+    `timeout_s` is the deadline on the reference machine, scaled to this one (tests.pace)."""
+    limit = scaled(timeout_s)
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         value = probe()
         if value:
             return value
         time.sleep(every_s)
-    raise AssertionError(f"not within {timeout_s:g}s: {what}")
+    raise AssertionError(f"still missing after {limit:.0f}s ({timeout_s:g}s x{slowness():.2f} for this machine's "
+                         f"speed): {what}")
 
 
 def wait_http(url: str, proc, timeout: float = 120) -> None:
-    """Wait until `url` answers (any HTTP status) while the server process `proc` runs."""
+    """Wait until `url` answers (any HTTP status) while the server process `proc` runs (`timeout` scaled as
+    wait_for's)."""
     import urllib.request
 
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -46,7 +53,7 @@ def wait_http(url: str, proc, timeout: float = 120) -> None:
             if getattr(err, "code", None):  # an HTTP error status: the server answers
                 return
             time.sleep(1)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
 def registered(run_folder: Path) -> list[str]:

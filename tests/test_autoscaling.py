@@ -34,7 +34,10 @@ from pipelines.download.plan import bucket_of
 from pipelines.tracking import model_file
 from tests.helpers import free_port, jpeg, wait_for
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
+from tests.pace import scaled
 
+# `make test-cluster`: nodes that share no disk, run alone (never beside other Ray work)
+pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # The run that conftest's straight_small_run trains uninterrupted (test_scale's bit-exact resume compares with it too).
@@ -78,7 +81,7 @@ def digits_on_s3(s3, straight_small_run) -> str:
 
 def dashboard(cluster: LocalCluster, path: str) -> dict:
     """GET `path` of the dashboard's HTTP API, with the token (a request, where the `ray` CLI would start a Python)."""
-    with urllib.request.urlopen(cluster.api_request(path), timeout=30) as response:
+    with urllib.request.urlopen(cluster.api_request(path), timeout=scaled(30)) as response:
         return json.load(response)
 
 
@@ -145,7 +148,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
         killed_at = time.monotonic()
         replacement = wait_for("a replacement node", lambda: alive_workers(cluster) - before, timeout_s=300)
         replaced_s = time.monotonic() - killed_at
-        assert job.wait(timeout=600) == 0, log.read_text()[-4000:]
+        assert job.wait(timeout=scaled(600)) == 0, log.read_text()[-4000:]
         finished_s = time.monotonic() - killed_at
     finally:
         if job.poll() is None:
@@ -195,7 +198,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     assert assert_identical(load_state(str(tmp_path / "final")), load_state(straight_small_run["checkpoint"])) > 20
 
     # The recipe's last steps: the evaluation's results, and the model loaded from MLflow in a fresh Python.
-    assert evaluated.wait(timeout=600) == 0, (tmp_path / "evaluate.log").read_text()[-4000:]
+    assert evaluated.wait(timeout=scaled(600)) == 0, (tmp_path / "evaluate.log").read_text()[-4000:]
     evals = client.search_runs([client.get_experiment_by_name("test-autoscaling-eval").experiment_id])
     assert evals[0].data.tags["probvlp.source_run"] == run.info.run_id
     assert evals[0].data.metrics["digits_zeroshot/top1"] == pytest.approx(run.data.metrics["digits_zeroshot/top1"], abs=0.02)
@@ -203,7 +206,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
                             "m = mlflow.pyfunc.load_model(sys.argv[1]); "
                             "print('MU', len(m.predict(pd.DataFrame({'caption': ['the digit seven']}))['text_mu'][0]))",
                             model], env={**os.environ, "MLFLOW_TRACKING_URI": uri}, capture_output=True, text=True,
-                           timeout=300, cwd=tmp_path)
+                           timeout=scaled(300), cwd=tmp_path)
     assert fresh.returncode == 0 and "MU " in fresh.stdout, fresh.stderr[-3000:]
     wait_for("the idle worker nodes to go away", lambda: not alive_workers(cluster), timeout_s=300, every_s=1)
     print(f"worker nodes gone {time.monotonic() - killed_at:.0f}s after the kill; {len(nodes(cluster)) - 1} worker "
@@ -228,7 +231,7 @@ def test_a_two_trial_sweep_keeps_its_storage_on_s3(local_cluster, mlflow_server,
                  "storage_path": f"s3://{storage}", "experiment": "test-autoscaling-sweeps",
                  "metric": "digits_zeroshot/top1", "mode": "max"}}))
     job = submit(local_cluster, ["-m", "jobs.tune", "--config", str(sweep)], tmp_path / "tune.log")
-    assert job.wait(timeout=900) == 0, (tmp_path / "tune.log").read_text()[-4000:]
+    assert job.wait(timeout=scaled(900)) == 0, (tmp_path / "tune.log").read_text()[-4000:]
     out = (tmp_path / "tune.log").read_text()
     assert "[sweep] trial 2/2 (100%)" in out and "Traceback" not in out, out[-3000:]
     s3.invalidate_cache()
@@ -261,12 +264,12 @@ def gpu_job(local_cluster, digits_root, tmp_path_factory):
     log = tmp / "submit.log"
     submitted = submit(local_cluster, job_args(tmp, digits_root, "gpu", "train.use_gpu=true"), log, "--no-wait",
                        f"--submission-id={job_id}")
-    assert submitted.wait(timeout=120) == 0, log.read_text()
+    assert submitted.wait(timeout=scaled(120)) == 0, log.read_text()
     try:
         yield job_id, lambda: dashboard(local_cluster, f"/api/jobs/{job_id}/logs")["logs"]  # what `ray job logs` prints
     finally:
         subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=local_cluster.client_env(), capture_output=True,
-                       timeout=120)
+                       timeout=scaled(120))
 
 
 def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, gpu_job, tmp_path):
@@ -288,12 +291,12 @@ def test_download_to_s3_spreads_its_parts_over_the_nodes(local_cluster, s3, gpu_
             "rows_per_shard": 4, "threads_per_task": 1, "max_parts_in_flight": 4, "disallowed_header_directives": []}}))
         job = submit(local_cluster, ["-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
                      tmp_path / "job.log")
-        assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-4000:]
+        assert job.wait(timeout=scaled(600)) == 0, (tmp_path / "job.log").read_text()[-4000:]
         s3.invalidate_cache()
         summary = json.loads(s3.cat(f"{out}/_summary.json"))
         again = submit(local_cluster, ["-m", "jobs.download", "--config", str(tmp_path / "download.yaml")],
                        tmp_path / "again.log")
-        assert again.wait(timeout=600) == 0, (tmp_path / "again.log").read_text()[-4000:]
+        assert again.wait(timeout=scaled(600)) == 0, (tmp_path / "again.log").read_text()[-4000:]
     s3.invalidate_cache()
     log = (tmp_path / "job.log").read_text()
     assert "FAILED" not in log, log[-3000:]
@@ -325,7 +328,7 @@ def test_a_gpu_job_on_the_cpu_cluster_says_why_it_waits(local_cluster, gpu_job):
         and "one training worker needs CPU 1, GPU 1" in t) else None)(job_log()), timeout_s=300, every_s=2)
     assert "waiting for the autoscaler to add one" in text
     stop = subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=local_cluster.client_env(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert wait_for("the job stopped", lambda: dashboard(local_cluster, f"/api/jobs/{job_id}")["status"] == "STOPPED",
                     timeout_s=120, every_s=1)
@@ -336,17 +339,17 @@ def test_jobs_api_refuses_requests_without_the_token(local_cluster):
     (none in the environment nor under ~/.ray) fails saying so."""
     request = urllib.request.Request(f"{local_cluster.address}/api/jobs/")
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=30)
+        urllib.request.urlopen(request, timeout=scaled(30))
     assert refused.value.code in (401, 403)
     wrong = urllib.request.Request(f"{local_cluster.address}/api/jobs/",
                                    headers={"Authorization": f"Bearer {secrets.token_hex(16)}"})
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(wrong, timeout=30)
+        urllib.request.urlopen(wrong, timeout=scaled(30))
     assert refused.value.code in (401, 403)
     env = {k: v for k, v in local_cluster.client_env().items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     env["HOME"] = "/nonexistent"
     out = subprocess.run([str(BIN / "ray"), "job", "list", f"--address={local_cluster.address}"], env=env,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode != 0 and "auth" in (out.stdout + out.stderr).lower()
 
 
@@ -393,7 +396,7 @@ def test_nodes_see_no_file_of_the_head_or_of_each_other(local_cluster, tmp_path)
     data.write_text("head")
     out = subprocess.run([str(BIN / "ray"), "job", "submit", "--", sys.executable, str(tmp_path / "probe.py"),
                           str(head_file), str(data)],
-                         env=local_cluster.client_env(), capture_output=True, text=True, timeout=300)
+                         env=local_cluster.client_env(), capture_output=True, text=True, timeout=scaled(300))
     logs = out.stdout + out.stderr
     assert out.returncode == 0, logs[-3000:]
     seen = eval(logs.split("SEEN ", 1)[1].splitlines()[0])  # noqa: S307 - the probe's own printed list
@@ -415,7 +418,7 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
         sets = [a for kv in ("train.steps=10", "train.log_every=5", *overrides) for a in ("--set", kv)]
         return subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
                                "jobs.pretrain", "--config", "configs/prolip_demo.yaml", *sets],
-                              cwd=ROOT, env=local_cluster.client_env(), capture_output=True, text=True, timeout=900)
+                              cwd=ROOT, env=local_cluster.client_env(), capture_output=True, text=True, timeout=scaled(900))
 
     refused = submit_demo()
     logs = refused.stdout + refused.stderr

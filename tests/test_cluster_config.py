@@ -8,6 +8,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from tests.pace import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -88,6 +90,6 @@ def test_a_worker_node_whose_process_ended_is_no_longer_listed(monkeypatch, tmp_
         assert provider.non_terminated_nodes({}) == [*head, "live"]
         provider.terminate_node("dead")  # listed to the autoscaler before it ended: no error
         provider.terminate_node("live")
-        assert live.wait(timeout=30) is not None and provider.non_terminated_nodes({}) == head
+        assert live.wait(timeout=scaled(30)) is not None and provider.non_terminated_nodes({}) == head
     finally:
         live.kill()

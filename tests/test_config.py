@@ -10,6 +10,7 @@ import yaml
 
 from pipelines.config import TrainDocument, ConfigError, load_config, load_download_config
 from pipelines.tune.config import load_sweep
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,7 +103,7 @@ def test_cli_fails_fast_with_one_line(tmp_path, args, expected):
     # Run the real entry point, then report whether Ray was ever imported: the error must come first.
     code = ("import sys, jobs.pretrain as job; rc = job.main(sys.argv[1:]); "
             "print('ray imported' if 'ray' in sys.modules else 'ray not imported'); sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
@@ -111,7 +112,7 @@ def test_cli_fails_fast_with_one_line(tmp_path, args, expected):
 
 def test_cli_exit_code_through_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jobs.pretrain", "--config", str(tmp_path / "absent.yaml")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2 and proc.stderr.startswith("config error: config file not found")
 
 

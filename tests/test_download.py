@@ -27,6 +27,7 @@ from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.download.urls import DownloadError
 from tests.helpers import jpeg
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_SIZE = 32
@@ -232,7 +233,7 @@ def test_kill_and_resume(ray_local, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "jobs.download", "--config", str(cfg_file)], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + scaled(240)
             while len(list(out.glob("*_stats.json"))) < 3:
                 assert proc.poll() is None, "the download finished before it could be interrupted"
                 assert time.monotonic() < deadline, "no shard finished in time"

@@ -31,7 +31,10 @@ from pipelines.train.optim import warmup_cosine
 from tests.helpers import wait_for
 from tests.small_runs import SMALL
 from tests.zero_state import gathered_partitions, universal_state
+from tests.pace import scaled
 
+# `make test-cluster`: nodes that share no disk, run alone (never beside other Ray work)
+pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
 # More steps than the test lets it run: the job is stopped once a step run by two workers after the regrowth is
 # logged (how long the regrowth takes is wall time, a few hundred steps alone on 2 cores, ~20 beside other tests).
@@ -82,7 +85,7 @@ class Node:
         for pid in left:  # any that left the group
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
+        self.process.wait(timeout=scaled(30))
 
 
 class Cluster:
@@ -254,7 +257,7 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
         assert job.poll() is None, log.read_text()[-4000:]
     finally:
         job.kill()
-        job.wait(timeout=60)
+        job.wait(timeout=scaled(60))
     return client, checkpoints
 
 

@@ -14,6 +14,7 @@ import pytest
 from models.model_file import load_model
 from models.serving import EmbeddingModel
 from pipelines.tracking import model_file
+from tests.pace import scaled
 
 LEGACY = Path(__file__).parent / "data" / "legacy"
 
@@ -59,7 +60,7 @@ def test_mlflow_model_from_before_loads_and_predicts_as_it_did(expected, tmp_pat
         tar.extractall(folder, filter="data")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", PREDICT, str(folder), str(LEGACY / "image.png"), expected["caption"]],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got.pop("models_from") == str(folder / "code" / "models" / "__init__.py")

@@ -16,6 +16,7 @@ from models.pcmepp import mixed_sample
 from models.prolip import masked_rows
 from models.tokenizer import tokenize
 from models.towers import ImageTower, TextTower, random_keep, random_text_mask
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = ["clip_vit_b16", "siglip_vit_b16", "pcmepp_vit_b16", "prolip_vit_b16", "llip64_vit_b16",
@@ -284,7 +285,7 @@ def fresh_python_lines(code: str) -> list[str]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120),
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split("\n")[:2]

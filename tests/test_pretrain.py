@@ -15,6 +15,7 @@ from models.model_file import load_model
 from pipelines.config import TrainDocument
 from pipelines.tracking import StepLogger, model_file, redact
 from tests.helpers import DEMO_STEPS
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = DEMO_STEPS
@@ -157,7 +158,7 @@ def test_mlflow_model_loads_in_a_fresh_python(trained, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLFLOW_TRACKING_URI": result.mlflow_uri}
     out = subprocess.run([sys.executable, "-c", PYFUNC_SCRIPT, f"runs:/{result.mlflow_run_id}/model",
                           json.dumps(images), json.dumps(captions)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert "/code/models/" in got["models_from"] and str(ROOT) not in got["models_from"]

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.pace import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 HOLD = ("import sys, ray; from pipelines.cluster.runtime import init_ray; init_ray(num_cpus=1, dashboard_port={port}); "
         "print(ray._private.worker.get_dashboard_url(), flush=True); sys.stdin.read()")
@@ -38,7 +40,7 @@ def test_state_api_finds_its_own_instance_beside_others(ray_local):
         def alive(actor_id: str) -> bool:
             from ray.train.v2._internal.state.util import is_actor_alive
 
-            return is_actor_alive(actor_id, timeout=30)
+            return is_actor_alive(actor_id, timeout=scaled(30))
 
         probe = Probe.remote()
         ray_local.get(probe.ping.remote())
@@ -46,4 +48,4 @@ def test_state_api_finds_its_own_instance_beside_others(ray_local):
     finally:
         for other in others:
             other.stdin.close()
-            other.wait(timeout=60)
+            other.wait(timeout=scaled(60))

@@ -15,6 +15,8 @@ from models.preprocess import encode_png, encoded_to_model_input, to_model_input
 from models.tokenizer import tokenize
 from pipelines.tracking import save_mlflow_model
 
+from tests.pace import scaled
+
 
 def test_png_round_trip_gives_the_same_model_input():
     rng = np.random.default_rng(0)
@@ -98,7 +100,7 @@ def served(trained_clip, digits_root, tmp_path_factory):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
+        proc.wait(timeout=scaled(60))
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -108,7 +110,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=scaled(120)) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())

@@ -17,6 +17,8 @@ from mlflow import MlflowClient
 from pipelines.config import ConfigError, load_config
 from pipelines.tune.config import load_sweep
 
+from tests.pace import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 # The six knobs of the probabilistic Llip, plus a learning rate with one hopeless value.
 KNOBS = {
@@ -91,19 +93,19 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     log = tmp_path / "first.log"
     with log.open("w") as out:
         first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + scaled(600)
     while time.monotonic() < deadline and first.poll() is None:
         if ended_trials(log):  # the progress lines
             break
         time.sleep(2)
     assert first.poll() is None, "the sweep ended before it could be interrupted"
     first.send_signal(signal.SIGINT)  # what Ctrl-C does
-    assert first.wait(timeout=180) == 130, log.read_text()[-3000:]
+    assert first.wait(timeout=scaled(180)) == 130, log.read_text()[-3000:]
     done_before = ended_trials(log)
     assert len(done_before) == 1, log.read_text()[-3000:]
     assert "sweep 'two' interrupted, its state saved: run the same command again to resume it" in log.read_text()
 
-    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(900))
     assert second.returncode == 0, second.stderr[-3000:]
     # progress lines, counting on from the trials that ended before the interruption
     assert "[sweep] trial 2/2 (100%)" in second.stdout and "heldout_loss/loss" in second.stdout
@@ -183,7 +185,7 @@ def test_jobs_tune_says_a_bad_space_in_one_line_without_importing_ray(tmp_path, 
     path = sweep_file(tmp_path, digits_root, "bad", num_samples=2, space=space, points_to_evaluate=[])
     proc = subprocess.run([sys.executable, "-c", "import sys, jobs.tune as t; rc = t.main(sys.argv[1:]); "
                            "print('ray imported' if 'ray' in sys.modules else 'no ray'); sys.exit(rc)",
-                           "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2 and proc.stdout.strip() == "no ray"
     assert proc.stderr.strip().startswith("config error: ") and message in proc.stderr
 

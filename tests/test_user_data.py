@@ -19,6 +19,7 @@ from mlflow.artifacts import download_artifacts
 import jobs.pretrain
 from models.model_file import load_model
 from pipelines.tracking import model_file
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,7 +151,7 @@ def test_zero3_trains_step_for_step_as_zero2():
     args = [sys.executable, "-c", ZERO_FIT, str(ZERO_STEPS), str(ZERO_BATCH), *ZERO_RECIPES]
     ranks = [subprocess.Popen(args, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (1, 0)]
-    done = [p.communicate(timeout=600) for p in ranks]
+    done = [p.communicate(timeout=scaled(600)) for p in ranks]
     for p, (_, err) in zip(ranks, done):
         assert p.returncode == 0, err[-3000:]
     losses = json.loads(done[1][0].strip().splitlines()[-1])

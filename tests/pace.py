@@ -1,0 +1,55 @@
+"""How slow this machine is today, so that the tests' deadlines hold on a slow one.
+
+Every deadline in the tests is written for the machine the project measures on (2 cores, idle) with room to spare,
+and multiplied by `slowness()`: `PROBVLP_TEST_SLOWNESS` where the environment sets it (CI, or a person who knows
+the machine), otherwise a calibration measured once when pytest starts (a fixed piece of Python on every core at
+once, against the time it took on the reference machine). Machines of this kind differ up to ~2x from one session
+to the next, and a busy machine (another suite, a CPU hog) is a slow one: both show in the calibration. A deadline is
+a bound on a failure, never a claim about speed, so the factor only ever lengthens it (at least 1)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+ENV = "PROBVLP_TEST_SLOWNESS"
+# Seconds the calibration's work took per core on the reference machine (2-core x86_64, idle, 2026-11-28): the
+# median of 5 rounds of `_work()` on both cores at once.
+REFERENCE_S = 0.30
+# Clamped: a calibration caught in a burst of start-up work must not turn a 5-minute wait into an hour.
+MOST = 4.0
+
+
+def _work(_=None) -> float:
+    start = time.perf_counter()
+    total = 0
+    for i in range(6_000_000):
+        total += i * i % 7
+    return time.perf_counter() - start
+
+
+def calibrate(rounds: int = 5) -> float:
+    """Wall seconds the fixed work takes per core with every core busy with it (the median round)."""
+    cores = max(1, min(os.cpu_count() or 1, 2))  # the tests' budget is 2 cores: more do not make a deadline shorter
+    with multiprocessing.get_context("fork").Pool(cores) as pool:
+        times = sorted(max(pool.map(_work, range(cores))) for _ in range(rounds))
+    return times[len(times) // 2]
+
+
+def slowness() -> float:
+    """The factor every deadline is multiplied by (>= 1): the environment's, else measured once and written to the
+    environment, where pytest-xdist's workers and the processes the tests start read it."""
+    if ENV not in os.environ:
+        os.environ[ENV] = f"{min(MOST, max(1.0, calibrate() / REFERENCE_S)):.2f}"
+    try:
+        factor = float(os.environ[ENV])
+    except ValueError as err:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected a number such as 1.5") from err
+    if not factor > 0:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: must be above 0")
+    return max(1.0, factor)
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` (a deadline on the reference machine) on this machine."""
+    return seconds * slowness()
