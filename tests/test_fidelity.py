@@ -28,7 +28,7 @@ from models.prolip import masked_rows
 from models.registry import create_model
 from models.tokenizer import tokenize
 from models.towers import random_keep, random_text_mask
-from pipelines.adapt.config import AdaptLossConfig
+from pipelines.adapt.config import AdaptLossConfig, load_adapt_config
 from pipelines.config import load_config
 
 f64 = torch.float64
@@ -633,9 +633,13 @@ def test_llip_mean_query_zero_shot_against_official_evaluation():
 
 
 def test_llip_mean_query_with_embedding_queries_averages_unnormalised_templates():
+    # the official recipe's zero-shot query alone on the paper's model: its other switches (a K and V per mixture
+    # token, hidden-state queries) change the weights, so the two models could not share them
+    cfg, paper_cfg = _recipes("llip")
+    switch = {"zeroshot_query": cfg.model.overrides["zeroshot_query"]}
     torch.manual_seed(6)
-    paper = create_model("llip_tiny", mixer_heads=2).double().eval()
-    official = create_model("llip_tiny", mixer_heads=2, zeroshot_query="mean_query").double().eval()
+    paper = create_model(paper_cfg.model.name, **paper_cfg.model.overrides, mixer_heads=2).double().eval()
+    official = create_model(cfg.model.name, **paper_cfg.model.overrides, **switch, mixer_heads=2).double().eval()
     official.load_state_dict(paper.state_dict())
     per = {"mu": F.normalize(torch.randn(3, 4, 64, dtype=f64), dim=-1)}
     q_paper, q_official = paper.class_embeddings(per), official.class_embeddings(per)
@@ -644,6 +648,12 @@ def test_llip_mean_query_with_embedding_queries_averages_unnormalised_templates(
 
 
 # ---------------------------------------------------------------------------------------------------- ProbVLM
+def _adapt_recipes():
+    """configs/probvlm_demo_official.yaml and the paper's adapter config it departs from."""
+    return (load_adapt_config(ROOT / "configs" / "probvlm_demo_official.yaml"),
+            load_adapt_config(ROOT / "configs" / "probvlm_demo.yaml"))
+
+
 class _OfficialTempCombLoss:
     """ExplainableML/ProbVLM @ cb69f28, src/losses.py, TempCombLoss (reduction 'mean') and GenGaussLoss
     (alpha_eps = beta_eps = 1e-4, resi_min 1e-4, resi_max 1e3); its network outputs 1/alpha."""
@@ -682,9 +692,11 @@ def _probvlm_batch(seed: int, clamped: bool = False) -> dict[str, torch.Tensor]:
 def test_probvlm_official_loss_against_official_training_step(lambda_cross, clamped):
     out = _probvlm_batch(40, clamped)
     T1, T2 = 1.0, 5e-2  # train_ProbVLM's defaults
-    loss = create_loss("probvlm", lambda_cross=lambda_cross, l1=T1, ggd=T2, approx=True, approx_form="linear",
-                       stabilise=True, l1_cross=True)
-    ours = loss(out)["loss"]
+    cfg, paper = _adapt_recipes()
+    _shared_only(cfg.loss.model_dump(), paper.loss.model_dump(), {"lambda_cross": lambda_cross})
+    assert cfg.loss.l1 == T1 / T2  # the adapter's loss has no GGD weight: the official loss divided by T2
+    loss = create_loss("probvlm", **{**cfg.loss.model_dump(), "lambda_cross": lambda_cross})
+    ours = loss(out)["loss"] * T2
     # ExplainableML/ProbVLM @ cb69f28, src/train_probVLM.py, train_ProbVLM (one step)
     Cri = _OfficialTempCombLoss()
     img_mu, img_1alpha, img_beta, xfI = out["image_hat"], 1 / out["image_alpha"], out["image_beta"], out["image_target"]
@@ -739,7 +751,7 @@ def test_probvlm_loss_parts_and_adapter_config_keys():
     with_cross = create_loss("probvlm", l1=2.0, lambda_cross=0.3, l1_cross=True)(out)["loss"].item()
     assert with_cross - base == pytest.approx(2.0 * 0.3 * cross, rel=1e-10)  # the cross L1 weighted l1 * lambda
     # the adapter's loss section carries the switches to the loss unchanged
-    section = AdaptLossConfig(approx=True, approx_form="linear", stabilise=True, l1_cross=True)
+    section = _adapt_recipes()[0].loss
     loss = create_loss("probvlm", **section.model_dump())
     assert (loss.approx_form, loss.stabilise, loss.l1_cross) == ("linear", True, True)
     assert AdaptLossConfig().model_dump()["approx_form"] == "eq16"
