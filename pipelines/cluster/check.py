@@ -57,7 +57,8 @@ def check_cluster_holds_a_worker(need: dict[str, float], joined: bool, log=print
 def spans_nodes() -> bool:
     """Whether this job's tasks and workers may run on a node other than the driver's: other nodes are up, the
     driver's node offers no CPU (a head that schedules no work, as ray_cluster.yaml's), or an autoscaler reports
-    node types it can add. On such a cluster a node's disk is its own (DESIGN.md)."""
+    node types it can add. On such a cluster a node's disk is its own (README, "Running on a cluster";
+    docs/SCALING.md section 5: nothing but packages and caches is read from it)."""
     here = ray.get_runtime_context().get_node_id()
     alive = [n for n in ray.nodes() if n["Alive"]]
     if any(n["NodeID"] != here for n in alive):
