@@ -152,6 +152,74 @@ def test_dropout_is_replayed_in_the_gradient_pass():
     assert (grads(one)["model.image.weight"] - grads(got)["model.image.weight"]).abs().max() > 1e-3  # other masks
 
 
+def _batch_dims(output) -> set[int]:
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    return {t.shape[0] for t in values if isinstance(t, torch.Tensor) and t.dim()}
+
+
+class _Saved:
+    """A tensor autograd keeps for a backward; its graph drops it when that backward has run (or the graph dies)."""
+    __slots__ = ("tensor", "__weakref__")
+
+
+@pytest.mark.parametrize("case", ["clip", "llip"])
+def test_a_gradient_pass_holds_one_micro_batchs_activations(case):
+    """The memory claim: the encoders only ever see one micro-batch (every module's output has MICRO rows in the
+    cached and the gradient passes), and the activations the gradient passes keep for backward, at their peak (so a
+    graph left alive into the next pass counts), are a 1/K share of what one such pass over the whole batch keeps.
+    Only the loss stage sees every row: features, not activations."""
+    import weakref
+
+    images, tokens = inputs(MICRO * K)
+    obj = objective(case)
+    params = {p.untyped_storage().data_ptr() for p in obj.parameters()}
+    passes: list[tuple[str, set[int]]] = []  # (stage, rows of every module output)
+    micro_grads: list[dict[str, torch.Tensor]] = []
+    live, peak = [0], [0]  # bytes of gradient-pass activations alive now, and at most
+
+    def pack(t):  # a parameter kept for backward costs nothing per row
+        if t.untyped_storage().data_ptr() in params:
+            return t
+        saved, size = _Saved(), t.numel() * t.element_size()
+        saved.tensor = t
+        live[0] += size
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(saved, lambda: live.__setitem__(0, live[0] - size))
+        return saved
+
+    def forward(*args, stage, **kwargs):
+        rows = set()
+        hooks = [m.register_forward_hook(lambda _m, _a, out: rows.update(_batch_dims(out))) for m in obj.model.modules()]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                    pack if stage == "surrogate" else lambda t: t, lambda s: s.tensor if isinstance(s, _Saved) else s):
+                out = obj(*args, stage=stage, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        passes.append((stage, rows))
+        if stage == "surrogate":
+            micro_grads.append(kwargs["grads"])
+        return out
+
+    torch.manual_seed(5)
+    step = CachedBatch(obj, images, tokens, K, forward=forward)
+    step.backward()
+    # Llip's mixer (pair_out) contextualises the cached features against every caption in the loss stage
+    for stage, rows in passes:
+        assert rows == ({MICRO * K} if stage == "loss" and case == "llip" else set() if stage == "loss" else {MICRO}), \
+            (stage, rows)
+    # (Llip's image_mu branch, unused by the loss, never runs backward: its saved tensors, 1.5 kB a pass, stay counted)
+    micro_peak, before = peak[0], live[0]
+    peak[0] = before
+    whole = {k: torch.cat([g[k] for g in micro_grads]) for k in micro_grads[0]}
+    forward(images, tokens, stage="surrogate", draws=step.draws, grads=whole)
+    assert passes.pop()[1] == {MICRO * K}
+    # a micro-batch's captions may be shorter than the batch's longest; holding every row would keep K times this
+    assert 0 < micro_peak <= 1.25 * (peak[0] - before) / K, (micro_peak, peak[0] - before)
+    assert [p[0] for p in passes] == ["features"] * K + ["loss"] + ["surrogate"] * K
+
+
 def test_micro_batches_must_split_the_batch_evenly():
     with pytest.raises(ValueError, match="do not split into 5 equal micro-batches"):
         CachedBatch(objective("clip"), *inputs(12), 5)
