@@ -15,10 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.pretrain", __doc__, "experiment YAML (see configs/)", "train.steps=100").parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
 
+    from pipelines.progress import process_started_at
     from pipelines.train.job import pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.train.run_summary import run_summary
 
-    result = pretrain(cfg)  # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
+    result = pretrain(cfg, started_at=process_started_at())  # start-up timed from this process's start  # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
     for line in run_summary(cfg, result):
         print(line)
     return 0

@@ -2,9 +2,23 @@
 elsewhere (log files, `ray job submit`, Ray workers, whose output is never a terminal)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
+
+
+def process_started_at() -> float:
+    """When this process started (time.time's clock): its age from the kernel's clocks since boot (the start time in
+    clock ticks, the uptime in seconds), not from the boot time in whole seconds that psutil adds to it. Where there is
+    no /proc, now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def clock(seconds: float) -> str:

@@ -18,6 +18,7 @@ from mlflow.exceptions import MlflowException
 
 import models
 from pipelines.config import PROJECT_ROOT
+from pipelines.mlflow_store import prepare_sqlite_store
 
 LOCAL_DIR = PROJECT_ROOT / ".probvlp"
 # Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
@@ -26,12 +27,11 @@ _URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")
 
 
 def tracking_uri(configured: str | None = None) -> str:
-    """Config value, else $MLFLOW_TRACKING_URI, else a sqlite store in the project folder."""
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    LOCAL_DIR.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{LOCAL_DIR / 'mlflow.db'}"
+    """Config value, else $MLFLOW_TRACKING_URI, else a sqlite store in the project folder. A sqlite store that does
+    not exist yet is created here, from a copy of an empty one (pipelines.mlflow_store)."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{LOCAL_DIR / 'mlflow.db'}"
+    prepare_sqlite_store(uri, sqlite_artifact_root(uri))
+    return uri
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:

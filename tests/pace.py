@@ -15,7 +15,7 @@ import time
 ENV = "PROBVLP_TEST_SLOWNESS"
 # Seconds the calibration's work took per core on the reference machine (2-core x86_64, idle, 2026-11-28): the
 # median of 5 rounds of `_work()` on both cores at once.
-REFERENCE_S = 0.30
+REFERENCE_S = 0.26
 # Clamped: a calibration caught in a burst of start-up work must not turn a 5-minute wait into an hour.
 MOST = 4.0
 

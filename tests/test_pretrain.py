@@ -39,6 +39,15 @@ def test_learns_digits(trained):
     assert sum(history[-5:]) / 5 < 0.8 * sum(history[:3]) / 3
 
 
+def test_the_time_to_the_first_step_is_logged(trained):
+    """Start-up, what every job and sweep trial pays before it trains: rank 0 logs the seconds from the job's start
+    (here the call of pretrain) to its first step, once, at step 1 (benchmarks/startup.py measures the same from
+    outside)."""
+    _, result, _ = trained
+    [startup] = MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "startup_s")
+    assert startup.step == 1 and 0 < startup.value < scaled(300)
+
+
 def test_training_compiles_no_cpp_ops(trained):
     """DeepSpeed's CPU all-reduce op serves inference only; a JIT build of it costs a minute before the first step."""
     built = sorted(p.name for p in Path(os.environ["TORCH_EXTENSIONS_DIR"]).rglob("*.so"))

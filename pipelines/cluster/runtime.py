@@ -15,8 +15,13 @@ import ray
 # Without this, a single-node Ray (as measured on Linux hosts) advertises the machine's
 # external address and torch.distributed's MASTER_ADDR follows it. Local runs only.
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# Per-operator progress bars flood job logs; Ray Train and our own metrics report progress.
-_QUIET_ENV = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+_QUIET_ENV = {
+    # Per-operator progress bars flood job logs; Ray Train and our own metrics report progress.
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    # Ray Train's print patch sends a worker's print() to its logger and, as a Ray worker's stdout is Ray's own
+    # stream, to that stream too: every line rank 0 printed reached the job's console twice.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+}
 _LOCAL_ENV = {
     # A busy laptop or CI box can take over a minute to start the worker actors (Ray's default is 60 s).
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",

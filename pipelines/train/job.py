@@ -85,10 +85,12 @@ def joined_cluster(cfg: TrainDocument) -> bool:
 
 
 def pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: dict[str, str] | None = None,
-             joined: bool | None = None) -> PretrainResult:
+             joined: bool | None = None, started_at: float | None = None) -> PretrainResult:
     """Train `cfg` on Ray Train. `callbacks` go to the Train run (e.g. Tune's report callback);
     `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials); `joined`: whether the cluster was
-    joined, not started here (default: from the config and RAY_ADDRESS)."""
+    joined, not started here (default: from the config and RAY_ADDRESS); `started_at`: when the job started (time.time;
+    default now), from which rank 0 times the start-up to its first step (MLflow `startup_s`)."""
+    started_at = time.time() if started_at is None else started_at
     if cfg.run.name is None:
         cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
@@ -114,7 +116,8 @@ def pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: dict
             {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri,
              "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
-             "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done")},
+             "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done"),
+             "job_started_at": started_at},
             cfg, build_datasets(cfg, context_length, run.run_id), callbacks,
             ray.train.DataConfig(datasets_to_split=["train"],
                                  execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),

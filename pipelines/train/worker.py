@@ -184,8 +184,10 @@ class DataWait:
 class TrainWorker:
     """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
 
-    def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, failure_marker: str | None):
+    def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, failure_marker: str | None,
+                 job_started_at: float | None = None):
         self.cfg, self.t = cfg, cfg.train
+        self.job_started_at = job_started_at
         self.rank = ray.train.get_context().get_world_rank()
         self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
         self.use_bf16 = self.t.precision == "bf16" or (self.t.precision == "auto" and self.use_gpu)
@@ -318,6 +320,8 @@ class TrainWorker:
             bad_in_a_row = 0
             p.samples += batch[1].shape[0] * self.world.size
             p.step += 1
+            if self.job_started_at is not None:
+                self._first_step()
             if (p.step % t.log_every == 0 or p.step == self.last_step) and self._data_check():
                 break
             if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
@@ -345,6 +349,15 @@ class TrainWorker:
                     # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
                     # this run right after the report: write what we have now.
                     self.logger.flush()
+
+    def _first_step(self) -> None:
+        """Rank 0 of a run that starts at step 0: how long the job took from its start to the first step (start-up:
+        Ray, the workers, their imports, the data pipeline), printed and logged as `startup_s` at step 1. A restarted
+        or resumed run's workers say nothing: their first step is not the job's."""
+        startup_s, self.job_started_at = time.time() - self.job_started_at, None
+        if self.logger and self.progress.step == 1:
+            print(f"[train] first step {self.progress.step} done {startup_s:.1f} s after the job started", flush=True)
+            self.logger.log({"startup_s": startup_s}, self.progress.step)
 
     def _data_check(self) -> bool:
         """Collective: whether rank 0 found more of the training data skipped than data.max_bad_frac allows
@@ -525,6 +538,7 @@ EXAMPLE_CAPTION = "a photo of a dog"
 def train_loop(config: dict[str, Any]) -> None:
     cfg = TrainDocument.from_dict(config["config"])
     use_texts(config.get("texts", {}))
-    worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"))
+    worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
+                         config.get("job_started_at"))
     worker.fit()
     worker.finish()

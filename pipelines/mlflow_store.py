@@ -1,0 +1,74 @@
+"""A new sqlite MLflow store from a copy of an empty one, instead of MLflow's own creation.
+
+MLflow creates a sqlite store by running every schema migration since its first release: 4-6 s of CPU on 2 cores,
+paid on the critical path of each job that opens a new store (a new user's first `make demo`, every test's
+temporary store). The schema an MLflow version creates is always the same, so the first store is made once per
+MLflow version in a cache folder (MLflow's own way) and copied for every new store after it: the copy opens at once.
+The one row that depends on where a store is, the Default experiment's artifact location, is set as this project
+sets every experiment's (`mlartifacts/` beside the store's file).
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+from pathlib import Path
+
+PREFIX = "sqlite:///"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "probvlp"
+
+
+def _template() -> Path:
+    """The empty store of the installed MLflow version, made by MLflow once and kept."""
+    from importlib.metadata import version
+
+    path = _cache_dir() / f"mlflow-{version('mlflow')}-empty.db"
+    if not path.exists():
+        from mlflow import MlflowClient
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".db")
+        os.close(fd)
+        os.unlink(tmp)
+        MlflowClient(f"{PREFIX}{tmp}").search_experiments()  # MLflow creates and migrates it
+        os.replace(tmp, path)  # whole or not at all, whoever makes it first
+    return path
+
+
+def prepare_sqlite_store(uri: str, artifact_root: str | None) -> None:
+    """Create the sqlite store of `uri` from the template where its file does not exist yet (any other URI, or an
+    existing file: nothing done). `artifact_root`: the Default experiment's artifact folder's parent."""
+    if not uri.startswith(PREFIX) or uri[len(PREFIX):] in ("", ":memory:"):
+        return
+    target = Path(uri[len(PREFIX):])
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        template = _template()
+    except OSError:  # no writable cache folder (HOME elsewhere): MLflow creates the store itself, as always
+        return
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".new")
+    os.close(fd)
+    try:
+        Path(tmp).write_bytes(template.read_bytes())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a file sqlite creates (mkstemp's are the owner's only)
+        if artifact_root:
+            db = sqlite3.connect(tmp)
+            try:
+                with db:
+                    db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                               (f"{artifact_root.rstrip('/')}/0",))
+            finally:
+                db.close()
+        try:
+            os.link(tmp, target)  # fails where another process made the store meanwhile: theirs is kept
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
