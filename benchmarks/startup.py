@@ -11,7 +11,8 @@ In one run on the idle machine, alternating:
   one DataLoader worker per rank, as open_clip starts; no tracking, no evaluation).
 Both train the demo's ProLIP on the same digit shards (written once before), one torch thread per worker.
 
-Measured: wall seconds from the command's start to the line its rank 0 prints after its first step; the CPU-seconds
+Measured: wall seconds from the command's start to the line its rank 0 prints after its first step (the product's
+progress line of step 1, `train.log_every=1`); the CPU-seconds
 every process of the command had used by then (a /proc poller over the command's process tree, every 0.1 s) and by
 its end; those CPU-seconds by process kind. By import: a fresh Python importing the training worker's module
 (`-X importtime`), its CPU-seconds and the packages that take them.
@@ -219,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     product, reference = [], []
     for i in range(args.repeats):
         overrides = [f"data.root={data}", f"train.steps={args.steps}", f"run.storage_path={tmp}/ray{i}",
-                     f"tracking.uri=sqlite:///{tmp}/mlflow{i}.db", "train.log_every=20"]
+                     f"tracking.uri=sqlite:///{tmp}/mlflow{i}.db", "train.log_every=1"]
         product.append(run([sys.executable, "-m", "jobs.pretrain", "--config", "configs/prolip_demo.yaml",
                             *(a for kv in overrides for a in ("--set", kv))],
-                           "[train] first step ", product_kind, env, tmp / f"product{i}.log"))
+                           "[train] step 1/", product_kind, env, tmp / f"product{i}.log"))
         reference.append(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                               "-m", "benchmarks.torchrun_fit", str(data), str(args.steps)],
                              "[torchrun] first step done", torchrun_kind, env, tmp / f"torchrun{i}.log"))

@@ -42,7 +42,9 @@ STEPS = 5000
 # A worker takes 1.6 of a node's 3 CPUs: one worker per node, the rest for reading data, and one torch thread (the
 # whole CPUs it holds): the run trains all the while the test waits, beside the other pytest worker. Ray Train looks
 # for room to grow every 2 s.
-ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=0",
+# ZeRO-2: every resize restarts from a checkpoint of the other world size, which the training worker's restore converts
+# (pipelines.train.state.restore -> pipelines.train.reshard.load).
+ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",
            "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
            "run.max_failures=4"]
 BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
@@ -263,15 +265,20 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
 
 @pytest.mark.timeout(900)
 def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, s3, digits_on_s3, digits_root, tmp_path):
-    """Two workers on the two nodes checkpoint; one node is lost (every process of it killed); Ray Train restarts
-    from the checkpoint with the one worker that fits, then with two once a node is added. Every step is logged
-    once across the restarts, every loss is finite, and the learning rate is on its schedule whatever the size
-    (docs/SCALING.md, "Elastic training"). The job is stopped once two workers have run a step again: how a
-    run ends is tested on fixed-size runs."""
+    """Two workers on the two nodes checkpoint (ZeRO-2); one node is lost (every process of it killed); Ray Train
+    restarts from the checkpoint with the one worker that fits, then with two once a node is added, each restart
+    converting the checkpoint to the new world size in the workers' restore. Every step is logged once across the
+    restarts, every loss is finite, and the learning rate is on its schedule whatever the size (docs/SCALING.md,
+    "Elastic training"). The job is stopped once two workers have run a step again: how a run ends is tested on
+    fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long."""
     client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path, ELASTIC, s3)
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
     assert int(run.data.tags["probvlp.resumed_from_step"]) % 10 == 0  # each restart from a checkpoint
+    # each resize went through the restore's conversion, at the step it resumed from
+    resized = {int(k.rsplit("_", 1)[1]): json.loads(v) for k, v in run.data.tags.items()
+               if k.startswith("probvlp.resharded.step_")}
+    assert sorted((r["from_world_size"], r["to_world_size"]) for r in resized.values()) == [(1, 2), (2, 1)], resized
     history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                for key in ("world_size", "loss", "lr")}
     last = max(history["world_size"])
@@ -283,6 +290,7 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, s3, digit
     shrink = next((step for step, a, b in changes if (a, b) == (2, 1)), None)
     assert shrink is not None and shrink % 10 == 1, runs  # the 1-worker run resumed from a step-10k checkpoint
     assert any(step > shrink and (a, b) == (1, 2) and step % 10 == 1 for step, a, b in changes), runs
+    assert {step + 1 for step in resized} == {step for step, a, b in changes}, (runs, resized)
     # finite at every size (learning is not judged here: these few dozen steps sit near chance, log(batch), and the
     # batch changes with the size)
     assert all(math.isfinite(history["loss"][s]) for s in steps)
