@@ -8,6 +8,7 @@ to the next, and a busy machine (another suite, a CPU hog) is a slow one: both s
 a bound on a failure, never a claim about speed, so the factor only ever lengthens it (at least 1)."""
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import time
@@ -50,6 +51,7 @@ def slowness() -> float:
     return max(1.0, factor)
 
 
-def scaled(seconds: float) -> float:
-    """`seconds` (a deadline on the reference machine) on this machine."""
-    return seconds * slowness()
+def scaled(seconds: float) -> int:
+    """`seconds` (a deadline on the reference machine) on this machine, in whole seconds rounded up: some APIs take
+    only an int (Ray's state API refused 30.6)."""
+    return math.ceil(seconds * slowness())
