@@ -70,5 +70,8 @@ def prepare_sqlite_store(uri: str, artifact_root: str | None) -> None:
             os.link(tmp, target)  # fails where another process made the store meanwhile: theirs is kept
         except FileExistsError:
             pass
+        except OSError:  # a filesystem without hard links: a rename, unless the store appeared meanwhile
+            if not target.exists():
+                os.replace(tmp, target)
     finally:
-        os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
