@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.retrieval_index
 	$(PY) -m benchmarks.peers
 	$(PY) -m benchmarks.peers --data
+	$(PY) -m benchmarks.startup
 
 # A local autoscaling Ray cluster with ray_cluster.yaml's node types (Ray's fake multi-node provider; 127.0.0.1,
 # token auth): `cluster-up` prints the RAY_ADDRESS to `ray job submit` to; worker nodes come and go with demand.
