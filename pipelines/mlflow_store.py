@@ -10,8 +10,9 @@ sets every experiment's (`mlartifacts/` beside the store's file).
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
-import tempfile
+import uuid
 from pathlib import Path
 
 PREFIX = "sqlite:///"
@@ -19,6 +20,11 @@ PREFIX = "sqlite:///"
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "probvlp"
+
+
+def _beside(path: Path) -> Path:
+    """A new, unused name in `path`'s folder, to write a file whole before it takes `path`'s name."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.new")
 
 
 def _template() -> Path:
@@ -30,9 +36,7 @@ def _template() -> Path:
         from mlflow import MlflowClient
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".db")
-        os.close(fd)
-        os.unlink(tmp)
+        tmp = _beside(path)
         MlflowClient(f"{PREFIX}{tmp}").search_experiments()  # MLflow creates and migrates it
         os.replace(tmp, path)  # whole or not at all, whoever makes it first
     return path
@@ -51,13 +55,9 @@ def prepare_sqlite_store(uri: str, artifact_root: str | None) -> None:
         template = _template()
     except OSError:  # no writable cache folder (HOME elsewhere): MLflow creates the store itself, as always
         return
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".new")
-    os.close(fd)
+    tmp = _beside(target)
     try:
-        Path(tmp).write_bytes(template.read_bytes())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as a file sqlite creates (mkstemp's are the owner's only)
+        shutil.copyfile(template, tmp)  # a new file, with the mode sqlite's own would have
         if artifact_root:
             db = sqlite3.connect(tmp)
             try:
@@ -74,4 +74,4 @@ def prepare_sqlite_store(uri: str, artifact_root: str | None) -> None:
             if not target.exists():
                 os.replace(tmp, target)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
