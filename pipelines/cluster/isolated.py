@@ -13,10 +13,12 @@ Linux only, and it needs the right to create mount namespaces (root, as on the m
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,16 +62,30 @@ def node_env(node_id: str, node_type: str) -> dict[str, str]:
     return env
 
 
+def free_ports(n: int) -> list[int]:
+    """n ports of 127.0.0.1 that nothing listens on now (held together so they differ)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -> None:
     """A worker node's raylet and agents (what `ray start --address` starts, as Ray's fake provider starts them:
     `ray start` would turn a loopback GCS address into this machine's external one), until this process is ended."""
     import ray._private.node
     import ray._private.parameter
 
+    # The agents' ports are chosen here, not by the agents: given a port 0, the raylet waits for each agent to write
+    # its port to a file, a fixed 15 s per port in Ray 2.60 (RAY_agent_register_timeout_ms does not reach it), and
+    # aborts past it -- which a node starting on a loaded 2-core machine missed. Given ports, it starts at once and
+    # its clients wait for the agents under Ray's configurable agent timeout.
+    agent_ports = dict(zip(("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
+                            "runtime_env_agent_port"), free_ports(4)))
     params = ray._private.parameter.RayParams(
         gcs_address=gcs_address, redis_address=gcs_address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
-        resources=resources, labels=labels, min_worker_port=0, max_worker_port=0, dashboard_agent_listen_port=0,
-        temp_dir="/tmp/ray")
+        resources=resources, labels=labels, min_worker_port=0, max_worker_port=0, temp_dir="/tmp/ray", **agent_ports)
     node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
 
     def stop(*_):
