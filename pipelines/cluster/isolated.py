@@ -13,16 +13,15 @@ Linux only, and it needs the right to create mount namespaces (root, as on the m
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from pipelines.cluster.runtime import local_port
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
 from ray.autoscaler.tags import (NODE_KIND_WORKER, STATUS_UP_TO_DATE, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME,
                                  TAG_RAY_NODE_STATUS, TAG_RAY_USER_NODE_TYPE)
@@ -56,6 +55,9 @@ def node_env(node_id: str, node_type: str) -> dict[str, str]:
     value (the token file lies in a folder the node does not see)."""
     env = {**os.environ, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id, "RAY_CLOUD_INSTANCE_ID": node_id,
            "RAY_NODE_TYPE_NAME": node_type}
+    # How long the node's raylet waits for its agents (run_node): Ray's 30 s is short for a Python process's imports
+    # on a loaded 2-core machine; a node that would come up late is better than one that dies.
+    env.setdefault("RAY_agent_register_timeout_ms", "300000")
     token_path = env.pop("RAY_AUTH_TOKEN_PATH", None)
     if token_path and "RAY_AUTH_TOKEN" not in env:
         env["RAY_AUTH_TOKEN"] = Path(token_path).read_text().strip()
@@ -63,12 +65,13 @@ def node_env(node_id: str, node_type: str) -> dict[str, str]:
 
 
 def free_ports(n: int) -> list[int]:
-    """n ports of 127.0.0.1 that nothing listens on now (held together so they differ)."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """n different free ports of 127.0.0.1, outside the range outgoing connections take theirs from (local_port)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = local_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -> None:
@@ -76,16 +79,27 @@ def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -
     `ray start` would turn a loopback GCS address into this machine's external one), until this process is ended."""
     import ray._private.node
     import ray._private.parameter
+    import ray._private.services
+    from ray._private import ray_constants
 
-    # The agents' ports are chosen here, not by the agents: given a port 0, the raylet waits for each agent to write
-    # its port to a file, a fixed 15 s per port in Ray 2.60 (RAY_agent_register_timeout_ms does not reach it), and
-    # aborts past it -- which a node starting on a loaded 2-core machine missed. Given ports, it starts at once and
-    # its clients wait for the agents under Ray's configurable agent timeout.
-    agent_ports = dict(zip(("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
-                            "runtime_env_agent_port"), free_ports(4)))
+    # The agents' ports are chosen here, not by the agents. Given none, the raylet waits for each agent to write its
+    # port to a file, a fixed window in Ray 2.60 (RAY_agent_register_timeout_ms does not reach it), and aborts past it:
+    # every node the autoscaler started on a loaded 2-core machine died so. Given ports, the raylet starts at once and
+    # its clients wait for the agents under Ray's configurable timeout. Ray passes the raylet three of the four; the
+    # dashboard agent's listen port it leaves for the raylet to wait on, so that flag is added to the raylet's command.
+    ports = dict(zip(("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
+                      "runtime_env_agent_port"), free_ports(4)))
+    start_process = ray._private.services.start_ray_process
+
+    def start_raylet_with_ports(command, process_type, *args, **kwargs):
+        if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+            command = [*command, f"--dashboard_agent_listen_port={ports['dashboard_agent_listen_port']}"]
+        return start_process(command, process_type, *args, **kwargs)
+
+    ray._private.services.start_ray_process = start_raylet_with_ports
     params = ray._private.parameter.RayParams(
         gcs_address=gcs_address, redis_address=gcs_address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
-        resources=resources, labels=labels, min_worker_port=0, max_worker_port=0, temp_dir="/tmp/ray", **agent_ports)
+        resources=resources, labels=labels, min_worker_port=0, max_worker_port=0, temp_dir="/tmp/ray", **ports)
     node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
 
     def stop(*_):
