@@ -204,7 +204,8 @@ class TrainWorker:
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = None
         if self.rank == 0:  # a restart's replayed steps are not written twice (StepLogger)
-            self.logger = StepLogger(mlflow_uri, run_id, flush_every, resumed_from=self.progress.step)
+            self.logger = StepLogger(mlflow_uri, run_id, flush_every, resumed_from=self.progress.step,
+                                     background=True, flush_timeout_s=cfg.tracking.flush_timeout_s)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
         # what the readers skip (rank 0 polls it at log steps); a run past data.max_bad_frac stops with data_error
         self.data_health = DataHealth(run_id, ["train", *map(eval_dataset_name, self.tasks)],
@@ -540,5 +541,9 @@ def train_loop(config: dict[str, Any]) -> None:
     use_texts(config.get("texts", {}))
     worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
                          config.get("job_started_at"))
-    worker.fit()
-    worker.finish()
+    try:
+        worker.fit()
+        worker.finish()
+    finally:  # what the outbox still holds reaches the store before the driver ends the run
+        if worker.logger:
+            worker.logger.close()
