@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_adapt_config(args.config, args.overrides)
 
     from pipelines.adapt.scoring import summary_lines  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.adapt.job import adapt
+    from pipelines.adapt.job import run_adapt
     from pipelines.tracking import LOCAL_DIR
 
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or LOCAL_DIR / "adapt" / cfg.run.name).resolve()
-    result = adapt(cfg, out)
+    result = run_adapt(cfg, out)
     if result.model_file is None:
         print(f"stopped at step {int(result.train.get('step', 0))} of {cfg.train.steps} (train.stop_at_step); the same "
               f"command with --set run.name={cfg.run.name} continues from there")

@@ -20,20 +20,17 @@ def main(argv: list[str] | None = None) -> int:
                          "download.image_size=128").parse_args(argv)
     cfg = load_download_config(args.config, args.overrides)  # fail fast, before Ray starts
 
-    from pipelines.cluster.runtime import init_ray  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.download.job import log_download, run_download
+    from pipelines.download.job import run_download  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.download.summary import format_summary
     from pipelines.download.urls import DownloadError
 
-    init_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:
-        summary = run_download(cfg.download)
+        summary, run_id = run_download(cfg)
     except DownloadError as err:
         print(f"download error: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary))
     print(f"summary saved to {cfg.download.output.rstrip('/')}/_summary.json")
-    run_id = log_download(cfg, summary)
     if run_id:
         print(f"MLflow run {run_id} in experiment {cfg.run.experiment!r}")
     return 0 if summary["shards_complete"] == summary["shards"] else 3

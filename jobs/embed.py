@@ -38,13 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipelines.evaluate.job import embed_shards  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.evaluate.job import run_embed  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions
 
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
     out = args.out if "://" in args.out else Path(args.out).resolve()  # a URI: object storage, written there
-    embed_shards(args.model, args.data, args.split, out, opts, args.tracking_uri,
-                 texts=not args.no_texts, index=args.index)
+    run_embed(args.model, args.data, args.split, out, opts, args.tracking_uri,
+              texts=not args.no_texts, index=args.index)
     return 0
 
 

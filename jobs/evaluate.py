@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import InputError, load_config
+from pipelines.config import load_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,25 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
 
-    from pipelines.cluster.runtime import init_ray, local_cpus  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.evaluate.headline import headline  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions
-    from pipelines.evaluate.job import evaluate_model
-    from pipelines.tracking import LOCAL_DIR, resolve_model, tracking_uri
-    from pipelines.train.job import check_eval_tasks, prepare_data
-    from pipelines.train.run_summary import headline
+    from pipelines.evaluate.job import run_evaluate
+    from pipelines.tracking import LOCAL_DIR, tracking_uri
 
     out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        source = resolve_model(args.model, tracking_uri(cfg.tracking.uri), out / "source")
-    except ValueError as err:
-        raise InputError(str(err)) from None
-    # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
-    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(args.actors, 1))
-    prepare_data(cfg)
-    check_eval_tasks(cfg)
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-    result = evaluate_model(cfg, source, out, opts)
+    result = run_evaluate(cfg, args.model, out, opts)
     print(f"results: {out / 'results.json'}; MLflow run {result['mlflow_run_id']} at {tracking_uri(cfg.tracking.uri)}")
     for line in headline(result["metrics"]):
         print(line)

@@ -16,12 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
 
     from pipelines.progress import process_started_at
-    from pipelines.train.job import pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.train.job import run_pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.train.run_summary import run_summary
 
     # start-up timed from this process's start; a ConfigError here: eval data that lacks what a task needs, found
     # once the data is prepared
-    result = pretrain(cfg, started_at=process_started_at())
+    result = run_pretrain(cfg, started_at=process_started_at())
     for line in run_summary(cfg, result):
         print(line)
     return 0

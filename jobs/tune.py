@@ -19,22 +19,19 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: .probvlp/tune/<name>_best.yaml)")
     args = parser.parse_args(argv)
 
-    from pipelines.tune.config import load_sweep  # deferred: --help answers before torch loads
+    from pipelines.tune.config import load_tune_config  # deferred: --help answers before torch loads
 
-    sweep, base = load_sweep(args.config, args.overrides)  # the whole space is checked before Ray loads
+    sweep, base = load_tune_config(args.config, args.overrides)  # the whole space is checked before Ray loads
 
-    from pipelines.tracking import LOCAL_DIR  # deferred: a config error answers before Ray and MLflow load
-    from pipelines.tune.job import run_sweep
+    from pipelines.tune.job import run_tune  # deferred: a config error answers before Ray and MLflow load
 
     # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
-    _, parent, summary = run_sweep(sweep, base, Path(args.config).read_text())
+    _, parent, summary = run_tune(sweep, base, Path(args.config).read_text(), args.best_config_out)
     if summary is None:
         print(f"sweep {sweep.tune.name!r} interrupted, its state saved: run the same command again to resume it "
               "(trials that ended are kept)", file=sys.stderr)
         return 130  # the shell's status for Ctrl-C
-    out = Path(args.best_config_out or LOCAL_DIR / "tune" / f"{sweep.tune.name}_best.yaml")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(summary["best_config"].to_yaml())
+    out = summary["best_config_file"]
     print(summary["table"].to_string(index=False))
     print(f"best {sweep.tune.metric} = {summary['best_metric']:.4f} with {summary['best_params']}")
     print(f"best config: {out}  (run it: python -m jobs.pretrain --config {out})")

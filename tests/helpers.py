@@ -96,11 +96,11 @@ def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> No
     from models.preprocess import encode_png
     from pipelines.evaluate import EvaluationError
     from pipelines.tracking import find_run, model_file
-    from pipelines.train.job import pretrain
+    from pipelines.train.job import run_pretrain
 
     uri = cfg.tracking.uri
     with pytest.raises(EvaluationError, match=r"evaluation task 'digits_zeroshot' failed: ValueError: .*calibration"):
-        pretrain(cfg)
+        run_pretrain(cfg)
     run_id = find_run(uri, cfg.run.experiment, cfg.run.name)
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FAILED"

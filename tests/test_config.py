@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pipelines.config import TrainDocument, ConfigError, load_config, load_download_config
-from pipelines.tune.config import load_sweep
+from pipelines.tune.config import load_tune_config
 from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_exponent_numbers_are_numbers_in_files_overrides_and_sweeps(tmp_path):
     sweep = tmp_path / "s.yaml"
     sweep.write_text(f"base: {path}\nspace:\n  loss.params.beta: {{loguniform: [1e-5, 1e-3]}}\n"
                      "tune: {name: s, num_samples: 2, metric: heldout_loss/loss, mode: min}\n")
-    assert load_sweep(sweep)[0].space["loss.params.beta"].loguniform == (1.0e-5, 1.0e-3)
+    assert load_tune_config(sweep)[0].space["loss.params.beta"].loguniform == (1.0e-5, 1.0e-3)
 
 
 @pytest.mark.parametrize(

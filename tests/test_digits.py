@@ -110,7 +110,7 @@ def test_run_seed_leaves_the_held_out_split_alone(digits_root):
     """A run, sweep trial or evaluation with another run.seed prepares the same digits: the shards written for
     data.split_seed 0 are kept, so no seed moves a model's training images into the split it is scored on."""
     from pipelines.config import load_config
-    from pipelines.train.job import prepare_data
+    from pipelines.inputs import prepare_data
 
     root = Path(digits_root)
     marker = json.loads((root / "_SUCCESS.json").read_text())

@@ -22,7 +22,7 @@ import yaml
 from PIL import Image
 
 from pipelines.config import DownloadConfig, load_config
-from pipelines.download.job import run_download
+from pipelines.download.job import download_shards
 from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.download.urls import DownloadError
@@ -107,7 +107,7 @@ def downloaded(ray_local, site, tmp_path_factory):
     table = url_table(site, tmp / "urls.tsv")
     cfg = config(tmp / "urls.tsv", tmp / "out", planner="ray_data")  # the cluster path, on purpose
     site[1].requests.clear()
-    summary = run_download(cfg, local_only=True)
+    summary = download_shards(cfg, local_only=True)
     return cfg, table, summary, dict(site[1].requests)
 
 
@@ -159,7 +159,7 @@ def test_duplicates_are_fetched_once(downloaded):
 def test_rerun_skips_finished_shards(downloaded, site):
     cfg, table, first, _ = downloaded
     site[1].requests.clear()
-    again = run_download(cfg, local_only=True)
+    again = download_shards(cfg, local_only=True)
     assert sum(site[1].requests.values()) == 0
     assert again["shards_skipped"] == first["shards"] and again["shards_downloaded"] == 0
     assert again["written"] == first["written"] and again["failed_by_reason"] == first["failed_by_reason"]
@@ -187,7 +187,7 @@ def test_missing_column_is_a_clear_error(ray_local, site, tmp_path):
     url_table(site, tmp_path / "urls.tsv")
     cfg = config(tmp_path / "urls.tsv", tmp_path / "out").model_copy(update={"caption_col": "caption"})
     with pytest.raises(DownloadError, match="caption"):
-        run_download(cfg)
+        download_shards(cfg)
 
 
 def test_parquet_and_jsonl_inputs(ray_local, site, tmp_path):
@@ -222,7 +222,7 @@ def test_kill_and_resume(ray_local, tmp_path):
         common = dict(image_size=IMAGE_SIZE, rows_per_shard=4, threads_per_task=2, max_parts_in_flight=1,
                       disallowed_header_directives=[])
         reference = DownloadConfig(input=str(table), output=str(tmp_path / "reference"), **common)
-        run_download(reference, local_only=True)
+        download_shards(reference, local_only=True)
         server.requests.clear()
 
         out = tmp_path / "out"
@@ -248,7 +248,7 @@ def test_kill_and_resume(ray_local, tmp_path):
         assert 3 <= len(finished) < len(total), "interrupt mid-way"
         before = dict(server.requests)
 
-        resumed = run_download(load_config(cfg_file).download, local_only=True)
+        resumed = download_shards(load_config(cfg_file).download, local_only=True)
 
     assert resumed["shards_skipped"] == len(finished)
     assert resumed["shards_complete"] == resumed["shards"] and resumed["written"] == n
@@ -298,10 +298,10 @@ def test_hung_part_is_cancelled_counted_and_retried(ray_local, tmp_path):
                                  for i in range(4)))
         cfg = DownloadConfig(input=str(table), output=str(tmp_path / "out"), image_size=IMAGE_SIZE, rows_per_shard=2,
                              threads_per_task=1, disallowed_header_directives=[], part_timeout_s=2.5)
-        first = run_download(cfg, local_only=True)
+        first = download_shards(cfg, local_only=True)
         assert first["shards_failed"] == first["shards"] and first["written"] == 0 and first["failed"] == 4
         [(reason, n)] = first["failed_by_reason"].items()
         assert reason == "part failed: timed out after 2.5s" and n == 4
         assert not list((tmp_path / "out").glob("*.tar"))  # nothing half-written is visible
-        second = run_download(cfg.model_copy(update={"part_timeout_s": 120}), local_only=True)
+        second = download_shards(cfg.model_copy(update={"part_timeout_s": 120}), local_only=True)
     assert second["written"] == 4 and second["shards_complete"] == second["shards"]

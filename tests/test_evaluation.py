@@ -24,7 +24,7 @@ from pipelines.data.eval_reader import iter_local_batches
 from pipelines.data.eval_tasks import check_task, task_paths
 from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.tracking import model_file
-from pipelines.tune.config import load_sweep
+from pipelines.tune.config import load_tune_config
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,11 +192,11 @@ def test_sweep_metric_that_no_task_reports_fails_at_load(tmp_path):
         "train.eval_every=10"], "space": {"train.lr": {"uniform": [1e-4, 1e-3]}},
         "tune": {"metric": "heldout/top1"}}))
     with pytest.raises(ConfigError) as err:
-        load_sweep(sweep)
+        load_tune_config(sweep)
     assert "tune.metric: 'heldout/top1' is not reported (task 'heldout' reports i2t_R1" in str(err.value)
     sweep.write_text(sweep.read_text().replace("heldout/top1", "imagenet/top1"))
     with pytest.raises(ConfigError, match="no eval task is named 'imagenet'; tasks: heldout, heldout_loss"):
-        load_sweep(sweep)
+        load_tune_config(sweep)
 
 
 def test_zero_shot_with_per_class_prompts_file(tmp_path):

@@ -76,14 +76,14 @@ class Runs:
 
 
 def fit_job(cfg):
-    from pipelines.train.job import pretrain
+    from pipelines.train.job import run_pretrain
 
-    return lambda: (cfg, pretrain(cfg))
+    return lambda: (cfg, run_pretrain(cfg))
 
 
 def resume_job(tmp: Path, digits_root: str):
     """A straight fp32 run and one stopped at RESUME_STOP and restarted by name: (straight, resumed) loss histories."""
-    from pipelines.train.job import pretrain
+    from pipelines.train.job import run_pretrain
 
     def history(cfg, result):
         return {m.step: m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")}
@@ -94,11 +94,11 @@ def resume_job(tmp: Path, digits_root: str):
                   "data.deterministic=true", "data.augment=false")
         straight = gpu_config("demo.yaml", tmp, digits_root, "resume_straight", *common)
         stopped = gpu_config("demo.yaml", tmp, digits_root, "resume_stopped", *common, f"train.stop_at_step={RESUME_STOP}")
-        a = pretrain(straight)
-        first = pretrain(stopped)
+        a = run_pretrain(straight)
+        first = run_pretrain(stopped)
         assert first.metrics["step"] == RESUME_STOP
         stopped.train.stop_at_step = None
-        b = pretrain(stopped)
+        b = run_pretrain(stopped)
         return history(straight, a), history(stopped, b), b
 
     return job
@@ -137,7 +137,7 @@ def evaluate_job(runs: Runs, tmp: Path):
 
 
 def adapt_job(runs: Runs, tmp: Path, digits_root: str):
-    from pipelines.adapt.job import adapt
+    from pipelines.adapt.job import run_adapt
     from pipelines.adapt.config import load_adapt_config
 
     def job():
@@ -147,15 +147,15 @@ def adapt_job(runs: Runs, tmp: Path, digits_root: str):
             f"tracking.uri={result.mlflow_uri}", f"run.storage_path={tmp}/ray_adapt", "run.name=adapt_gpu",
             "train.steps=300", "train.use_gpu=true", f"train.gpus_per_worker={SHARE}", f"embed.gpus_per_actor={SHARE}",
             'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]'])
-        return adapt(cfg, tmp / "adapt_out")
+        return run_adapt(cfg, tmp / "adapt_out")
 
     return job
 
 
 def sweep_job(tmp: Path, digits_root: str):
     """Two CLIP trials on GPU shares, side by side: (result grid, sweep summary, MLflow uri)."""
-    from pipelines.tune.config import load_sweep
-    from pipelines.tune.job import run_sweep
+    from pipelines.tune.config import load_tune_config
+    from pipelines.tune.job import run_tune
 
     def job():
         uri = f"sqlite:///{tmp}/sweep.db"
@@ -168,8 +168,8 @@ def sweep_job(tmp: Path, digits_root: str):
             "tune": {"name": "gpu_sweep", "num_samples": 2, "max_concurrent": 2, "search_alg": "random",
                      "scheduler": "fifo", "storage_path": str(tmp / "tune"), "experiment": "gpu-sweeps",
                      "metric": "digits_zeroshot/top1", "mode": "max"}}))
-        sweep, base = load_sweep(path)
-        grid, parent, summary = run_sweep(sweep, base, path.read_text())
+        sweep, base = load_tune_config(path)
+        grid, parent, summary = run_tune(sweep, base, path.read_text(), tmp / "gpu_sweep_best.yaml")
         return grid, summary, uri
 
     return job
@@ -178,7 +178,7 @@ def sweep_job(tmp: Path, digits_root: str):
 @pytest.fixture(scope="module")
 def runs(ray_local, digits_root, tmp_path_factory) -> Runs:
     """Every GPU job of this module, side by side (longest first); the tests read their outcomes."""
-    from pipelines.train.job import prepare_data
+    from pipelines.inputs import prepare_data
 
     tmp = tmp_path_factory.mktemp("gpu")
     prepare_data(gpu_config("demo.yaml", tmp, digits_root, "prepare"))  # the eval sets, once, before the threads

@@ -28,7 +28,7 @@ from pipelines.digits.dataset import (
     specific_captions,
 )
 from pipelines.tracking import model_file
-from pipelines.train.job import pretrain
+from pipelines.train.job import run_pretrain
 from pipelines.train.run_summary import run_summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def fits(ray_local, digits_root, tmp_path_factory):
                 f"run.name=test_{method}", f"run.experiment=test-{method}",
             ])
             t0 = time.perf_counter()
-            result = pretrain(cfg)
+            result = run_pretrain(cfg)
             print(f"\n{method}: zero-shot top-1 {result.metrics.get('digits_zeroshot/top1')}, "
                   f"{cfg.train.steps} steps, fit {time.perf_counter() - t0:.0f} s")
             cache[method] = (cfg, result, tmp)

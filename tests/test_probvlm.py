@@ -260,7 +260,7 @@ def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tupl
     the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
     import time
 
-    from pipelines.adapt.job import adapt
+    from pipelines.adapt.job import run_adapt
 
     cfg, result, _ = trained_clip
     adapt_cfg = load_adapt_config(CONFIG, [
@@ -269,7 +269,7 @@ def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tupl
         f"train.steps={steps}", f"train.log_every={LOG_EVERY}",
         'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]', *extra])
     start = time.perf_counter()
-    res = adapt(adapt_cfg, tmp / "out")
+    res = run_adapt(adapt_cfg, tmp / "out")
     print(f"jobs.adapt on the trained CLIP, {steps} steps: {time.perf_counter() - start:.1f} s {res.seconds}")
     return res, result, digits_root, tmp
 

@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from pipelines.config import ConfigError, load_config
 from pipelines.tracking import LOCAL_DIR
-from pipelines.train.job import pretrain
+from pipelines.train.job import run_pretrain
 from tests.helpers import failed_evaluation_keeps_the_model
 from tests.small_runs import (
     REFERENCE,
@@ -34,9 +34,9 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     an epoch part way, at a step's first micro-batch."""
     common = [*REFERENCE, "train.log_every=1"]
     data = straight_small_run["data_root"]  # the reference run's samples, in its order
-    first = pretrain(config(tmp_path, data, "resumed", *common, "train.stop_at_step=10"))
+    first = run_pretrain(config(tmp_path, data, "resumed", *common, "train.stop_at_step=10"))
     assert first.metrics["step"] == 10
-    resumed = pretrain(config(tmp_path, data, "resumed", *common, "train.fail_once_at_step=17", "run.max_failures=1"))
+    resumed = run_pretrain(config(tmp_path, data, "resumed", *common, "train.fail_once_at_step=17", "run.max_failures=1"))
     assert resumed.metrics["step"] == 40
     assert resumed.mlflow_run_id == first.mlflow_run_id  # same MLflow run, continued
 
@@ -60,7 +60,7 @@ def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digi
     cfg = config(tmp_path, digits_root, "diverging", "train.steps=40", "train.lr=1e12", "train.warmup_steps=0",
                  "train.max_bad_batches=3", "train.log_every=1", "run.max_failures=0", "train.num_workers=1")
     with pytest.raises(Exception, match=r"loss was not finite for 3 batches in a row"):
-        pretrain(cfg)
+        run_pretrain(cfg)
     client = MlflowClient(cfg.tracking.uri)
     run = client.search_runs([client.get_experiment_by_name("test-scale").experiment_id])[0]
     assert run.info.status == "FAILED"
@@ -81,4 +81,4 @@ def test_a_worker_that_no_node_can_hold_is_a_one_line_error(ray_local, digits_ro
     """GPUs asked on a Ray without any and without an autoscaler: said before training, not waited on forever."""
     with pytest.raises(ConfigError, match=r"^train: one training worker needs CPU 1, GPU 1, which no node of this "
                                           r"cluster offers \(node 127\.0\.0\.1 \w+: CPU \d+\)$"):
-        pretrain(config(tmp_path, digits_root, "gpu", "train.use_gpu=true"))
+        run_pretrain(config(tmp_path, digits_root, "gpu", "train.use_gpu=true"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pipelines.config import EvalTask
-from pipelines.train.run_summary import headline, plot_lines, uncertainty_lines
+from pipelines.evaluate.headline import headline
+from pipelines.train.run_summary import plot_lines, uncertainty_lines
 
 LEVELS = ["instance", "specific", "mid", "general"]
 TASKS = [EvalTask(name="digits_zeroshot", kind="zeroshot"), EvalTask(name="heldout", kind="retrieval")]

@@ -15,7 +15,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipelines.config import ConfigError, load_config
-from pipelines.tune.config import load_sweep
+from pipelines.tune.config import load_tune_config
 
 from tests.pace import scaled
 
@@ -176,8 +176,35 @@ BAD_SPACES = [
 def test_invalid_search_space_fails_before_any_trial(tmp_path, digits_root, space, message):
     path = sweep_file(tmp_path, digits_root, "bad", num_samples=2, space=space, points_to_evaluate=[])
     with pytest.raises(ConfigError) as err:
-        load_sweep(path)
+        load_tune_config(path)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_space_that_changes_the_data_the_trials_share_is_refused(tmp_path):
+    """The driver prepares the digits and checks the eval tasks' data once, from the base config, and the trials skip
+    it: a space value or point that would change either is refused before the preparation (values that leave them as
+    they are pass)."""
+    from pipelines.tune.job import check_trials_share_inputs
+
+    def check(name, space, *overrides, points=()):
+        path = sweep_file(tmp_path, tmp_path / "data", name, num_samples=2, space=space, points_to_evaluate=list(points))
+        doc = yaml.safe_load(path.read_text())
+        doc["overrides"] += list(overrides)
+        path.write_text(yaml.safe_dump(doc))
+        check_trials_share_inputs(*load_tune_config(path))
+
+    check("shards", {"data.image_size": {"choice": [32, 64]}, "train.lr": {"loguniform": [1e-4, 1e-3]}})
+    check("same_digits", {"data.image_size": {"choice": [32]}}, "data.source=digits", "data.image_size=32")
+    refused = [
+        ("digits", {"data.image_size": {"choice": [32, 64]}}, ["data.source=digits"], [], "space.data.image_size: "),
+        ("root", {"data.root": {"choice": [str(tmp_path / "a")]}}, [], [], "space.data.root: "),
+        ("point", {"data.image_size": {"choice": [32]}}, ["data.source=digits", "data.image_size=32"],
+         [{"data.image_size": 48}], "tune.points_to_evaluate[0]: "),
+    ]
+    for name, space, overrides, points, where in refused:
+        with pytest.raises(ConfigError) as err:
+            check(name, space, *overrides, points=points)
+        assert str(err.value).startswith(where) and "prepared once" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_jobs_tune_says_a_bad_space_in_one_line_without_importing_ray(tmp_path, digits_root):

@@ -32,9 +32,9 @@ from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples
 from pipelines.digits.shards import prepare_digits, write_digit_pairs
 from pipelines.evaluate import EvaluationError
-from pipelines.data.eval_tasks import check_task
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
+from pipelines.inputs import check_eval_tasks
 from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
 from pipelines.train.trainer import run_exists, torch_trainer
 
@@ -101,7 +101,8 @@ def check_before_ray(cfg: AdaptDocument, out: Path, uri: str) -> tuple[Source, s
     return source, folder, pairs
 
 
-def adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
+def run_adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
+    """`jobs.adapt`: the source's embeddings, the adapter fitted on them, the adapted model(s) saved, scored and logged."""
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -119,12 +120,11 @@ def adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
         # digits already written (by the source's pretraining) stay as they are: rewriting them with other parameters
         # could move the source's training images into the held-out split the adapter is scored on
         prepare_digits(cfg.data.root, keep_written=True)
+    try:
+        check_eval_tasks(cfg)
+    except ConfigError as err:
+        raise AdaptError(f"eval: {err}") from None
     tasks = cfg.resolved_tasks()
-    for task in tasks:
-        try:
-            check_task(task)
-        except ConfigError as err:
-            raise AdaptError(f"eval: {err}") from None
     opts = InferenceOptions(concurrency=cfg.embed.actors, batch_size=cfg.embed.batch_size,
                             num_gpus=cfg.embed.gpus_per_actor)
     paths = pair_shards(cfg)

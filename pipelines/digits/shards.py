@@ -24,7 +24,7 @@ from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples, write_tar
 from pipelines.digits.dataset import (EVAL_TEMPLATES, NAMES, SPLITS, iter_digits, retrieval_captions,
                                       specific_captions)
-from pipelines.download.job import run_download
+from pipelines.download.job import download_shards
 from pipelines.download.summary import format_summary
 
 
@@ -102,7 +102,7 @@ def write_digit_shards(root: str | Path, image_size: int = 32, shard_size: int =
                     image_size=image_size, resize_mode="border", encode_format="jpg", rows_per_shard=shard_size,
                     threads_per_task=16, disallowed_header_directives=[], compute_hash=None, part_timeout_s=600,
                 )
-                summary = run_download(cfg, local_only=True, log=lambda *_: None)
+                summary = download_shards(cfg, local_only=True, log=lambda *_: None)
                 if summary["written"] != summary["input_rows"]:
                     raise RuntimeError(f"digits {split}: not every image was written\n{format_summary(summary)}")
                 counts[split] = summary["written"]

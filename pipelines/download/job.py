@@ -10,6 +10,8 @@
 3. **Summary** (`pipelines.download.summary`): input rows, duplicates removed, rows without URL,
    written, failed by reason, shard counts and throughput; printed, saved as ``_summary.json``, and
    logged to MLflow (`log_download`) when tracking is set.
+
+`run_download` is `jobs.download`; `download_shards` the download alone, on a running Ray (the bundled digits use it).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import re
 import time
 from typing import Any
 
+from pipelines.cluster.runtime import init_ray
 from pipelines.config import DownloadConfig, DownloadDocument
 from pipelines.download.plan import plan
 from pipelines.download.shard import TMP_DIR, shard_done, shard_name
@@ -29,7 +32,15 @@ from pipelines.download.scheduler import run_parts
 SUMMARY_FILE = "_summary.json"
 
 
-def run_download(cfg: DownloadConfig, local_only: bool = False, log=print) -> dict[str, Any]:
+def run_download(cfg: DownloadDocument) -> tuple[dict[str, Any], str | None]:
+    """`jobs.download`: Ray started (or joined), the shards downloaded, the summary logged to MLflow when tracking is
+    set; returns (summary, MLflow run id or None)."""
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    summary = download_shards(cfg.download)
+    return summary, log_download(cfg, summary)
+
+
+def download_shards(cfg: DownloadConfig, local_only: bool = False, log=print) -> dict[str, Any]:
     """Plan (or reuse the plan), download every unfinished part, write and return the summary.
 
     Needs a running Ray (`pipelines.cluster.runtime.init_ray`). `local_only` pins the tasks to this node

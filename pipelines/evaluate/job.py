@@ -1,10 +1,10 @@
 """The evaluation stage's jobs, embeddings by Ray Data batch inference.
 
-`jobs.evaluate` (`evaluate_model`): a saved model on the eval tasks of a config. Writes
+`jobs.evaluate` (`run_evaluate`): a saved model on the eval tasks of a config. Writes
 {out}/{task}/images|texts/*.parquet (the embeddings), {out}/results.json (one record per task and metric) and the
 uncertainty plots, and logs them to a new MLflow run tagged with the source run.
 
-`jobs.embed` (`embed_shards`): a saved model's embeddings of a shard set, its skipped samples, an optional faiss
+`jobs.embed` (`run_embed`): a saved model's embeddings of a shard set, its skipped samples, an optional faiss
 index (see the job's help).
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pipelines.evaluate.in_process import distinct_captions, split_captions
 from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_embeddings, write_image_embeddings,
                                           write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
+from pipelines.inputs import prepare_inputs
 from pipelines.tracking import finish_with_results, resolve_model, start_run, tracking_uri
 
 
@@ -64,8 +65,22 @@ def model_name(path: Path) -> str:
         return (f.metadata() or {})["model"]
 
 
-def evaluate_model(cfg: TrainDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
-    """Every task of cfg.eval on the model; returns {"metrics", "records", "results", "mlflow_run_id"}."""
+def run_evaluate(cfg: TrainDocument, model_ref: str, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+    """`jobs.evaluate`: the model (a file, runs:/<run_id>/model or a run id; InputError when none is there) on
+    every task of cfg.eval; returns {"metrics", "records", "results", "mlflow_run_id", "skipped"}."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        source = resolve_model(model_ref, tracking_uri(cfg.tracking.uri), out / "source")
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(opts.concurrency, 1))
+    prepare_inputs(cfg)
+    return evaluate_tasks(cfg, source, out, opts)
+
+
+def evaluate_tasks(cfg: TrainDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+    """Every task of cfg.eval on the resolved model `source` (`pipelines.tracking.resolve_model`)."""
     model = load_model(source["model"])
     tasks = cfg.resolved_tasks()
     metrics: dict[str, float] = {}
@@ -111,7 +126,7 @@ def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
     return reports
 
 
-def embed_shards(model_ref: str, data: str, split: str | None, out: str | Path, opts: InferenceOptions,
+def run_embed(model_ref: str, data: str, split: str | None, out: str | Path, opts: InferenceOptions,
                  tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> str | Path:
     """`jobs.embed`: {out}/images (one row per readable sample), {out}/skipped.json, with `texts` the distinct
     captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns the images folder.
@@ -119,7 +134,7 @@ def embed_shards(model_ref: str, data: str, split: str | None, out: str | Path, 
     first, then copied)."""
     with tempfile.TemporaryDirectory(prefix="probvlp_embed_") as tmp:
         here = Path(out) if is_local_path(str(out)) else Path(tmp)
-        folder = _embed_shards(model_ref, data, split, out, here, opts, tracking, texts, index, log)
+        folder = _embed(model_ref, data, split, out, here, opts, tracking, texts, index, log)
         if here != Path(out):
             fs, path = fs_path(str(out))
             for name in ("skipped.json", "images.faiss"):
@@ -128,9 +143,9 @@ def embed_shards(model_ref: str, data: str, split: str | None, out: str | Path, 
     return folder
 
 
-def _embed_shards(model_ref: str, data: str, split: str | None, out: str | Path, here: Path, opts: InferenceOptions,
+def _embed(model_ref: str, data: str, split: str | None, out: str | Path, here: Path, opts: InferenceOptions,
                   tracking: str | None, texts: bool, index: str | None, log) -> str | Path:
-    """`embed_shards` with the files other than the parquet (source model, skipped.json, index) written in `here`."""
+    """`run_embed` with the files other than the parquet (source model, skipped.json, index) written in `here`."""
     try:
         source = resolve_model(model_ref, tracking_uri(tracking), here / "source")
         paths = shard_paths(data, split)

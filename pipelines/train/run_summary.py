@@ -4,7 +4,6 @@ model predicts for them and their sigma^2. Everything but the sample predictions
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from pipelines.config import EvalTask
 from pipelines.data.eval_reader import REQUIRES, iter_local_batches
 from pipelines.data.eval_tasks import task_paths
 from pipelines.data.stats import reports_summary
+from pipelines.evaluate.headline import headline
 from pipelines.evaluate.in_process import embed_texts, split_captions, task_texts
 from pipelines.evaluate.tasks import classes_from_prompts, sigma2
 from pipelines.tracking import resolve_model, sqlite_artifact_root
@@ -89,27 +89,6 @@ def data_lines(metrics: dict) -> list[str]:
     if not metrics.get("data_report"):
         return []
     return reports_summary(json.loads(metrics["data_report"]))
-
-
-HEADLINE = ("top1", "top5", "i2t_R1", "t2i_R1", "rsum", "loss", "i2t_calib_score", "t2i_calib_score", "top1_calib_score")
-
-
-def headline(metrics: dict) -> list[str]:
-    """One line per eval task with its main numbers; a calibration score that is undefined (NaN: the metric is
-    the same in every sigma^2 bin) reads n/a, with a line saying why."""
-    tasks: dict[str, list[str]] = {}
-    undefined = False
-    for key, value in metrics.items():
-        task, _, name = key.partition("/")
-        if name in HEADLINE and isinstance(value, (int, float)):
-            nan = math.isnan(value)
-            undefined |= nan
-            tasks.setdefault(task, []).append(f"{name} n/a" if nan else f"{name} {value:.4g}")
-    lines = [f"  {task}: {', '.join(parts)}" for task, parts in tasks.items()]
-    if undefined:
-        lines.append("  (n/a: the metric is the same in every sigma^2 bin, e.g. no query right, so it cannot "
-                     "track sigma^2)")
-    return lines
 
 
 # What each caption level (pipelines.data.captions; the bundled digits carry all four) says about an image.

@@ -1,5 +1,5 @@
 """A sweep file: a YAML search space over dotted config keys on a base training config, checked whole
-(space, points, metric) by `load_sweep` before any trial starts. Loads no Ray, so that a mistake answers at once.
+(space, points, metric) by `load_tune_config` before any trial starts. Loads no Ray, so that a mistake answers at once.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class SweepDocument(Section):
     overrides: list[str] = Field(default_factory=list)
     space: dict[str, Domain]
     tune: TuneSettings = Field(default_factory=TuneSettings)
-    # Set by load_sweep from the base config: results one full trial reports to Tune, steps between them.
+    # Set by load_tune_config from the base config: results one full trial reports to Tune, steps between them.
     reports_per_trial: int = 0
     eval_every: int = 0
 
@@ -95,7 +95,7 @@ def trial_config(base: dict[str, Any], params: dict[str, Any]) -> TrainDocument:
     return TrainDocument.from_dict(data)
 
 
-def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepDocument, TrainDocument]:
+def load_tune_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepDocument, TrainDocument]:
     """Parse and validate the whole sweep before any trial starts; errors are one line."""
     path = Path(path)
     if not path.is_file():

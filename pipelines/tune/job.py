@@ -1,8 +1,9 @@
 """Hyperparameter sweeps (`jobs.tune`): one TorchTrainer run per trial of a sweep file (`pipelines.tune.config`).
 
-One trial is a Ray Tune function trainable that runs `pipelines.train.job.pretrain` (Ray Train V2 + Tune:
+One trial is a Ray Tune function trainable that runs `pipelines.train.job.run_pretrain` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
-MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder.
+MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder. The driver prepares
+and checks the data once for every trial (`pipelines.inputs`; a space that would change it is refused first).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
-from pipelines.train.job import check_eval_tasks, joined_cluster, prepare_data, pretrain
+from pipelines.inputs import inputs_of, prepare_inputs
+from pipelines.train.job import joined_cluster, run_pretrain
 from pipelines.tune.asha import ResumableASHA
 from pipelines.tune.config import SweepDocument, trial_config
 
@@ -43,12 +45,25 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, 
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
     set_dotted(data, "run.storage_path", storage_path)
     cfg = trial_config(data, params)
-    pretrain(cfg, callbacks=[TuneReportCallback()], joined=joined,
-             extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id, "probvlp.sweep": sweep_name})
+    run_pretrain(cfg, callbacks=[TuneReportCallback()], joined=joined, inputs_ready=True,
+                 extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id,
+                             "probvlp.sweep": sweep_name})
 
 
 def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_trials_share_inputs(sweep: SweepDocument, base: TrainDocument) -> None:
+    """A one-line ConfigError for a space value or point that changes what `prepare_inputs` reads of the base config
+    (the digits, the eval tasks' data): the driver prepares and checks them once, and the trials skip it."""
+    prepared, base_dict = inputs_of(base), base.to_dict()
+    changes = [(f"space.{key}", {key: value}) for key, domain in sweep.space.items() for value in domain.probes()]
+    changes += [(f"tune.points_to_evaluate[{i}]", dict(point)) for i, point in enumerate(sweep.tune.points_to_evaluate)]
+    for where, params in changes:
+        if inputs_of(trial_config(base_dict, params)) != prepared:
+            raise ConfigError(f"{where}: {params} changes the data the trials share (the digits or the eval tasks' "
+                              "data, prepared once for the sweep): set it in the base config")
 
 
 def check_sweep_reaches_its_nodes(base: TrainDocument, storage: str) -> None:
@@ -66,9 +81,11 @@ def check_sweep_reaches_its_nodes(base: TrainDocument, storage: str) -> None:
                           "reaches")
 
 
-def run_sweep(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str):
-    """Run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict). The summary is None when
-    the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again resumes it."""
+def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str, best_config_out: str | Path | None = None):
+    """`jobs.tune`: run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict), the best
+    config written to `best_config_out` (default .probvlp/tune/<name>_best.yaml; summary["best_config_file"]). The
+    summary is None when the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again
+    resumes it."""
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
@@ -76,8 +93,8 @@ def run_sweep(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str):
     joined = joined_cluster(base)
     check_cluster_holds_a_worker(t.worker_resources, joined=joined)
     check_sweep_reaches_its_nodes(base, absolute_local(s.storage_path))
-    prepare_data(base)  # once, before concurrent trials could race on it
-    check_eval_tasks(base)
+    check_trials_share_inputs(sweep, base)
+    prepare_inputs(base)  # once for every trial, before concurrent trials could race on it
     uri = tracking_uri(base.tracking.uri)
     root = absolute_local(s.storage_path).rstrip("/")
     exp_path = f"{root}/{s.name}"
@@ -111,6 +128,10 @@ def run_sweep(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str):
     if interrupted:  # Tune saved the experiment with trials still to run: nothing to summarise yet
         return grid, parent, None
     summary = summarize_sweep(grid, sweep, base, uri, parent)
+    out = Path(best_config_out or LOCAL_DIR / "tune" / f"{s.name}_best.yaml")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(summary["best_config"].to_yaml())
+    summary["best_config_file"] = out
     return grid, parent, summary
 
 
