@@ -60,26 +60,27 @@ class GPO(nn.Module):
 
         One packed GRU pass over the sequences of every length 1 .. max_len: their lengths are known on the
         host, so nothing waits for the device (``torch.unique`` of the batch's lengths and the packing's
-        ``lengths.cpu()`` would each stop the host until the GPU has caught up)."""
-        return self._weights_of(torch.arange(1, max_len + 1), max_len, device)
+        ``lengths.cpu()`` would each stop the host until the GPU has caught up). They are packed longest first
+        and already sorted (no sorting permutation: ``pad_packed_sequence`` would copy its inverse to the host)."""
+        return self._weights_of(torch.arange(max_len, 0, -1), max_len, device).flip(0)
 
     def _weights_of(self, lengths_cpu: torch.Tensor, max_len: int, device) -> torch.Tensor:
-        """(len(lengths_cpu), max_len) weights for the given distinct lengths (a CPU tensor)."""
+        """(len(lengths_cpu), max_len) weights for the given distinct lengths (a CPU tensor, non-increasing)."""
         n = len(lengths_cpu)
         dtype = self.score.weight.dtype
         pe = sinusoid(max_len, self.d_pe, device).to(dtype).unsqueeze(0).expand(n, -1, -1)
         if n == 1 and int(lengths_cpu[0]) == max_len:  # one full-length sequence (an image's tokens): no packing
             out, _ = self.gru(pe)
         else:
-            packed = pack_padded_sequence(pe, lengths_cpu, batch_first=True, enforce_sorted=False)
+            packed = pack_padded_sequence(pe, lengths_cpu, batch_first=True, enforce_sorted=True)
             out, _ = self.gru(packed)
             out, _ = pad_packed_sequence(out, batch_first=True, total_length=max_len)
         out = (out[..., : self.d_hidden] + out[..., self.d_hidden :]) / 2  # average of both directions
         scores = self.score(out).squeeze(-1)  # (n, max_len)
-        valid = torch.arange(max_len)[None, :] < lengths_cpu[:, None]
+        valid = torch.arange(max_len, device=scores.device)[None, :] < lengths_cpu.to(scores.device, non_blocking=True)[:, None]
         # at least float32 (float64 stays: a float32 round trip would put float64 runs ~1e-7 off)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        scores = scores.masked_fill(~valid.to(scores.device), float("-inf"))
+        scores = scores.masked_fill(~valid, float("-inf"))
         return torch.softmax(scores / self.temperature, dim=1)
 
     def weights(self, lengths: torch.Tensor | None, max_len: int, device=None) -> torch.Tensor:
@@ -87,7 +88,7 @@ class GPO(nn.Module):
         max_len tokens, and the result is one (1, max_len) row for all."""
         if lengths is None:
             return self._weights_of(torch.tensor([max_len]), max_len, device)
-        return self.position_weights(max_len, lengths.device)[lengths - 1]
+        return self._weights_of(torch.arange(max_len, 0, -1), max_len, lengths.device)[max_len - lengths]
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D) in float32."""

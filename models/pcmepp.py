@@ -51,16 +51,20 @@ def mixed_sample(images: torch.Tensor, fraction: float, beta: float, selection: 
     if n == 0:
         return images, lam, partners
     other = torch.randint(0, b, (n,), device=device) if partner == "random" else b - 1 - rows
-    draw = torch.distributions.Beta(torch.tensor(float(beta)), torch.tensor(float(beta))).sample((n,)).to(device)
+    # Host-drawn values reach the device without non_blocking's stream sync (a pageable copy is staged at once)
+    draw = torch.distributions.Beta(torch.tensor(float(beta)), torch.tensor(float(beta))).sample((n,))
+    draw = draw.to(device, non_blocking=True)
     src, dst = images[rows], images[other]
-    if switch == "batch":
-        use_cut = (torch.rand(()) >= 0.5).expand(n).to(device)
+    if switch == "batch":  # drawn on the host: the branch below reads no device value
+        any_cut = bool(torch.rand(()) >= 0.5)
+        use_cut = torch.full((n,), any_cut, device=device)
     else:
         use_cut = torch.rand(n, device=device) >= 0.5
+        any_cut = bool(use_cut.any())  # a host sync, for the official per-image switch only
     # Mixup (Zhang et al. 2018)
     w = draw.to(images.dtype).view(-1, 1, 1, 1)
     mixed, row_lam = w * src + (1 - w) * dst, draw
-    if bool(use_cut.any()):  # CutMix (Yun et al. 2019): a box with area ~ (1 - lambda) from the partner
+    if any_cut:  # CutMix (Yun et al. 2019): a box with area ~ (1 - lambda) from the partner
         h, wd = images.shape[-2:]
         cut = (1.0 - draw).sqrt()
         cy, cx = torch.rand(n, device=device) * h, torch.rand(n, device=device) * wd

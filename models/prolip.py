@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from models.distributions import csd, sigma_sq_sum
 from models.accumulate import SplitForward
+from models.gather import World
 from models.heads import unc_projection
 from models.towers import MASK_COUNTS, TEXT_MASK_MODES, TowerConfig, masked_count, random_keep, random_text_mask
 
@@ -111,8 +112,12 @@ class ProLIP(SplitForward, nn.Module):
     def draw(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
         """The masked copies' choices for the whole batch, per row (models.accumulate): "masked" (B,) bool,
         "keep" (B, kept patches) and "text_mask" (B, L), meaningful on the masked rows."""
+        return self._draw(images, tokens)[:3]
+
+    def _draw(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict, torch.Tensor | None]:
+        """``draw`` and the masked rows it chose (None: no masked copies)."""
         if not (self.training and self.mask_fraction > 0):
-            return images, {}, {}
+            return images, {}, {}, None
         rows, keep, text_mask = self.masked_inputs(images, tokens)
         b = tokens.shape[0]
         masked = torch.zeros(b, dtype=torch.bool, device=tokens.device)
@@ -121,12 +126,21 @@ class ProLIP(SplitForward, nn.Module):
         keep_rows[rows] = keep
         text_rows = torch.zeros_like(tokens, dtype=torch.bool)
         text_rows[rows] = text_mask
-        return images, {"masked": masked, "keep": keep_rows, "text_mask": text_rows}, {}
+        return images, {"masked": masked, "keep": keep_rows, "text_mask": text_rows}, {}, rows
 
-    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, world: World | None = None) -> dict[str, torch.Tensor]:
+        # one pass over the whole batch: its masked rows are known here, where a micro-batch's (features from
+        # sliced draws) need a nonzero, a host sync
+        world = world or World.current()
+        images, draws, batch_out, rows = self._draw(images, tokens)
+        return self.pair_out({**self.features(images, tokens, draws, rows), **batch_out}, world)
+
+    def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict,
+                 rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``rows``: the masked rows of ``draws["masked"]`` where the caller knows them (else found by a nonzero)."""
         b = tokens.shape[0]
         if draws:
-            rows = torch.nonzero(draws["masked"]).flatten()
+            rows = torch.nonzero(draws["masked"]).flatten() if rows is None else rows
             keep, text_mask = draws["keep"][rows], draws["text_mask"][rows]
             # masked captions share the full captions' pass (same length): one batch of B + M rows. Text first:
             # its padding trim reads the batch's length on the host, before the image towers' work is queued.

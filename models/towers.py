@@ -225,7 +225,9 @@ class TextTower(nn.Module):
 
     def embed(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Input embeddings (B, L' + appended, width) and the attention mask the blocks need (None: plain causal)."""
-        if not self.pad_attention:
+        # compiled: no trim (its length is a host read, a graph break and a recompile per length); the padding is
+        # masked instead, the same result
+        if not self.pad_attention and not torch.compiler.is_compiling():
             tokens, mask = self.trim(tokens, mask)
         x = self.token_embedding(tokens)
         if mask is not None:
