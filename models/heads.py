@@ -11,7 +11,7 @@ import contextlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from models.towers import sinusoid
 
@@ -56,28 +56,21 @@ class GPO(nn.Module):
         self.score = nn.Linear(d_hidden, 1, bias=False)
 
     def position_weights(self, max_len: int, device=None) -> torch.Tensor:
-        """(max_len, max_len): row n - 1 holds the pooling weights of a sequence of n tokens (zero past n).
+        """(max_len, max_len): row n - 1 holds the pooling weights of a sequence of n tokens (zero past n)."""
+        return self.table(max_len, True, device).flip(0)
 
-        One packed GRU pass over the sequences of every length 1 .. max_len: their lengths are known on the
-        host, so nothing waits for the device (``torch.unique`` of the batch's lengths and the packing's
-        ``lengths.cpu()`` would each stop the host until the GPU has caught up). They are packed longest first
-        and already sorted (no sorting permutation: ``pad_packed_sequence`` would copy its inverse to the host)."""
-        return self._weights_of(torch.arange(max_len, 0, -1), max_len, device).flip(0)
+    def table(self, max_len: int, every_length: bool, device=None) -> torch.Tensor:
+        """Pooling weights by length, longest first: (max_len, max_len) with row i for a sequence of max_len - i
+        tokens (``every_length``), or (1, max_len) for max_len tokens alone. Index it by ``max_len - lengths``."""
+        return gpo_tables([(self, max_len, every_length)], device)[0]
 
-    def _weights_of(self, lengths_cpu: torch.Tensor, max_len: int, device) -> torch.Tensor:
-        """(len(lengths_cpu), max_len) weights for the given distinct lengths (a CPU tensor, non-increasing)."""
-        n = len(lengths_cpu)
-        dtype = self.score.weight.dtype
-        pe = sinusoid(max_len, self.d_pe, device).to(dtype).unsqueeze(0).expand(n, -1, -1)
-        if n == 1 and int(lengths_cpu[0]) == max_len:  # one full-length sequence (an image's tokens): no packing
-            out, _ = self.gru(pe)
-        else:
-            packed = pack_padded_sequence(pe, lengths_cpu, batch_first=True, enforce_sorted=True)
-            out, _ = self.gru(packed)
-            out, _ = pad_packed_sequence(out, batch_first=True, total_length=max_len)
-        out = (out[..., : self.d_hidden] + out[..., self.d_hidden :]) / 2  # average of both directions
-        scores = self.score(out).squeeze(-1)  # (n, max_len)
-        valid = torch.arange(max_len, device=scores.device)[None, :] < lengths_cpu.to(scores.device, non_blocking=True)[:, None]
+    def weights_from(self, forward: torch.Tensor, backward: torch.Tensor, max_len: int) -> torch.Tensor:
+        """The weights of rows of lengths max_len, max_len - 1, ... from their GRU outputs in each direction
+        (rows, max_len, d_hidden)."""
+        out = (forward + backward) / 2  # average of both directions
+        scores = self.score(out).squeeze(-1)  # (rows, max_len)
+        pos = torch.arange(max_len, device=scores.device)
+        valid = pos[None, :] + torch.arange(scores.shape[0], device=scores.device)[:, None] < max_len  # t < length
         # at least float32 (float64 stays: a float32 round trip would put float64 runs ~1e-7 off)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         scores = scores.masked_fill(~valid, float("-inf"))
@@ -87,15 +80,17 @@ class GPO(nn.Module):
         """Pooling weights for sequences of the given lengths, (B, max_len); ``lengths`` None: every sequence has
         max_len tokens, and the result is one (1, max_len) row for all."""
         if lengths is None:
-            return self._weights_of(torch.tensor([max_len]), max_len, device)
-        return self._weights_of(torch.arange(max_len, 0, -1), max_len, lengths.device)[max_len - lengths]
+            return self.table(max_len, False, device)
+        return self.table(max_len, True, lengths.device)[max_len - lengths]
 
-    def forward(self, features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D) in float32."""
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor | None = None,
+                table: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L, D) token features, `lengths` (B,) valid tokens per row (None: all L) -> (B, D) in float32.
+        ``table``: ``self.table(L, lengths is not None)`` where the caller has it (``gpo_tables``)."""
         with float32_region(features.device):
-            return self._pool(features, lengths)
+            return self._pool(features, lengths, table)
 
-    def _pool(self, features: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    def _pool(self, features: torch.Tensor, lengths: torch.Tensor | None, table: torch.Tensor | None) -> torch.Tensor:
         b, length, _ = features.shape
         # Sorted in the input's own precision, then upcast: a bf16 value converts to float32 exactly and in the
         # same order, so this equals sorting the float32 copy, with half the sort's memory traffic.
@@ -107,6 +102,44 @@ class GPO(nn.Module):
             low = torch.finfo(features.dtype).min
             ordered = features.masked_fill(~valid, low).sort(dim=1, descending=True).values.to(out_dtype)
             ordered = ordered.masked_fill(~valid, 0.0)  # padding sorts to the end
-        w = self.weights(lengths, length, features.device).to(out_dtype)
+        if table is None:
+            table = self.table(length, lengths is not None, features.device)
+        w = (table if lengths is None else table[length - lengths]).to(out_dtype)
         # VSE-infinity Eq. 2: f = sum_k theta_k * max_k(features), theta from the GRU position model
         return (ordered * w.unsqueeze(-1)).sum(dim=1)
+
+
+def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None) -> list[torch.Tensor]:
+    """``gpo.table(max_len, every_length)`` for each (gpo, max_len, every_length), from ONE bidirectional GRU pass.
+
+    The GRU is sequential over time steps (a GPU launches kernels per step), so PCME++'s four GPOs (image mean and
+    variance over all tokens, text mean and variance over every caption length) share one pass: their GRUs side by
+    side as one GRU with block-diagonal recurrent weights (each unit's gates read its own GPO's hidden state only,
+    so every block evolves exactly as its own GRU would), over the union of the sequence lengths they need, packed
+    longest first (lengths known on the host: no sort, no copy between host and device)."""
+    gpos = [g for g, _, _ in specs]
+    first = gpos[0]
+    if any((g.d_pe, g.d_hidden) != (first.d_pe, first.d_hidden) for g in gpos):
+        raise ValueError("gpo_tables: the GPOs must share d_pe and d_hidden")
+    h, k = first.d_hidden, len(gpos)
+    lengths = sorted({n for _, m, every in specs for n in (range(1, m + 1) if every else (m,))}, reverse=True)
+    slot = {n: i for i, n in enumerate(lengths)}
+    pe = sinusoid(lengths[0], first.d_pe, device).to(first.score.weight.dtype).unsqueeze(0).expand(len(lengths), -1, -1)
+    if k == 1:
+        weights = list(first.gru._flat_weights)
+    else:
+        weights = []
+        for sfx in ("", "_reverse"):
+            w_ih, w_hh, b_ih, b_hh = ([getattr(g.gru, f"{p}_l0{sfx}") for g in gpos] for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            gates = lambda ws: torch.cat([w[i * h : (i + 1) * h] for i in range(3) for w in ws])  # noqa: E731 (r, z, n)
+            w_hh = torch.cat([torch.block_diag(*(w[i * h : (i + 1) * h] for w in w_hh)) for i in range(3)])
+            weights += [gates(w_ih), w_hh, gates(b_ih), gates(b_hh)]
+    packed = pack_padded_sequence(pe, torch.tensor(lengths), batch_first=True, enforce_sorted=True)
+    hx = pe.new_zeros(2, len(lengths), k * h)
+    data, _ = torch._VF.gru(packed.data, packed.batch_sizes, hx, weights, True, 1, 0.0, first.training, True)
+    out, _ = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), batch_first=True, total_length=lengths[0])
+    tables = []
+    for i, (gpo, m, every) in enumerate(specs):
+        rows = out[slot[m] : slot[m] + (m if every else 1), :m]
+        tables.append(gpo.weights_from(rows[..., i * h : (i + 1) * h], rows[..., (k + i) * h : (k + i + 1) * h], m))
+    return tables

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.accumulate import SplitForward
-from models.heads import GPO, Float32Linear
+from models.heads import GPO, Float32Linear, gpo_tables
 from models.prolip import negative_csd, prompt_ensemble
 from models.towers import TowerConfig, reset_linear_and_norm
 
@@ -118,21 +118,27 @@ class PCMEPP(SplitForward, nn.Module):
         self.context_length, self.img_size = towers.context_length, towers.img_size
         self.msda_fraction, self.msda_beta = msda_fraction, msda_beta
 
-    def encode_image(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode_image(self, images: torch.Tensor, tables: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """``tables``: the mean and variance GPOs' weight tables (``features`` makes all four GPOs' in one pass)."""
+        mu_table, var_table = tables or (None, None)
         vit, run = self.visual.vit, self.visual.run  # run: the tower's block loop (checkpointed if set)
         h = run(self.visual.embed(images), vit.blocks[:-1])
-        mu = self.image_gpo(self.image_proj(vit.norm(run(h, vit.blocks[-1:]))))
-        logvar = self.image_var_gpo(self.image_var_proj(self.image_var_norm(run(h, [self.image_var_block]))))
+        mu = self.image_gpo(self.image_proj(vit.norm(run(h, vit.blocks[-1:]))), table=mu_table)
+        logvar = self.image_var_gpo(self.image_var_proj(self.image_var_norm(run(h, [self.image_var_block]))),
+                                    table=var_table)
         return {"mu": F.normalize(mu, dim=-1), "logvar": logvar}
 
-    def encode_text(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        x, attn = self.text.embed(tokens)
+    def encode_text(self, tokens: torch.Tensor, tables: list[torch.Tensor] | None = None,
+                    embedded: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+        """``embedded``: ``self.text.embed(tokens)`` where the caller has it; ``tables`` as ``encode_image``'s."""
+        mu_table, var_table = tables or (None, None)
+        x, attn = self.text.embed(tokens) if embedded is None else embedded
         h = self.text.run(x, self.text.blocks[:-1], attn)
         lengths = self.text.eot_index(tokens) + 1  # tokens up to and including EOT
         mu_tokens = self.text.ln_final(self.text.run(h, self.text.blocks[-1:], attn))
         var_tokens = self.text_var_norm(self.text.run(h, [self.text_var_block], attn))
-        mu = self.text_gpo(self.text_proj(mu_tokens), lengths)
-        logvar = self.text_var_gpo(self.text_var_proj(var_tokens), lengths)
+        mu = self.text_gpo(self.text_proj(mu_tokens), lengths, mu_table)
+        logvar = self.text_var_gpo(self.text_var_proj(var_tokens), lengths, var_table)
         return {"mu": F.normalize(mu, dim=-1), "logvar": logvar}
 
     def draw(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
@@ -144,8 +150,14 @@ class PCMEPP(SplitForward, nn.Module):
         return images, {}, {"mix_lambda": lam, "mix_partner": partner}
 
     def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
-        txt = self.encode_text(tokens)  # first: its padding trim reads the batch's length on the host
-        img = self.encode_image(images)  # (on a GPU, before the image tower's work is queued)
+        embedded = self.text.embed(tokens)  # first: its padding trim reads the batch's length on the host
+        # (on a GPU, before the towers' work is queued); then the four GPOs' weights in one GRU pass
+        n_image = self.visual.num_prefix + self.visual.num_patches
+        tables = gpo_tables([(self.image_gpo, n_image, False), (self.image_var_gpo, n_image, False),
+                             (self.text_gpo, embedded[0].shape[1], True), (self.text_var_gpo, embedded[0].shape[1], True)],
+                            images.device)
+        txt = self.encode_text(tokens, tables[2:], embedded)
+        img = self.encode_image(images, tables[:2])
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"]}
 
