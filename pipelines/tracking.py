@@ -223,6 +223,7 @@ class Outbox:
         self.down_since: float | None = None
         self.unreachable_s, self.outages = 0.0, 0
         self.rejected: BaseException | None = None
+        self.summary_s: float | None = None  # tracking_unreachable_s as delivered
         self.stopped = False
         self.wake = threading.Event()
         if uri.startswith(("http://", "https://")):
@@ -304,6 +305,8 @@ class Outbox:
             down = time.monotonic() - self.down_since if self.down_since is not None else 0.0
             try:
                 _deliver(self.client, self.run_id, batch, self.files, self.unreachable_s + down)
+                if "summary" in batch[0]:
+                    self.summary_s = round(self.unreachable_s + down, 1)
             except Exception as err:  # noqa: BLE001 - every failure is either a refusal or an outage
                 with self.cv:
                     self.in_flight = 0
@@ -363,7 +366,8 @@ class Outbox:
         if self.rejected is not None:
             raise RuntimeError(f"MLflow refused a call of run {self.run_id}: {_one_line(self.rejected)}") \
                 from self.rejected
-        return OutboxReport(self.unreachable_s + down, self.outages, undelivered, kept)
+        seconds = self.summary_s if self.summary_s is not None else self.unreachable_s + down
+        return OutboxReport(seconds, self.outages, undelivered, kept)
 
     def _keep(self, counts: dict[str, int], unreachable_s: float) -> Path:
         """Everything not delivered, in order, to folder/outbox.jsonl (with the run and store it was meant for). A

@@ -1,0 +1,101 @@
+"""The run outlives its tracking server (issue 52, item 5): a real `mlflow server` on 127.0.0.1 stopped in the middle
+of a real training job (jobs.pretrain, 2 Ray Train workers under DeepSpeed) for longer than the MLflow client's retry
+budget, then restarted on the same database and port. Rank 0's outbox (pipelines.tracking.Outbox) keeps what the
+loop logs meanwhile and delivers it when the server is back."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from pipelines.cluster import services
+from pipelines.tracking import UNREACHABLE_METRIC, UNREACHABLE_TAG
+from tests.helpers import free_port, wait_for
+from tests.pace import scaled
+from tests.small_runs import SMALL
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 120
+EXPERIMENT = "test-tracking-outage"
+# The client's retry budget in the job's processes (every Ray process inherits the job's environment): one retry
+# after ~1-2 s, so a call made while the server is down fails within seconds unless something else retries it.
+CLIENT_BUDGET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+OUTAGE_S = 15  # several times that budget, and several of rank 0's flushes
+
+
+def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+
+
+def test_training_outlives_a_tracking_server_outage(digits_root, tmp_path, monkeypatch):
+    for key, value in CLIENT_BUDGET.items():  # this process's client too: the test never waits minutes on it
+        monkeypatch.setenv(key, value)
+    server_dir = tmp_path / "server"
+    port = free_port()
+    artifacts = str(server_dir / "artifacts")
+    server = services.start_mlflow(port, server_dir, artifacts, {})
+    uri = f"http://127.0.0.1:{port}"
+    client = MlflowClient(uri)
+    overrides = [f"data.root={digits_root}", f"tracking.uri={uri}", f"run.storage_path={tmp_path / 'ray'}",
+                 "run.name=outage", f"run.experiment={EXPERIMENT}", *SMALL, f"train.steps={STEPS}",
+                 "train.log_every=1", "train.num_workers=2", "run.max_failures=0"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(CLIENT_BUDGET)
+    log = tmp_path / "job.log"
+    job = subprocess.Popen([sys.executable, "-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
+                            *(a for kv in overrides for a in ("--set", kv))],
+                           cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def run_id():
+            exp = client.get_experiment_by_name(EXPERIMENT)
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            return runs[0].info.run_id if runs else None
+
+        rid = wait_for("the job's MLflow run", run_id, timeout_s=300)
+        # rank 0 has delivered a first flush: training runs, and is far from its last step
+        wait_for("the first steps' metrics in MLflow", lambda: job.poll() is not None or loss_steps(client, rid),
+                 timeout_s=300)
+        assert job.poll() is None, log.read_text()[-3000:]
+        delivered_before = loss_steps(client, rid)
+        assert max(delivered_before) < STEPS // 2, "training went too fast to be interrupted"
+
+        down_at = time.time()
+        services.stop(server)
+        time.sleep(OUTAGE_S)  # the outage itself, not a wait for something
+        assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
+        server = services.start_mlflow(port, server_dir, artifacts, {})  # same database, same port
+        up_at = time.time()
+
+        rc = job.wait(timeout=scaled(600))
+        output = log.read_text()
+        assert rc == 0, output[-5000:]
+
+        run = client.get_run(rid)
+        assert run.info.status == "FINISHED"
+        history = client.get_metric_history(rid, "loss")
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "a step's metrics are missing or doubled"
+        # the loop went on during the outage: steps logged while the server was down reached it afterwards (whether
+        # training ended before the server was back, its last flush waiting for it, or went on after)
+        during = [m.step for m in history if down_at * 1000 < m.timestamp < up_at * 1000]
+        assert during, "no step was logged while the server was down"
+        # the run says how long tracking was unreachable: MLflow (metric at the last step, tag) and the console
+        [unreachable] = client.get_metric_history(rid, UNREACHABLE_METRIC)
+        assert unreachable.step == STEPS
+        assert 0 < unreachable.value <= time.time() - down_at
+        assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
+        assert f"was unreachable for {unreachable.value:.1f} s" in output, output[-5000:]
+        # the artifacts of the run's end (after the outage) arrived too
+        assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+        services.stop(server)
