@@ -255,7 +255,7 @@ LONG_STEPS = 1500
 LOG_EVERY = 100
 
 
-def run_adapt(trained_clip, digits_root, tmp, name: str, steps: int, extra: tuple[str, ...] = ()):
+def adapt_clip(trained_clip, digits_root, tmp, name: str, steps: int, extra: tuple[str, ...] = ()):
     """jobs.adapt on the session's trained CLIP (its MLflow run as the source): pairs embedded by Ray Data,
     the adapter and the PFE-style baseline trained side by side by Ray Train (1 worker), held-out retrieval."""
     import time
@@ -285,7 +285,7 @@ def adapted(trained_clip, digits_root, s3, tmp_path_factory):
 
     s3.put(str(write_digit_pairs(digits_root, "train") / "0.tar"), f"{ON_S3}/data/train/0.tar")
     s3.put(f"{digits_root}/eval/retrieval", f"{ON_S3}/data/eval/retrieval", recursive=True)
-    return run_adapt(trained_clip, digits_root, tmp_path_factory.mktemp("adapt"), "test_adapt", STEPS,
+    return adapt_clip(trained_clip, digits_root, tmp_path_factory.mktemp("adapt"), "test_adapt", STEPS,
                      ("data.source=shards", f"data.root=s3://{ON_S3}/data", f"data.embeddings=s3://{ON_S3}/embeddings",
                       f"run.storage_path=s3://{ON_S3}/ray"))
 
@@ -630,12 +630,12 @@ def test_same_run_name_resumes_a_stopped_fit(trained_clip, digits_root, tmp_path
     trained from the checkpoint, then saved and scored; the pair embeddings are not recomputed."""
     from mlflow import MlflowClient
 
-    first, *_ = run_adapt(trained_clip, digits_root, tmp_path, "test_resume", 200,
+    first, *_ = adapt_clip(trained_clip, digits_root, tmp_path, "test_resume", 200,
                           ("train.stop_at_step=100", "train.checkpoint_every=40"))
     assert first.model_file is None and first.metrics == {} and first.train["step"] == 100
     client = MlflowClient(first.mlflow_uri)
     assert client.get_run(first.mlflow_run_id).info.status == "KILLED"
-    again, *_ = run_adapt(trained_clip, digits_root, tmp_path, "test_resume", 200)
+    again, *_ = adapt_clip(trained_clip, digits_root, tmp_path, "test_resume", 200)
     assert again.mlflow_run_id == first.mlflow_run_id
     assert (again.train["step"], again.train["steps_this_run"]) == (200, 100)
     assert again.seconds["embed_pairs"] < first.seconds["embed_pairs"]
