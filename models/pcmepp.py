@@ -52,15 +52,17 @@ def mixed_sample(images: torch.Tensor, fraction: float, beta: float, selection: 
         return images, lam, partners
     other = torch.randint(0, b, (n,), device=device) if partner == "random" else b - 1 - rows
     # Host-drawn values reach the device without non_blocking's stream sync (a pageable copy is staged at once)
-    draw = torch.distributions.Beta(torch.tensor(float(beta)), torch.tensor(float(beta))).sample((n,))
-    draw = draw.to(device, non_blocking=True)
+    beta_t = torch.tensor(float(beta))
+    draw = torch.distributions.Beta(beta_t, beta_t, validate_args=False).sample((n,)).to(device, non_blocking=True)
     src, dst = images[rows], images[other]
-    if switch == "batch":  # drawn on the host: the branch below reads no device value
-        any_cut = bool(torch.rand(()) >= 0.5)
-        use_cut = torch.full((n,), any_cut, device=device)
+    if switch == "batch":
+        coin = torch.rand(()) >= 0.5  # on the host
+        use_cut = coin.expand(n).to(device, non_blocking=True)
     else:
         use_cut = torch.rand(n, device=device) >= 0.5
-        any_cut = bool(use_cut.any())  # a host sync, for the official per-image switch only
+    # Whether to build the CutMix box at all: the batch's coin is read on the host (no device sync), the per-image
+    # switch reads the device (a sync); compiled, always built (a branch on a value would break the graph)
+    any_cut = True if torch.compiler.is_compiling() else bool(coin) if switch == "batch" else bool(use_cut.any())
     # Mixup (Zhang et al. 2018)
     w = draw.to(images.dtype).view(-1, 1, 1, 1)
     mixed, row_lam = w * src + (1 - w) * dst, draw
