@@ -219,7 +219,6 @@ class Outbox:
         self.spilled = 0  # ops in the spill file not read back yet (queued after everything in self.queue)
         self.spill_offset = 0
         self.file_count = 0
-        self.in_flight = 0  # ops at the head of the queue being sent
         self.down_since: float | None = None
         self.unreachable_s, self.outages = 0.0, 0
         self.rejected: BaseException | None = None
@@ -301,7 +300,6 @@ class Outbox:
                 if self.stopped:
                     return
                 batch = self._head()
-                self.in_flight = len(batch)
             down = time.monotonic() - self.down_since if self.down_since is not None else 0.0
             try:
                 _deliver(self.client, self.run_id, batch, self.files, self.unreachable_s + down)
@@ -309,7 +307,6 @@ class Outbox:
                     self.summary_s = round(self.unreachable_s + down, 1)
             except Exception as err:  # noqa: BLE001 - every failure is either a refusal or an outage
                 with self.cv:
-                    self.in_flight = 0
                     if _rejected(err):
                         self.rejected = err
                         print(f"[tracking] MLflow refused a call of run {self.run_id}: {_one_line(err)}", flush=True)
@@ -326,7 +323,6 @@ class Outbox:
                 continue
             pause = 1.0
             with self.cv:
-                self.in_flight = 0
                 if self.stopped:  # given up on meanwhile: what was kept is on disk already
                     return
                 for op in batch:

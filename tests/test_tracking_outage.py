@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+import pipelines.tracking as tracking
 from pipelines.cluster import services
-from pipelines.tracking import UNREACHABLE_METRIC, UNREACHABLE_TAG
+from pipelines.tracking import UNREACHABLE_METRIC, UNREACHABLE_TAG, StepLogger, replay_outbox
 from tests.helpers import free_port, wait_for
 from tests.pace import scaled
 from tests.small_runs import SMALL
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 120
@@ -35,6 +34,7 @@ def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
 
 
+@pytest.mark.slow
 def test_training_outlives_a_tracking_server_outage(digits_root, tmp_path, monkeypatch):
     for key, value in CLIENT_BUDGET.items():  # this process's client too: the test never waits minutes on it
         monkeypatch.setenv(key, value)
@@ -99,3 +99,41 @@ def test_training_outlives_a_tracking_server_outage(digits_root, tmp_path, monke
             os.killpg(job.pid, 9)
             job.wait()
         services.stop(server)
+
+
+def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tmp_path, monkeypatch, capsys):
+    """A store that never answers (a port nothing listens on): the loop's calls return at once, the final flush waits
+    its limit, then says what it could not deliver and where it is; replayed later into the run's store, everything
+    arrives in the order it was logged, the queue that went on in a file (a small memory bound here) included."""
+    for key, value in CLIENT_BUDGET.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
+    monkeypatch.setattr(tracking, "MEMORY_METRICS", 40)  # most of what follows goes on in the spill file
+    store = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # from a copy of an empty store
+    run_id = MlflowClient(store).create_run(MlflowClient(store).create_experiment("outbox")).info.run_id
+    logger = StepLogger(f"http://127.0.0.1:{free_port()}", run_id, flush_every=20, background=True,
+                        flush_timeout_s=2)
+    started = time.monotonic()
+    for step in range(1, 101):
+        logger.log({"loss": float(step), "lr": 1.0 / step}, step)
+        if step % 25 == 0:
+            logger.tag("probvlp.last_quarter", str(step))  # set four times: the last value must win
+    (tmp_path / "card.md").write_text("a model card")
+    logger.artifact(tmp_path / "card.md", "model")
+    (tmp_path / "card.md").unlink()  # the caller's temporary file goes away: the outbox holds a copy
+    assert time.monotonic() - started < scaled(5), "logging waited for the store"
+    report = logger.close()
+    assert report.kept_in == tmp_path / "outbox" / run_id
+    assert report.undelivered == {"metrics": 200, "tags": 4, "artifacts": 1} and report.unreachable_s > 0
+    out = capsys.readouterr().out
+    assert "NOT delivered" in out and str(report.kept_in) in out and "python -m pipelines.tracking replay" in out
+
+    replay_outbox(report.kept_in, store)
+    client = MlflowClient(store)
+    losses = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, 101)) and [m.value for m in losses] == list(range(1, 101))
+    run = client.get_run(run_id)
+    assert run.data.tags["probvlp.last_quarter"] == "100"
+    assert run.data.tags[tracking.LOGGED_THROUGH_TAG] == "100"
+    assert run.data.metrics[UNREACHABLE_METRIC] == pytest.approx(report.unreachable_s, abs=0.1)
+    assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/card.md"]
