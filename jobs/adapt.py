@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
@@ -32,15 +31,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipelines.adapt.scoring import summary_lines  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.adapt.job import run_adapt
-    from pipelines.tracking import LOCAL_DIR
 
-    if cfg.run.name is None:
-        cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = Path(args.out or LOCAL_DIR / "adapt" / cfg.run.name).resolve()
-    result = run_adapt(cfg, out)
+    result = run_adapt(cfg, Path(args.out) if args.out else None)
     if result.model_file is None:
         print(f"stopped at step {int(result.train.get('step', 0))} of {cfg.train.steps} (train.stop_at_step); the same "
-              f"command with --set run.name={cfg.run.name} continues from there")
+              f"command with --set run.name={result.run_name} continues from there")
         return 0
     print(f"adapted model: {result.model_file} (MLflow run {result.mlflow_run_id}, runs:/{result.mlflow_run_id}/model)")
     print(f"trained on {result.pairs} pairs of {result.source.name} embeddings: "

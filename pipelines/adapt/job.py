@@ -35,7 +35,7 @@ from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
-from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
+from pipelines.tracking import LOCAL_DIR, TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
 from pipelines.train.trainer import run_exists, torch_trainer
 
 REGISTRY_NAMES = {"probvlm": "probvlm_adapter", "pfe": "pfe_adapter"}
@@ -55,6 +55,7 @@ class AdaptResult:
     pairs: int
     plots: list[Path] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+    run_name: str = ""  # the same command with this run.name resumes a stopped fit
 
 
 def pair_shards(cfg: AdaptDocument) -> list[str]:
@@ -101,11 +102,13 @@ def check_before_ray(cfg: AdaptDocument, out: Path, uri: str) -> tuple[Source, s
     return source, folder, pairs
 
 
-def run_adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
-    """`jobs.adapt`: the source's embeddings, the adapter fitted on them, the adapted model(s) saved, scored and logged."""
+def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
+    """`jobs.adapt`: the source's embeddings, the adapter fitted on them, the adapted model(s) saved, scored and logged,
+    under `out` (default .probvlp/adapt/<run name>)."""
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(out or LOCAL_DIR / "adapt" / cfg.run.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(cfg.tracking.uri)
     source, folder, pairs = check_before_ray(cfg, out, uri)
@@ -150,7 +153,8 @@ def run_adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
         if int(train.get("step", 0)) < t.steps:  # train.stop_at_step: resumable, not scored
             run.end_status = "KILLED"
-            return AdaptResult(out, None, None, {}, train, uri, run.run_id, source, len(pairs.image), seconds=seconds)
+            return AdaptResult(out, None, None, {}, train, uri, run.run_id, source, len(pairs.image), seconds=seconds,
+                               run_name=cfg.run.name)
         with result.checkpoint.as_directory() as folder:  # on object storage: downloaded to a local folder
             state = load_file(str(Path(folder) / ADAPTER_FILE))
         heads = {"adapter": cfg.adapter.head, **({"baseline": cfg.adapter.baseline} if cfg.adapter.baseline != "none" else {})}
@@ -171,7 +175,7 @@ def run_adapt(cfg: AdaptDocument, out: Path) -> AdaptResult:
         seconds["evaluate"] = time.perf_counter() - clock
         log_adapter_results(run, metrics, plots, {**train, **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
     return AdaptResult(out, files["adapter"], files.get("baseline"), metrics, train, uri, run.run_id,
-                       source, len(pairs.image), plots, seconds)
+                       source, len(pairs.image), plots, seconds, cfg.run.name)
 
 
 def check_storage(cfg: AdaptDocument, spans: bool | None = None) -> None:
