@@ -122,3 +122,14 @@ def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> No
         mlflow.set_tracking_uri(previous)
     out = pyfunc.predict(pd.DataFrame({"image": [encode_png(probe["images"][0].numpy())], "caption": ["a photo"]}))
     assert len(out["image_mu"][0]) == probe["image_mu"].shape[1]
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn`, its processes forked from a server that has imported torch and DeepSpeed once:
+    a spawned gloo rank spends seconds of CPU importing them afresh, and the tests start dozens of ranks."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["torch", "deepspeed", "torch.distributed"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")

@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -20,7 +19,7 @@ from models.losses import create_loss
 from models.objective import Objective
 from models.registry import create_model
 from models.tokenizer import tokenize
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 
 f64 = torch.float64
 MICRO, K = 3, 4
@@ -329,7 +328,7 @@ def two_workers(tmp_path_factory):
     import json
 
     out = tmp_path_factory.mktemp("accum")
-    mp.spawn(_two_workers, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(_two_workers, (free_port(), str(out)), WORLD)
     return json.loads((out / "result.json").read_text())
 
 

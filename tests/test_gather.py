@@ -6,14 +6,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models import create_model
 from models.gather import World
 from models.losses import create_loss
 from models.objective import Objective
 from models.tokenizer import tokenize
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 
 B = 6
 TINY = dict(vision_depth=1, text_depth=1)
@@ -60,7 +59,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
 @pytest.mark.timeout(300)
 def test_two_workers_equal_one_process_full_batch(tmp_path):
     out_path = str(tmp_path / "dist.pt")
-    mp.spawn(_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), out_path), 2)
     dist_result = torch.load(out_path, weights_only=True)
 
     obj = objective()

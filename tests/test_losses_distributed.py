@@ -13,14 +13,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gather import World
 from models.llip_mixer import LlipMixer
 from models.losses import create_loss
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 
 f64 = torch.float64
 WORLD, B_LOCAL, DIN, D, K = 2, 4, 6, 8, 3
@@ -176,4 +175,4 @@ def test_local_batches_reassemble_full_batch():
 
 @pytest.mark.timeout(300)
 def test_two_process_gloo_matches_single_process_full_batch():
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    spawn(_worker, (free_port(),), WORLD)

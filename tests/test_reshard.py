@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 from tests.small_runs import assert_identical
 
 TAG = "state"
@@ -136,7 +135,7 @@ def _phase(rank: int, world: int, port: int, job: dict) -> None:
 
 
 def _run(world: int, job: dict) -> None:
-    mp.spawn(_phase, args=(world, free_port(), job), nprocs=world, join=True)
+    spawn(_phase, (world, free_port(), job), world)
 
 
 def _digest(folder: Path) -> dict[str, str]:
