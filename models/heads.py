@@ -54,6 +54,16 @@ class GPO(nn.Module):
         self.d_pe, self.d_hidden, self.temperature = d_pe, d_hidden, temperature
         self.gru = nn.GRU(d_pe, d_hidden, batch_first=True, bidirectional=True)
         self.score = nn.Linear(d_hidden, 1, bias=False)
+        # the GRU's parameters (the same objects) for compiled code: dynamo refuses to touch an nn.GRU at all
+        self.gru_weights = list(self.gru._flat_weights)
+
+    def gru_parameter(self, name: str) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.gru_weights[self.gru_weight_names.index(name)]
+        return getattr(self.gru, name)
+
+    gru_weight_names = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0", "weight_ih_l0_reverse",
+                        "weight_hh_l0_reverse", "bias_ih_l0_reverse", "bias_hh_l0_reverse")
 
     def position_weights(self, max_len: int, device=None) -> torch.Tensor:
         """(max_len, max_len): row n - 1 holds the pooling weights of a sequence of n tokens (zero past n)."""
@@ -126,20 +136,49 @@ def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None) -> list[torch.Te
     slot = {n: i for i, n in enumerate(lengths)}
     pe = sinusoid(lengths[0], first.d_pe, device).to(first.score.weight.dtype).unsqueeze(0).expand(len(lengths), -1, -1)
     if k == 1:
-        weights = list(first.gru._flat_weights)
+        weights = [first.gru_parameter(n) for n in GPO.gru_weight_names]
     else:
         weights = []
         for sfx in ("", "_reverse"):
-            w_ih, w_hh, b_ih, b_hh = ([getattr(g.gru, f"{p}_l0{sfx}") for g in gpos] for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            w_ih, w_hh, b_ih, b_hh = ([g.gru_parameter(f"{p}_l0{sfx}") for g in gpos]
+                                      for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
             gates = lambda ws: torch.cat([w[i * h : (i + 1) * h] for i in range(3) for w in ws])  # noqa: E731 (r, z, n)
             w_hh = torch.cat([torch.block_diag(*(w[i * h : (i + 1) * h] for w in w_hh)) for i in range(3)])
             weights += [gates(w_ih), w_hh, gates(b_ih), gates(b_hh)]
-    packed = pack_padded_sequence(pe, torch.tensor(lengths), batch_first=True, enforce_sorted=True)
-    hx = pe.new_zeros(2, len(lengths), k * h)
-    data, _ = torch._VF.gru(packed.data, packed.batch_sizes, hx, weights, True, 1, 0.0, first.training, True)
-    out, _ = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), batch_first=True, total_length=lengths[0])
+    if torch.compiler.is_compiling():  # dynamo traces no RNN module or op: the same recurrence step by step
+        out = _gru_steps(pe[0], lengths, weights)
+    else:
+        packed = pack_padded_sequence(pe, torch.tensor(lengths), batch_first=True, enforce_sorted=True)
+        hx = pe.new_zeros(2, len(lengths), k * h)
+        data, _ = torch._VF.gru(packed.data, packed.batch_sizes, hx, weights, True, 1, 0.0, first.training, True)
+        out, _ = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), batch_first=True, total_length=lengths[0])
     tables = []
     for i, (gpo, m, every) in enumerate(specs):
         rows = out[slot[m] : slot[m] + (m if every else 1), :m]
         tables.append(gpo.weights_from(rows[..., i * h : (i + 1) * h], rows[..., (k + i) * h : (k + i + 1) * h], m))
     return tables
+
+
+def _gru_steps(x: torch.Tensor, lengths: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
+    """A one-layer bidirectional GRU (torch's gate equations) over sequences that all read x (T, d) from the
+    start, of the given non-increasing lengths: (len(lengths), T, 2 H), positions past a length unspecified."""
+    def run(w_ih, w_hh, b_ih, b_hh, steps, h, active=None):
+        gi = torch.addmm(b_ih, x, w_ih.T)  # every step's input part at once
+        outs = [None] * x.shape[0]
+        for t in steps:
+            gh = torch.addmm(b_hh, h, w_hh.T)
+            i_r, i_z, i_n = gi[t].chunk(3)
+            h_r, h_z, h_n = gh.chunk(3, dim=-1)
+            r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+            # torch.nn.GRU: n = tanh(W_in x + b_in + r (W_hn h + b_hn)), h' = (1 - z) n + z h
+            new = (1 - z) * torch.tanh(i_n + r * h_n) + z * h
+            h = new if active is None else torch.where(active[:, t, None], new, h)  # a sequence starts at its end
+            outs[t] = h
+        return torch.stack(outs, dim=1)
+
+    steps, hidden = x.shape[0], weights[1].shape[1]
+    # forward: every sequence reads the same inputs from the same zero state, so one row serves them all
+    fwd = run(*weights[:4], range(steps), x.new_zeros(1, hidden)).expand(len(lengths), -1, -1)
+    active = torch.arange(steps, device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None]
+    bwd = run(*weights[4:], range(steps - 1, -1, -1), x.new_zeros(len(lengths), hidden), active)
+    return torch.cat([fwd, bwd], dim=-1)

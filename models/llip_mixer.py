@@ -326,6 +326,11 @@ class LlipMixer(nn.Module):
             # The custom function runs outside autocast on one common dtype (its backward is not autocast).
             dtype = functools.reduce(torch.promote_types, [t.dtype for t in (q, k, v, text_hat, self.out_weight)])
             cast = [t.to(dtype) for t in (q, k, v, text_hat, self.out_weight)]
+            if torch.compiler.is_compiling():
+                # the same chunks' forward, checkpointed: the custom backward's autograd.grad would break the graph
+                q, k, v, text_hat, w_o = cast
+                return torch.cat([checkpoint(self._block, q, k[:, i : i + rows], v[:, i : i + rows], text_hat, w_o,
+                                             use_reentrant=False) for i in range(0, k.shape[1], rows)])
             return _ChunkedCosine.apply(*cast, self.tau, rows)
 
     def naive_pair_cos(
