@@ -19,7 +19,7 @@ import webdataset as wds
 from models.objective import build_objective
 from models.preprocess import decode_image, resize, to_model_input
 from models.tokenizer import tokenize
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.data.captions import CaptionSampler
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "prolip_demo.yaml"
@@ -45,7 +45,7 @@ def main(root: str, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = load_config(CONFIG, [])
+    cfg = load_train_config(CONFIG, [])
     torch.manual_seed(cfg.run.seed)
     objective = build_objective(cfg).train()
     model = torch.nn.parallel.DistributedDataParallel(objective)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_train_config(args.config, args.overrides)
 
     from pipelines.evaluate.headline import headline  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions

@@ -7,13 +7,13 @@ from __future__ import annotations
 import sys
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.pretrain", __doc__, "experiment YAML (see configs/)", "train.steps=100").parse_args(argv)
-    cfg = load_config(args.config, args.overrides)  # fail fast, before Ray starts
+    cfg = load_train_config(args.config, args.overrides)  # fail fast, before Ray starts
 
     from pipelines.progress import process_started_at
     from pipelines.train.job import run_pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load

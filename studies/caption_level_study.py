@@ -27,7 +27,7 @@ from models.distributions import ppcl_logits
 from models.losses import ProLIPLoss
 from models.objective import Objective, build_objective
 from models.tokenizer import tokenize
-from pipelines.config import EvalTask, load_config, read_config_file
+from pipelines.config import EvalTask, load_train_config, read_config_file
 from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.quick_fit import config_sampler, digit_arrays
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
@@ -164,7 +164,7 @@ def order_holds(row: dict[str, float]) -> bool:
 
 def run_arm(name: str, seed: int) -> dict[str, float]:
     arm = ARMS[name]
-    cfg = load_config(DEMO, [*arm.overrides, f"run.seed={seed}"])
+    cfg = load_train_config(DEMO, [*arm.overrides, f"run.seed={seed}"])
     start = time.perf_counter()
     row = measure(train(cfg, seed, arm.multi_positive))
     return {**row, "seconds": time.perf_counter() - start}

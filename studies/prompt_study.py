@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from models.registry import create_model
-from pipelines.config import EvalTask, load_config
+from pipelines.config import EvalTask, load_train_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, OFF_DOMAIN, mid_captions, specific_captions
 from pipelines.digits.quick_fit import config_sampler, digit_arrays, fit_in_process
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
@@ -117,7 +117,7 @@ def prompt_weighting(model, images: torch.Tensor, labels: torch.Tensor, added: l
 def study(source: str, seed: int, unrelated: float = 0.0) -> dict[str, dict]:
     start = time.perf_counter()
     config = {"prolip": "prolip_tiny.yaml", "pcmepp": "pcmepp_tiny.yaml", "clip_adapter": "demo.yaml"}[source]
-    cfg = load_config(ROOT / "configs" / config)
+    cfg = load_train_config(ROOT / "configs" / config)
     # None: cfg.data's own mix, drawn exactly as without --unrelated
     sampler = WithUnrelated(config_sampler(cfg), unrelated) if unrelated else None
     trained = fit_in_process(cfg, STEPS[source.removesuffix("_adapter")], seed=seed, sampler=sampler)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.train.state import checkpoint_safe_globals
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ REFERENCE = ["train.steps=40", "train.checkpoint_every=5", "data.deterministic=t
 
 
 def config(tmp, digits_root, name, *extra):
-    return load_config(ROOT / "configs" / "demo.yaml", [
+    return load_train_config(ROOT / "configs" / "demo.yaml", [
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
         f"run.name={name}", "run.experiment=test-scale", *SMALL, *extra,
     ])

@@ -9,7 +9,7 @@ import torch
 
 from models.gather import World
 from models.losses import ProLIPLoss
-from pipelines.config import load_config, read_config_file
+from pipelines.config import load_train_config, read_config_file
 from pipelines.digits.dataset import GENERAL_CAPTIONS, captions_for, mid_captions, specific_captions
 from studies.caption_level_study import ARMS, DEMO, MultiPositiveProLIP, caption_sets, fit_labels, order_holds
 
@@ -57,10 +57,10 @@ def test_multi_positive_ppcl_against_eq2_and_the_one_positive_loss():
 
 def test_official_arm_sets_every_switch_of_the_official_recipe():
     official = read_config_file(DEMO.parent / "prolip_tiny_official.yaml")
-    cfg = load_config(DEMO, list(ARMS["official"].overrides))
+    cfg = load_train_config(DEMO, list(ARMS["official"].overrides))
     assert cfg.model.overrides == official["model"]["overrides"]
     assert cfg.loss.params == official["loss"]["params"]
-    assert cfg.train.steps == load_config(DEMO).train.steps  # the demo's recipe otherwise
+    assert cfg.train.steps == load_train_config(DEMO).train.steps  # the demo's recipe otherwise
 
 
 def test_order_holds_only_when_sigma2_rises_at_every_level():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import TrainDocument, ConfigError, load_config, load_download_config
+from pipelines.config import TrainDocument, ConfigError, load_train_config, load_download_config
 from pipelines.tune.config import load_tune_config
 from tests.pace import scaled
 
@@ -22,13 +22,15 @@ def write(tmp_path, data) -> Path:
 
 
 def test_demo_config_loads_and_overrides():
-    cfg = load_config(ROOT / "configs" / "demo.yaml", ["train.steps=7", "model.overrides.embed_dim=32"])
+    cfg = load_train_config(ROOT / "configs" / "demo.yaml", ["train.steps=7", "model.overrides.embed_dim=32"])
     assert cfg.train.steps == 7 and cfg.model.overrides == {"embed_dim": 32}
     assert cfg.train.zero_stage == 2 and cfg.train.num_workers == 2 and not cfg.train.elastic
-    elastic = load_config(ROOT / "configs" / "demo.yaml", ["train.num_workers=[1, 4]", "train.zero_stage=0"]).train
+    elastic = load_train_config(ROOT / "configs" / "demo.yaml",
+                                ["train.num_workers=[1, 4]", "train.zero_stage=0"]).train
     assert elastic.num_workers == (1, 4) and elastic.elastic and elastic.max_workers == 4
     for stage in (1, 2, 3):  # resharded on a resize (pipelines.train.reshard, tests/test_reshard.py)
-        assert load_config(ROOT / "configs" / "demo.yaml", ["train.num_workers=[1, 4]", f"train.zero_stage={stage}"])
+        assert load_train_config(ROOT / "configs" / "demo.yaml",
+                                 ["train.num_workers=[1, 4]", f"train.zero_stage={stage}"])
     again = TrainDocument.from_dict(cfg.to_dict())
     assert again == cfg
     assert cfg.flat()["train.steps"] == 7
@@ -40,10 +42,11 @@ def test_exponent_numbers_are_numbers_in_files_overrides_and_sweeps(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  name: prolip_llip_tiny\nloss:\n  name: prob_llip\n  params:\n    beta: 1e-4\n"
                     "train:\n  lr: 5E-4\n  eval_every: 5\n")
-    cfg = load_config(path, ["loss.params.alpha1=1e-7", "loss.params.eps=-1.5e1", "model.overrides.tau=.5e1"])
+    cfg = load_train_config(path, ["loss.params.alpha1=1e-7", "loss.params.eps=-1.5e1", "model.overrides.tau=.5e1"])
     assert cfg.loss.params == {"beta": 1.0e-4, "alpha1": 1.0e-7, "eps": -15.0} and cfg.train.lr == 5.0e-4
     assert cfg.model.overrides == {"tau": 5.0} and all(type(v) is float for v in cfg.loss.params.values())
-    assert load_config(path, ["run.name=1e3x", "run.experiment='1e-4'"]).run.experiment == "1e-4"  # quoted stays text
+    # quoted stays text
+    assert load_train_config(path, ["run.name=1e3x", "run.experiment='1e-4'"]).run.experiment == "1e-4"
     sweep = tmp_path / "s.yaml"
     sweep.write_text(f"base: {path}\nspace:\n  loss.params.beta: {{loguniform: [1e-5, 1e-3]}}\n"
                      "tune: {name: s, num_samples: 2, metric: heldout_loss/loss, mode: min}\n")
@@ -71,20 +74,20 @@ def test_exponent_numbers_are_numbers_in_files_overrides_and_sweeps(tmp_path):
 )
 def test_bad_values_name_the_key(tmp_path, data, expected):
     with pytest.raises(ConfigError) as err:
-        load_config(write(tmp_path, data))
+        load_train_config(write(tmp_path, data))
     msg = str(err.value)
     assert expected in msg and "\n" not in msg
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
-        load_config(tmp_path / "absent.yaml")
+        load_train_config(tmp_path / "absent.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        load_config(bad)
+        load_train_config(bad)
     with pytest.raises(ConfigError, match="expected key.path=value"):
-        load_config(ROOT / "configs" / "demo.yaml", ["train.steps"])
+        load_train_config(ROOT / "configs" / "demo.yaml", ["train.steps"])
 
 
 @pytest.mark.parametrize(

@@ -109,13 +109,13 @@ def test_shards_hold_every_image_once(digits_root):
 def test_run_seed_leaves_the_held_out_split_alone(digits_root):
     """A run, sweep trial or evaluation with another run.seed prepares the same digits: the shards written for
     data.split_seed 0 are kept, so no seed moves a model's training images into the split it is scored on."""
-    from pipelines.config import load_config
+    from pipelines.config import load_train_config
     from pipelines.inputs import prepare_data
 
     root = Path(digits_root)
     marker = json.loads((root / "_SUCCESS.json").read_text())
     stamp = (root / "test" / "00000.tar").stat().st_mtime_ns
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml",
+    cfg = load_train_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml",
                       [f"data.root={digits_root}", "run.seed=1"])
     assert (cfg.run.seed, cfg.data.split_seed) == (1, 0)
     prepare_data(cfg)

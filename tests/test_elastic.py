@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from pipelines.cluster.isolated import node_command, node_env
 from pipelines.cluster.local import LOCAL_DATA, processes
-from pipelines.config import PROJECT_ROOT, load_config
+from pipelines.config import PROJECT_ROOT, load_train_config
 from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.train.optim import warmup_cosine
 from tests.helpers import wait_for
@@ -389,7 +389,7 @@ def resized_run_checks(client: MlflowClient, s3, checkpoints: str, copies: Path,
     last = tmp_path / "last"
     s3.get(f"{checkpoints}/{registered(s3, checkpoints)[-1]}/state", str(last), recursive=True)
     weights = {k.split("/", 1)[1]: v for k, v in gathered_partitions(last).items() if k.startswith("fp32/model.")}
-    cfg = load_config(ROOT / "configs" / "demo.yaml", [*SMALL, f"data.root={digits_root}"])
+    cfg = load_train_config(ROOT / "configs" / "demo.yaml", [*SMALL, f"data.root={digits_root}"])
     model = build_objective(cfg).model.eval()
     missing, unexpected = model.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()}, strict=False)
     assert not unexpected and set(missing) <= {name for name, _ in model.named_buffers()}, (missing, unexpected)

@@ -16,7 +16,7 @@ from models.scoring.ann import MeanIndex, pair_scores, rerank
 from models.scoring.metrics import rank_candidates, rank_queries
 from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
                                      weighted_ensemble)
-from pipelines.config import TrainDocument, ConfigError, EvalTask, load_config
+from pipelines.config import TrainDocument, ConfigError, EvalTask, load_train_config
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.in_process import TaskEmbeddings
 
@@ -231,7 +231,7 @@ def test_bad_options_are_one_line_errors(tmp_path, task, message):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"eval": {"tasks": [task]}}))
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        load_train_config(path)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

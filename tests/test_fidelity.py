@@ -29,7 +29,7 @@ from models.registry import create_model
 from models.tokenizer import tokenize
 from models.towers import random_keep, random_text_mask
 from pipelines.adapt.config import AdaptLossConfig, load_adapt_config
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 
 f64 = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +76,8 @@ _ABSENT = object()
 
 def _recipes(method: str):
     """configs/<method>_tiny_official.yaml and the paper config it departs from."""
-    return (load_config(ROOT / "configs" / f"{method}_tiny_official.yaml"),
-            load_config(ROOT / "configs" / f"{method}_tiny.yaml"))
+    return (load_train_config(ROOT / "configs" / f"{method}_tiny_official.yaml"),
+            load_train_config(ROOT / "configs" / f"{method}_tiny.yaml"))
 
 
 def _shared_only(official: dict, paper: dict, chosen: dict) -> None:
@@ -762,8 +762,8 @@ def test_probvlm_loss_parts_and_adapter_config_keys():
 # ---------------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("name", ["prolip_tiny_official", "pcmepp_tiny_official", "llip_tiny_official"])
 def test_official_configs_load_and_differ_from_the_paper_configs_only_in_switches(name):
-    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
-    paper = load_config(ROOT / "configs" / f"{name.removesuffix('_official')}.yaml")
+    cfg = load_train_config(ROOT / "configs" / f"{name}.yaml")
+    paper = load_train_config(ROOT / "configs" / f"{name.removesuffix('_official')}.yaml")
     assert cfg.train == paper.train and cfg.data == paper.data and cfg.model.name == paper.model.name
     assert cfg.model.overrides != paper.model.overrides or cfg.loss.params != paper.loss.params
     from models.objective import build_objective
@@ -848,12 +848,13 @@ BF16_ENGINE_STEPS = """
 import json, os, torch, deepspeed
 from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 skip_inference_comm_op()
 torch.manual_seed(0)
-cfg = load_config("configs/prolip_tiny.yaml", ["train.precision=bf16", "train.batch_size=8", "train.num_workers=1"])
+cfg = load_train_config("configs/prolip_tiny.yaml",
+                        ["train.precision=bf16", "train.batch_size=8", "train.num_workers=1"])
 objective = build_objective(cfg)
 engine, *_ = deepspeed.initialize(model=objective, optimizer=torch.optim.AdamW(objective.parameters(), lr=1e-3),
                                   config=deepspeed_config(cfg, True))

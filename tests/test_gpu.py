@@ -23,7 +23,7 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.model_file import load_model
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.tracking import model_file
 
 GPU = torch.cuda.is_available()
@@ -46,7 +46,7 @@ RESUME_RTOL = 2e-3
 
 
 def gpu_config(recipe: str, tmp: Path, digits_root: str, name: str, *extra: str):
-    return load_config(ROOT / "configs" / recipe, [
+    return load_train_config(ROOT / "configs" / recipe, [
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/{name}.db", f"run.storage_path={tmp}/ray",
         f"run.name={name}", "run.experiment=test-gpu", "train.batch_size=128", *ON_GPU, *extra])
 

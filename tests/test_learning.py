@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from models.objective import build_objective
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.quick_fit import digit_arrays, fit_in_process
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
@@ -61,7 +61,7 @@ def top1(model, held_out) -> float:
 
 
 def config(method: str):
-    return load_config(ROOT / "configs" / TARGETS[method][0], CLASS_CAPTIONS)
+    return load_train_config(ROOT / "configs" / TARGETS[method][0], CLASS_CAPTIONS)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from models.distributions import inclusion_test
 from models.model_file import load_model
 from models.tokenizer import tokenize
 from models.towers import random_keep
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.digits.dataset import (
     GENERAL_CAPTIONS,
     NAMES,
@@ -50,7 +50,7 @@ def fits(ray_local, digits_root, tmp_path_factory):
     def get(method: str):
         if method not in cache:
             tmp = tmp_path_factory.mktemp(method)
-            cfg = load_config(config_file(method), [
+            cfg = load_train_config(config_file(method), [
                 f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
                 f"run.name=test_{method}", f"run.experiment=test-{method}",
             ])

@@ -10,7 +10,7 @@ from sklearn.metrics import balanced_accuracy_score
 
 from models import create_model
 from models.scoring.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
-from pipelines.config import TrainDocument, ConfigError, load_config
+from pipelines.config import TrainDocument, ConfigError, load_train_config
 from pipelines.evaluate.names import metric_names, task_metric_names
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.in_process import TaskEmbeddings
@@ -148,7 +148,7 @@ def test_bad_eval_tasks_are_one_line_errors(tmp_path, tasks, message):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"eval": {"tasks": tasks}}))
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        load_train_config(path)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

@@ -82,7 +82,7 @@ def test_state_files_load_into_a_config_built_model(tmp_path, suffix):
     import yaml
     from safetensors.torch import save_file
 
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config import ConfigError, load_train_config
 
     src = tiny_openclip()
     path = tmp_path / f"clip{suffix}"
@@ -91,8 +91,8 @@ def test_state_files_load_into_a_config_built_model(tmp_path, suffix):
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({"model": {"name": "pcmepp_tiny", "init_from_openclip": str(path)}}))
     with pytest.raises(ConfigError, match="vision_pre_norm: true"):
-        load_config(cfg_path)
-    cfg = load_config(cfg_path, ["model.overrides.vision_pre_norm=true"])
+        load_train_config(cfg_path)
+    cfg = load_train_config(cfg_path, ["model.overrides.vision_pre_norm=true"])
     model = create_model(cfg.model.name, **cfg.model.overrides)
     load_openclip_weights(model, read_openclip_state(cfg.model.init_from_openclip))
     assert torch.equal(model.state_dict()["visual.vit.norm_pre.weight"], state["visual.ln_pre.weight"])

@@ -298,7 +298,7 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     fixed): the demo CLIP trained `source_steps` (pipelines/digits/quick_fit.py), each training image paired with its
     two retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained `steps` over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
-    from pipelines.config import load_config
+    from pipelines.config import load_train_config
     from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
     from models.tokenizer import tokenize
@@ -307,7 +307,7 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = load_config(ROOT / "configs" / "demo.yaml", ["data.augment=false"])
+        cfg = load_train_config(ROOT / "configs" / "demo.yaml", ["data.augment=false"])
         source = fit_in_process(cfg, source_steps, seed=seed)
         images, _, metas = digit_arrays("train")
         keys = [int(d.key) for d in iter_digits(32) if d.split == "train"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.config import ConfigError, load_config
+from pipelines.config import ConfigError, load_train_config
 from pipelines.tracking import LOCAL_DIR
 from pipelines.train.job import run_pretrain
 from tests.helpers import failed_evaluation_keeps_the_model
@@ -70,7 +70,7 @@ def test_failed_final_evaluation_keeps_the_model(ray_local, digits_root, tmp_pat
     """Save before judging: a final evaluation that cannot be computed (ProLIP with more calibration bins than the
     eval sets have queries) fails the run with a one-line reason naming the task; the model is in MLflow. The run
     trains with the reader's augmentation (crop, jitter, flip in Ray Data's tasks)."""
-    cfg = load_config(ROOT / "configs" / "prolip_tiny.yaml", [
+    cfg = load_train_config(ROOT / "configs" / "prolip_tiny.yaml", [
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"run.storage_path={tmp_path}/ray",
         "run.name=eval_fails", "run.experiment=test-eval-failure", *SMALL, "train.num_workers=1", "train.steps=8",
         "eval.calibration_bins=100000", "data.augment=true", "data.augment_on=reader"])

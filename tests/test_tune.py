@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from pipelines.config import ConfigError, load_config
+from pipelines.config import ConfigError, load_train_config
 from pipelines.tune.config import load_tune_config
 
 from tests.pace import scaled
@@ -159,7 +159,7 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     assert {knob: float(reduce(dict.__getitem__, knob.split("."), best)) for knob in KNOBS} == pytest.approx(sampled)
     assert best["model"]["name"] == "prolip_llip_tiny"
     # The best config is a complete pretraining config: it loads and validates as one.
-    tokens = load_config(best_out).model.overrides["mixture_tokens"]
+    tokens = load_train_config(best_out).model.overrides["mixture_tokens"]
     assert type(tokens) is int and tokens == sampled["model.overrides.mixture_tokens"]
 
 

@@ -97,7 +97,7 @@ ZERO_FIT = """
 import json, os, sys
 import numpy as np, torch, deepspeed
 from models.tokenizer import tokenize
-from pipelines.config import load_config
+from pipelines.config import load_train_config
 from pipelines.digits.quick_fit import config_sampler, digit_arrays
 from pipelines.train.optim import training_objective
 from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
@@ -109,7 +109,7 @@ images, _, metas = digit_arrays("train")
 out = {}
 for recipe in sys.argv[3:]:
     for stage in (2, 3):
-        cfg = load_config(f"configs/{recipe}", [f"train.zero_stage={stage}", f"train.batch_size={per_rank}"])
+        cfg = load_train_config(f"configs/{recipe}", [f"train.zero_stage={stage}", f"train.batch_size={per_rank}"])
         torch.manual_seed(0)  # the same initial weights at both stages
         objective = training_objective(cfg)
         t = cfg.train

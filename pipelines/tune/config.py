@@ -10,8 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (TrainDocument, ConfigError, Section, apply_overrides, format_validation_error, load_config,
-                              read_yaml, set_dotted)
+from pipelines.config import (TrainDocument, ConfigError, Section, apply_overrides, format_validation_error,
+                              load_train_config, read_yaml, set_dotted)
 from pipelines.evaluate.names import metric_names
 
 
@@ -110,7 +110,7 @@ def load_tune_config(path: str | Path, overrides: list[str] | None = None) -> tu
     base_path = Path(sweep.base)
     if not base_path.is_absolute() and not base_path.exists():
         base_path = path.parent / base_path
-    base = load_config(base_path, sweep.overrides)
+    base = load_train_config(base_path, sweep.overrides)
     base_dict = base.to_dict()
     for key, domain in sweep.space.items():
         for value in domain.probes():
