@@ -36,7 +36,8 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     data = straight_small_run["data_root"]  # the reference run's samples, in its order
     first = run_pretrain(config(tmp_path, data, "resumed", *common, "train.stop_at_step=10"))
     assert first.metrics["step"] == 10
-    resumed = run_pretrain(config(tmp_path, data, "resumed", *common, "train.fail_once_at_step=17", "run.max_failures=1"))
+    resumed = run_pretrain(config(tmp_path, data, "resumed", *common, "train.fail_once_at_step=17",
+                                  "run.max_failures=1"))
     assert resumed.metrics["step"] == 40
     assert resumed.mlflow_run_id == first.mlflow_run_id  # same MLflow run, continued
 

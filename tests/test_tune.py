@@ -187,7 +187,8 @@ def test_a_space_that_changes_the_data_the_trials_share_is_refused(tmp_path):
     from pipelines.tune.job import check_trials_share_inputs
 
     def check(name, space, *overrides, points=()):
-        path = sweep_file(tmp_path, tmp_path / "data", name, num_samples=2, space=space, points_to_evaluate=list(points))
+        path = sweep_file(tmp_path, tmp_path / "data", name, num_samples=2, space=space,
+                          points_to_evaluate=list(points))
         doc = yaml.safe_load(path.read_text())
         doc["overrides"] += list(overrides)
         path.write_text(yaml.safe_dump(doc))

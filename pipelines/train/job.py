@@ -70,7 +70,8 @@ def joined_cluster(cfg: TrainDocument) -> bool:
 
 
 def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: dict[str, str] | None = None,
-                 joined: bool | None = None, started_at: float | None = None, inputs_ready: bool = False) -> PretrainResult:
+                 joined: bool | None = None, started_at: float | None = None,
+                 inputs_ready: bool = False) -> PretrainResult:
     """`jobs.pretrain`: train `cfg` on Ray Train. `callbacks` go to the Train run (e.g. Tune's report callback);
     `extra_tags` to a new MLflow run (e.g. mlflow.parentRunId for sweep trials); `joined`: whether the cluster was
     joined, not started here (default: from the config and RAY_ADDRESS); `started_at`: when the job started (time.time;
@@ -122,5 +123,6 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
                           run.registered_version)
 
 
-# tests/conftest.py's name for run_pretrain, kept only until that file (edited by others meanwhile) takes the new one
+# tests/conftest.py's name for run_pretrain, kept only until that file (edited by others meanwhile) takes the
+# new one
 pretrain = run_pretrain

@@ -81,7 +81,8 @@ def check_sweep_reaches_its_nodes(base: TrainDocument, storage: str) -> None:
                           "reaches")
 
 
-def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str, best_config_out: str | Path | None = None):
+def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
+             best_config_out: str | Path | None = None):
     """`jobs.tune`: run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict), the best
     config written to `best_config_out` (default .probvlp/tune/<name>_best.yaml; summary["best_config_file"]). The
     summary is None when the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again
