@@ -24,13 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.download.summary import format_summary
     from pipelines.download.urls import DownloadError
 
+    def show(summary: dict) -> None:
+        print(format_summary(summary))
+        print(f"summary saved to {cfg.download.output.rstrip('/')}/_summary.json")
+
     try:
-        summary, run_id = run_download(cfg)
+        summary, run_id = run_download(cfg, show)
     except DownloadError as err:
         print(f"download error: {err}", file=sys.stderr)
         return 2
-    print(format_summary(summary))
-    print(f"summary saved to {cfg.download.output.rstrip('/')}/_summary.json")
     if run_id:
         print(f"MLflow run {run_id} in experiment {cfg.run.experiment!r}")
     return 0 if summary["shards_complete"] == summary["shards"] else 3

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pipelines.cluster.runtime import init_ray
 from pipelines.config import DownloadConfig, DownloadDocument
@@ -32,11 +32,13 @@ from pipelines.download.scheduler import run_parts
 SUMMARY_FILE = "_summary.json"
 
 
-def run_download(cfg: DownloadDocument) -> tuple[dict[str, Any], str | None]:
-    """`jobs.download`: Ray started (or joined), the shards downloaded, the summary logged to MLflow when tracking is
-    set; returns (summary, MLflow run id or None)."""
+def run_download(cfg: DownloadDocument, show: Callable[[dict[str, Any]], None] = lambda summary: None,
+                 ) -> tuple[dict[str, Any], str | None]:
+    """`jobs.download`: Ray started (or joined), the shards downloaded, the summary given to `show`, then logged to
+    MLflow when tracking is set; returns (summary, MLflow run id or None)."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     summary = download_shards(cfg.download)
+    show(summary)  # before MLflow is reached: a tracking store that fails leaves the summary on screen
     return summary, log_download(cfg, summary)
 
 
