@@ -21,10 +21,15 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from timm.models.vision_transformer import Block, VisionTransformer
 from torch.utils.checkpoint import checkpoint
 
+from models._imports import without
 from models.tokenizer import VOCAB_SIZE
+
+# timm tries wandb (its training scripts' logger) as it loads, and img2dataset installs it: 0.2 CPU-s and a
+# network-minded package in every process that builds a model, for nothing this library calls.
+with without("wandb"):
+    from timm.models.vision_transformer import Block, VisionTransformer
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-5)  # CLIP's LayerNorm eps
 

@@ -1,0 +1,21 @@
+"""What a training worker's process imports: every Ray Train worker imports pipelines.train.worker first, so each
+package in it costs CPU-seconds per worker per run (benchmarks/startup.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.small_runs import ROOT
+from tests.pace import scaled
+
+# Packages of other stages or of optional integrations the libraries try: none belongs in a training worker.
+NOT_IN_A_WORKER = ("wandb", "img2dataset", "pipelines.download", "pipelines.tune", "pipelines.adapt")
+
+
+def test_a_training_worker_imports_no_other_stage_and_no_unused_integration():
+    code = ("import sys, pipelines.train.worker; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_IN_A_WORKER!r} "
+            f"or any(m == p or m.startswith(p + '.') for p in {NOT_IN_A_WORKER!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=scaled(120)).stdout.strip().splitlines()[-1]
+    assert out == "[]", f"a training worker imports {out}"
