@@ -89,11 +89,11 @@ def digits_root(tmp_path_factory) -> str:
 def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, PretrainResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
-    from pipelines.config import load_config
+    from pipelines.config import load_train_config
     from pipelines.train.job import pretrain
 
     tmp = tmp_path_factory.mktemp("pretrain")
-    cfg = load_config(ROOT / "configs" / "demo.yaml", [
+    cfg = load_train_config(ROOT / "configs" / "demo.yaml", [
         f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"run.storage_path={tmp}/ray",
         f"train.steps={DEMO_STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
         "tracking.register_as=probvlp-test-clip",
