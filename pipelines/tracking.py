@@ -153,7 +153,7 @@ UNREACHABLE_TAG = "probvlp.tracking_unreachable_s"
 # MLflow's own defaults (7 retries, backoff factor 2, a 120-s timeout) hold one call for minutes, during which the
 # thread cannot see the server come back; the outbox retries instead. The user's own settings win.
 QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
-RETRY_MAX_S = 10.0  # the longest pause between two tries: how late a returning server is seen at most
+RETRY_MAX_S = 5.0  # the longest pause between two tries: how late a returning server is seen at most
 MEMORY_METRICS = 200_000  # ~40 MB of queued metrics, then the queue continues in a file
 BATCH = 1000  # metrics per log_batch (MLflow's limit)
 
