@@ -328,6 +328,33 @@ def top_ops(counts: dict, k: int = 8) -> str:
     return "\n".join(out)
 
 
+def graph_breaks(name: str) -> tuple[int, list[str]]:
+    """torch._dynamo.explain of the model's training forward + loss at the tiny size: (graph breaks, reasons)."""
+    from models.registry import TINY
+
+    torch.manual_seed(0)
+    objective, _ = build(name, TINY, 8, "cpu")
+    images = torch.randn(8, 3, TINY.img_size, TINY.img_size)
+    tokens = tokenize(captions("short", 8), TINY.context_length)
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(lambda i, t: objective(i, t)["loss"])(images, tokens)
+    finally:
+        torch._dynamo.reset()
+    reasons = sorted({f"{b.reason.splitlines()[0][:80]} ({os.path.relpath(b.user_stack[-1].filename, ROOT)}:"
+                      f"{b.user_stack[-1].lineno})" for b in explained.break_reasons if b.user_stack})
+    return explained.graph_break_count, reasons
+
+
+def graph_break_table(names: list[str]) -> str:
+    lines = ["`train.compile` of the whole training forward + loss (`torch._dynamo.explain`, tiny size, batch 8, CPU):",
+             "", "| method | graph breaks | reasons |", "| --- | --- | --- |"]
+    for n in names:
+        count, reasons = graph_breaks(n)
+        lines.append(f"| {LABEL[n]} | {count} | {'; '.join(reasons) or '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="b16")
@@ -337,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default=",".join(LABEL.values()), help="comma-separated, e.g. CLIP,PCME++")
     parser.add_argument("--label", default="after", help="which table of the section this run writes: before | after")
     parser.add_argument("--quick", action="store_true", help="print only")
+    parser.add_argument("--no-graph-breaks", action="store_true", help="skip the torch._dynamo.explain table")
     args = parser.parse_args(argv)
     wanted = {w.strip() for w in args.models.split(",")}
     names = [n for n in LABEL if LABEL[n] in wanted]
@@ -345,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
         counts[n] = count_step(n, SIZES[args.size], args.batch, args.captions, args.mixture_tokens)
         print(f"{LABEL[n]}: {counts[n].ops} ops, {counts[n].kernels} kernels, syncs {dict(counts[n].syncs)}", flush=True)
     body = table(counts) + "\n\nHost syncs, where:\n\n" + sync_lines(counts) + "\n\nKernels beyond the baseline's, by op:\n\n" + top_ops(counts)
+    if not args.no_graph_breaks:
+        body += "\n\n" + graph_break_table(names)
     print(body)
     if args.quick:
         return
@@ -373,6 +403,27 @@ not the float32 heads' and losses'); GPO's GRU is counted as the CPU runs it, an
 runs it as one aten op per direction and pass, but still launches kernels per time step."""
 
 
+NOTES = """\
+### What changed between the tables, and what the counts predict on a GPU
+
+Removed from the step (math unchanged: eager draws and random state bitwise as before, the GPO pooling equal to the
+four separate GRU passes to 1e-14 in float64): ProLIP's and ProLIP-Llip's `nonzero` of the masked rows (the whole
+batch's rows are known where they are drawn); PCME++'s CutMix branch read on the device (its coin is drawn on the host),
+its Beta draws' and coin's blocking copies to the device, GPO's packing (sorted on the device, its inverse permutation
+copied to the host) and its masks' blocking copies; ProLIP's three inclusion terms are one elementwise pass over their
+rows together (-244 kernels), PML's two BCE terms share one softplus; PCME++'s four GPOs take their pooling weights from
+one GRU pass (block-diagonal recurrent weights over the union of the lengths): 197 sequential steps per direction
+instead of 2 x 197 + 2 x 64. The one sync left in every method, the baselines too, is the text trim (the batch's
+longest caption, read before any tower's work is queued); compiled, the trim is skipped (padding masked instead).
+
+A simple count model, GPU step = counted arithmetic + ~5 us per extra kernel + extra memory-bound bytes (bf16: about
+half the float32 counts) at ~3 TB/s, reproduces Llip's measured 1.103x (1.073x arithmetic + 288 kernels + ~9 GB:
+~1.107x) and under-reads ProLIP (1.116x vs 1.165x) and ProLIP-Llip (1.23x vs 1.299x). Applied as deltas to the H100
+ratios: ProLIP ~1.15x (244 fewer kernels, one sync fewer), PCME++ ~1.5x (cuDNN runs the GRU per time step, ~5 kernels
+per step and direction forward + backward: ~3,300 fewer kernels, 10 syncs fewer), Llip ~1.10x (unchanged),
+ProLIP-Llip ~1.28x. Only a GPU run can confirm them (`benchmarks/on_gpu.sh`)."""
+
+
 def write(label: str, body: str, argv: list[str] | None) -> None:
     """The section keeps a "before" and an "after" table: a run replaces its own and leaves the other."""
     from benchmarks.report import DOC, write_section
@@ -388,7 +439,8 @@ def write(label: str, body: str, argv: list[str] | None) -> None:
     section = ("## Step counts: ops, host syncs and memory-bound bytes per training step (`benchmarks/step_counts.py`)\n\n"
                + INTRO + "\n\n"
                + "".join(f"### {part.capitalize()}\n\n<!-- step_counts_{part}:begin -->\n{tables[part]}\n"
-                         f"<!-- step_counts_{part}:end -->\n\n" for part in ("before", "after")))
+                         f"<!-- step_counts_{part}:end -->\n\n" for part in ("before", "after"))
+               + NOTES)
     write_section("step_counts", section)
 
 
