@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
@@ -36,12 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.evaluate.headline import headline  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions
     from pipelines.evaluate.job import run_evaluate
-    from pipelines.tracking import LOCAL_DIR, tracking_uri
+    from pipelines.tracking import tracking_uri
 
-    out = Path(args.out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
-    result = run_evaluate(cfg, args.model, out, opts)
-    print(f"results: {out / 'results.json'}; MLflow run {result['mlflow_run_id']} at {tracking_uri(cfg.tracking.uri)}")
+    result = run_evaluate(cfg, args.model, Path(args.out) if args.out else None, opts)
+    print(f"results: {result['out'] / 'results.json'}; MLflow run {result['mlflow_run_id']} at "
+          f"{tracking_uri(cfg.tracking.uri)}")
     for line in headline(result["metrics"]):
         print(line)
     return 0

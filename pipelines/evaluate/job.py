@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_emb
                                           write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
 from pipelines.inputs import prepare_inputs
-from pipelines.tracking import finish_with_results, resolve_model, start_run, tracking_uri
+from pipelines.tracking import LOCAL_DIR, finish_with_results, resolve_model, start_run, tracking_uri
 
 
 def loss_section(cfg: TrainDocument, source_config: str | None) -> tuple[str | None, dict]:
@@ -65,9 +66,11 @@ def model_name(path: Path) -> str:
         return (f.metadata() or {})["model"]
 
 
-def run_evaluate(cfg: TrainDocument, model_ref: str, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+def run_evaluate(cfg: TrainDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> dict[str, Any]:
     """`jobs.evaluate`: the model (a file, runs:/<run_id>/model or a run id; InputError when none is there) on
-    every task of cfg.eval; returns {"metrics", "records", "results", "mlflow_run_id", "skipped"}."""
+    every task of cfg.eval, under `out` (None: .probvlp/eval/<time>); returns {"metrics", "records", "results",
+    "mlflow_run_id", "skipped", "out"}."""
+    out = Path(out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
         source = resolve_model(model_ref, tracking_uri(cfg.tracking.uri), out / "source")
@@ -76,7 +79,7 @@ def run_evaluate(cfg: TrainDocument, model_ref: str, out: Path, opts: InferenceO
     # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(opts.concurrency, 1))
     prepare_inputs(cfg)
-    return evaluate_tasks(cfg, source, out, opts)
+    return {**evaluate_tasks(cfg, source, out, opts), "out": out}
 
 
 def evaluate_tasks(cfg: TrainDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
