@@ -653,7 +653,3 @@ def read_config_file(path: str | Path, overrides: list[str] | None = None) -> di
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainDocument:
     return _validate(read_config_file(path, overrides))
 
-
-# tests/conftest.py's name for load_train_config, kept only until that file (edited by others meanwhile) takes
-# the new one
-load_config = load_train_config
