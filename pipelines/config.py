@@ -652,4 +652,3 @@ def read_config_file(path: str | Path, overrides: list[str] | None = None) -> di
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainDocument:
     return _validate(read_config_file(path, overrides))
-
