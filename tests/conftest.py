@@ -90,7 +90,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, PretrainResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
     from pipelines.config import load_train_config
-    from pipelines.train.job import pretrain
+    from pipelines.train.job import run_pretrain
 
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = load_train_config(ROOT / "configs" / "demo.yaml", [
@@ -101,7 +101,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
         # augmentation in a Ray fit is tests/test_scale.py's, the device's tests/test_user_data.py's
         "data.augment=false",
     ])
-    return cfg, pretrain(cfg), tmp
+    return cfg, run_pretrain(cfg), tmp
 
 
 @pytest.fixture(scope="session")
@@ -158,7 +158,7 @@ def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> d
     import fcntl
     import json
 
-    from pipelines.train.job import pretrain
+    from pipelines.train.job import run_pretrain
     from tests.small_runs import REFERENCE, config
 
     base = tmp_path_factory.getbasetemp()
@@ -168,7 +168,7 @@ def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> d
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not record.exists():
             tmp = tmp_path_factory.mktemp("straight")
-            result = pretrain(config(tmp, digits_root, "straight", *REFERENCE))
+            result = run_pretrain(config(tmp, digits_root, "straight", *REFERENCE))
             assert result.metrics["step"] == 40 and result.checkpoint_path
             record.write_text(json.dumps({"checkpoint": result.checkpoint_path, "data_root": digits_root}))
     return json.loads(record.read_text())

@@ -121,8 +121,3 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     checkpoint = result.checkpoint.path if result.checkpoint else None
     return PretrainResult(metrics, uri, run.run_id, cfg.run.experiment, cfg.run.name, checkpoint,
                           run.registered_version)
-
-
-# tests/conftest.py's name for run_pretrain, kept only until that file (edited by others meanwhile) takes the
-# new one
-pretrain = run_pretrain
