@@ -8,8 +8,9 @@ import sys
 from tests.small_runs import ROOT
 from tests.pace import scaled
 
-# Packages of other stages or of optional integrations the libraries try: none belongs in a training worker.
-NOT_IN_A_WORKER = ("wandb", "img2dataset", "pipelines.download", "pipelines.tune", "pipelines.adapt")
+# Packages of other stages or of optional integrations the libraries try: none belongs in a training worker. MLflow
+# is rank 0's alone, imported when it builds its logger.
+NOT_IN_A_WORKER = ("wandb", "img2dataset", "mlflow", "pipelines.download", "pipelines.tune", "pipelines.adapt")
 
 
 def test_a_training_worker_imports_no_other_stage_and_no_unused_integration():

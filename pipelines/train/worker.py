@@ -9,12 +9,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import deepspeed
 import numpy as np
 import ray.train
 import torch
 from safetensors.torch import save_file
 
+from models._imports import without
+
+# DeepSpeed tries MLflow for its autotuner as it loads (a second of CPU in every worker): only rank 0 logs, and
+# it imports MLflow itself (pipelines.tracking, below, when it builds its logger).
+with without("mlflow"):
+    import deepspeed
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.preprocess import encode_png, to_device
 from models.model_file import save_model
@@ -35,7 +40,6 @@ from pipelines.train.optim import adamw, param_groups, training_objective, warmu
 from pipelines.progress import ProgressLine
 from pipelines.train.data_health import DataHealth
 from pipelines.data.device_augment import model_images
-from pipelines.tracking import StepLogger, save_mlflow_model
 from pipelines.data.stats import report_metrics
 
 
@@ -204,6 +208,8 @@ class TrainWorker:
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = None
         if self.rank == 0:  # a restart's replayed steps are not written twice (StepLogger)
+            from pipelines.tracking import StepLogger  # deferred: MLflow in rank 0's process only
+
             self.logger = StepLogger(mlflow_uri, run_id, flush_every, resumed_from=self.progress.step,
                                      background=True, flush_timeout_s=cfg.tracking.flush_timeout_s)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
@@ -505,6 +511,8 @@ class TrainWorker:
                 self.logger.tag("probvlp.probe_error", str(EvaluationError.of(self.tasks[0].name, err)))
             # The MLflow model (MLmodel, code/, data/model.safetensors) is the `model` folder; the loss weights,
             # the probe and the model card sit beside it.
+            from pipelines.tracking import save_mlflow_model  # deferred: rank 0 only, see __init__
+
             save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(example), EXAMPLE_CAPTION,
                               model.probabilistic)
             self.logger.artifacts(tmp / "mlflow_model", "model")
