@@ -129,8 +129,8 @@ def is_local_store(uri: str) -> bool:
 
 
 def worker_client(uri: str, run_id: str):
-    """The client a Ray worker logs run `run_id` with: through the run's relay when its store is on the driver's
-    disk (a relay exists while `tracked_run` holds the run), else straight to the store."""
+    """The client a Ray worker logs run `run_id` with: through the run's relay when `tracked_run` started one (a
+    store on the driver's disk, a job that may span nodes), else straight to the store."""
     if is_local_store(uri):
         # deferred: Ray loads where runs are logged, not where a job only parses its config
         import ray
@@ -573,14 +573,17 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
         reopen_run(uri, existing, config_yaml)
     run = TrackedRun(uri, existing or start_run(uri, experiment, run_name, params, config_yaml, tags),
                      register_as=register_as)
-    # a store on this node's disk: the workers, on any node, log through this node (pipelines.tracking_relay)
+    # a store on this node's disk, and workers that may run on other nodes: they log through this node
+    # (pipelines.tracking_relay). On one machine they write the store themselves: the relay's actor would add a
+    # process and seconds to every run's start for nothing.
     import ray  # deferred: see worker_client
 
+    from pipelines.cluster.check import spans_nodes
     from pipelines.tracking_relay import start_relay
 
     relay = None
     try:
-        if is_local_store(uri) and ray.is_initialized():
+        if is_local_store(uri) and ray.is_initialized() and spans_nodes():
             relay = start_relay(uri, run.run_id)
         yield run
     except BaseException:

@@ -4,8 +4,9 @@ The embedded default store (sqlite under the project folder) and its artifact fo
 a cluster whose nodes share no disk, rank 0 runs on another node, where that path holds nothing (MLflow would open a
 new, empty store there: "Run ... not found"). The relay is an actor pinned to the driver's node that owns the
 store's client; rank 0 calls it with the same few calls it makes on `MlflowClient` (`RelayClient`), artifacts sent as
-bytes. Used for every local store, on one machine too, so the path the cluster takes is the path every run takes; a
-tracking server (`MLFLOW_TRACKING_URI=http://...`) is called directly.
+bytes. Used for a local store whenever the job may run on other nodes (`pipelines.cluster.check.spans_nodes`: other
+nodes up, a head without CPUs, or an autoscaler that can add nodes); on one machine the workers open the store
+themselves, and a tracking server (`MLFLOW_TRACKING_URI=http://...`) is called directly.
 """
 from __future__ import annotations
 
