@@ -123,8 +123,8 @@ class GPO(nn.Module):
 def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None) -> list[torch.Tensor]:
     """``gpo.table(max_len, every_length)`` for each (gpo, max_len, every_length), from ONE bidirectional GRU pass.
 
-    The GRU is sequential over time steps (a GPU launches kernels per step), so GPOs over the same lengths (PCME++'s
-    mean and variance GPOs of a tower) share one pass: their GRUs side by side as one GRU with block-diagonal
+    The GRU is sequential over time steps (a GPU launches kernels per step), so several GPOs (PCME++'s four) share
+    one pass: their GRUs side by side as one GRU with block-diagonal
     recurrent weights (each unit's gates read its own GPO's hidden state only, so every block evolves exactly as its
     own GRU would), over the union of the sequence lengths they need, packed longest first (lengths known on the
     host: no sort, no copy between host and device)."""

@@ -153,18 +153,16 @@ class PCMEPP(SplitForward, nn.Module):
 
     def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
         embedded = self.text.embed(tokens)  # first: its padding trim reads the batch's length on the host
-        # (on a GPU, before the towers' work is queued). Off the CPU each tower's two GPOs take their weights from one
-        # GRU pass, half the sequential steps a GPU launches kernels for (all four in one would run every caption
-        # length through the image GRUs too); on a CPU the joint pass saves little and autograd would keep its
-        # twice-as-wide recurrent weight at every step
-        n_image, n_text = self.visual.num_prefix + self.visual.num_patches, embedded[0].shape[1]
-        joint = images.device.type != "cpu"
-        text_tables = gpo_tables([(self.text_gpo, n_text, True), (self.text_var_gpo, n_text, True)],
-                                 images.device) if joint else None
-        image_tables = gpo_tables([(self.image_gpo, n_image, False), (self.image_var_gpo, n_image, False)],
-                                  images.device) if joint else None
-        txt = self.encode_text(tokens, text_tables, embedded)
-        img = self.encode_image(images, image_tables)
+        # (on a GPU, before the towers' work is queued). Off the CPU the four GPOs take their weights from one GRU
+        # pass: a GPU launches kernels per sequential step, 2 x 197 + 2 x 64 of them at ViT-B/16 one by one, 197
+        # together. On a CPU that saves little, and autograd would keep the 4x-wide recurrent weight at every step.
+        tables = [None] * 4
+        if images.device.type != "cpu":
+            n_image, n_text = self.visual.num_prefix + self.visual.num_patches, embedded[0].shape[1]
+            tables = gpo_tables([(self.image_gpo, n_image, False), (self.image_var_gpo, n_image, False),
+                                 (self.text_gpo, n_text, True), (self.text_var_gpo, n_text, True)], images.device)
+        txt = self.encode_text(tokens, tables[2:], embedded)
+        img = self.encode_image(images, tables[:2])
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"]}
 
