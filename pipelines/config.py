@@ -328,7 +328,7 @@ class TrackingConfig(Section):
     # Register the final MLflow model under this name in the Model Registry (a new version per run).
     register_as: str | None = Field(None, min_length=1)
     # At the end of training, how long rank 0 waits for the tracking store to take what it could not deliver yet
-    # (an outage); then it is kept on rank 0's node (pipelines.tracking.Outbox) and the run ends anyway.
+    # (an outage); then it is kept on rank 0's node (pipelines.tracking_outbox.Outbox) and the run ends anyway.
     flush_timeout_s: float = Field(600.0, gt=0)
 
     def with_absolute_store(self) -> "TrackingConfig":

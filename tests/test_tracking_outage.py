@@ -1,6 +1,6 @@
 """The run outlives its tracking server (issue 52, item 5): a real `mlflow server` on 127.0.0.1 stopped in the middle
 of a real training job (jobs.pretrain, 2 Ray Train workers under DeepSpeed) for longer than the MLflow client's retry
-budget, then restarted on the same database and port. Rank 0's outbox (pipelines.tracking.Outbox) keeps what the
+budget, then restarted on the same database and port. Rank 0's outbox (pipelines.tracking_outbox.Outbox) keeps what the
 loop logs meanwhile and delivers it when the server is back."""
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import pytest
 from mlflow import MlflowClient
 
 import pipelines.tracking as tracking
+import pipelines.tracking_outbox as tracking_outbox
 from pipelines.cluster import services
-from pipelines.tracking import UNREACHABLE_METRIC, UNREACHABLE_TAG, StepLogger, replay_outbox
+from pipelines.tracking import StepLogger
+from pipelines.tracking_outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG, replay_outbox
 from tests.helpers import free_port, wait_for
 from tests.pace import scaled
 from tests.small_runs import SMALL
@@ -118,7 +120,7 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tm
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
-    monkeypatch.setattr(tracking, "MEMORY_METRICS", 40)  # most of what follows goes on in the spill file
+    monkeypatch.setattr(tracking_outbox, "MEMORY_METRICS", 40)  # most of what follows goes on in the spill file
     store = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # from a copy of an empty store
     run_id = MlflowClient(store).create_run(MlflowClient(store).create_experiment("outbox")).info.run_id
     logger = StepLogger(f"http://127.0.0.1:{free_port()}", run_id, flush_every=20, background=True,
@@ -136,7 +138,7 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tm
     assert report.kept_in == tmp_path / "outbox" / run_id
     assert report.undelivered == {"metrics": 200, "tags": 4, "artifacts": 1} and report.unreachable_s > 0
     out = capsys.readouterr().out
-    assert "NOT delivered" in out and str(report.kept_in) in out and "python -m pipelines.tracking replay" in out
+    assert "NOT delivered" in out and str(report.kept_in) in out and "python -m pipelines.tracking_outbox" in out
 
     replay_outbox(report.kept_in, store)
     client = MlflowClient(store)
