@@ -411,20 +411,19 @@ four separate GRU passes to 1e-14 in float64): ProLIP's and ProLIP-Llip's `nonze
 batch's rows are known where they are drawn); PCME++'s CutMix branch read on the device (its coin is drawn on the host),
 its Beta draws' and coin's blocking copies to the device, GPO's packing (sorted on the device, its inverse permutation
 copied to the host) and its masks' blocking copies; ProLIP's three inclusion terms are one elementwise pass over their
-rows together (-244 kernels), PML's two BCE terms share one softplus; off the CPU (a GPU; meta here), each tower's
-mean and variance GPOs take their pooling weights from one GRU pass (block-diagonal recurrent weights):
-197 + 64 sequential GRU steps per direction instead of 2 x 197 + 2 x 64 (all four GPOs in one pass would be 197, but
-would run every caption length through the image GRUs; on a CPU the GPOs keep their own passes, where the joint one
-would only grow what autograd keeps per step). The one sync left in every method, the baselines too, is the text
+rows together (-244 kernels), PML's two BCE terms share one softplus; off the CPU (a GPU; meta here), PCME++'s four
+GPOs take their pooling weights from one GRU pass (block-diagonal recurrent weights over the union of the lengths):
+197 sequential GRU steps per direction instead of 2 x 197 + 2 x 64 (on a CPU the GPOs keep their own passes, where
+the joint one would only grow what autograd keeps per step). The one sync left in every method, the baselines too, is the text
 trim (the batch's longest caption, read before any tower's work is queued); compiled, the trim is skipped (padding
 masked instead).
 
 A simple count model, GPU step = counted arithmetic + ~5 us per extra kernel + extra memory-bound bytes (bf16: about
 half the float32 counts) at ~3 TB/s, reproduces Llip's measured 1.103x (1.073x arithmetic + 288 kernels + ~9 GB:
 ~1.107x) and under-reads ProLIP (1.116x vs 1.165x) and ProLIP-Llip (1.23x vs 1.299x). Applied as deltas to the H100
-ratios: ProLIP ~1.15x (244 fewer kernels, one sync fewer), PCME++ ~1.55x (cuDNN runs the GRU per time step, ~5
-kernels per step and direction forward + backward: ~2,600 fewer kernels, 10 syncs fewer), Llip ~1.10x (unchanged),
-ProLIP-Llip ~1.28x. PCME++ stays far from 1.15x: the same model puts its remaining GRU chain at ~13 ms and leaves
+ratios: ProLIP ~1.15x (244 fewer kernels, one sync fewer), PCME++ ~1.5x (cuDNN runs the GRU per time step, ~5
+kernels per step and direction forward + backward: ~3,200 fewer kernels, 10 syncs fewer), Llip ~1.10x (unchanged),
+ProLIP-Llip ~1.28x. PCME++ stays far from 1.15x: the same model puts its remaining GRU chain at ~10 ms and leaves
 ~0.25x of its H100 step unexplained by the counts (only a GPU trace can say what it is). Only a GPU run can confirm
 any of these (`benchmarks/on_gpu.sh`)."""
 
