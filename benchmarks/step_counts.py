@@ -439,7 +439,7 @@ def write(label: str, body: str, argv: list[str] | None) -> None:
     for part in ("before", "after"):
         m = re.search(rf"<!-- step_counts_{part}:begin -->\n(.*?)\n<!-- step_counts_{part}:end -->", text, re.S)
         tables[part] = m.group(1) if m else "(not run yet)"
-    tables[label] = f"Command: `python -m benchmarks.step_counts {command}`; torch {torch.__version__}.\n\n{body}"
+    tables[label] = f"Command: `{' '.join(['python -m benchmarks.step_counts', command]).strip()}`; torch {torch.__version__}.\n\n{body}"
     section = ("## Step counts: ops, host syncs and memory-bound bytes per training step (`benchmarks/step_counts.py`)\n\n"
                + INTRO + "\n\n"
                + "".join(f"### {part.capitalize()}\n\n<!-- step_counts_{part}:begin -->\n{tables[part]}\n"
