@@ -225,7 +225,7 @@ def test_micro_batches_must_split_the_batch_evenly():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.train.worker.cached_step)
+# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.train.step.cached_step)
 # ---------------------------------------------------------------------------------------------------------------
 WORLD = 2
 DS_CASE = "prob_llip"  # masked draws, and the mixer's parameters in the whole-batch stage (gathered by ZeRO-3)
@@ -262,7 +262,8 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     import deepspeed
 
     from pipelines.config import TrainDocument
-    from pipelines.train.worker import cached_step, deepspeed_config, full_state_dict
+    from pipelines.train.step import cached_step
+    from pipelines.train.worker import deepspeed_config, full_state_dict
 
     name, overrides, loss, params = CASES[DS_CASE]
     cfg = TrainDocument.from_dict({"model": {"name": name, "overrides": {**SMALL, **overrides}},

@@ -1,5 +1,9 @@
 """What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
-rank-0 MLflow logging. The driver side is `pipelines.train.job`."""
+rank-0 MLflow logging. The driver side is `pipelines.train.job`.
+
+The worker coordinates; its pieces live beside it: one optimizer step (`step`), checkpoints and the saved progress
+(`state`), evaluation on rank 0 (`evaluation`, the only one that imports the evaluate stage), the saved model
+(`export`), the data's health and wait (`data_health`, `data_wait`)."""
 from __future__ import annotations
 
 import json
@@ -7,12 +11,10 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import ray.train
 import torch
-from safetensors.torch import save_file
 
 from models._imports import without
 
@@ -21,26 +23,20 @@ from models._imports import without
 with without("mlflow"):
     import deepspeed
 from models.openclip_weights import load_openclip_weights, read_openclip_state
-from models.preprocess import encode_png, to_device
-from models.model_file import save_model
-from models.accumulate import CachedBatch
 from models.gather import World
-from models.objective import build_objective
-from models.tokenizer import tokenize
-from pipelines.train import state as train_state
-from pipelines.train.trainer import eval_dataset_name
-from pipelines.train.state import Progress
-from pipelines.config import TrainDocument, EvalTask
-from pipelines.evaluate import EvaluationError
-from pipelines.data.eval_tasks import use_texts
-from pipelines.evaluate.names import metric_names
-from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
-from pipelines.evaluate.in_process import embed_task_locally, model_device
-from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
-from pipelines.progress import ProgressLine
-from pipelines.train.data_health import DataHealth
+from pipelines.config import TrainDocument
 from pipelines.data.device_augment import model_images
+from pipelines.data.eval_tasks import use_texts
 from pipelines.data.stats import report_metrics
+from pipelines.progress import ProgressLine
+from pipelines.train import export, state as train_state
+from pipelines.train.data_health import DataHealth
+from pipelines.train.data_wait import DataWait
+from pipelines.train.evaluation import Evaluation
+from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
+from pipelines.train.state import Progress
+from pipelines.train.step import train_step
+from pipelines.train.trainer import eval_dataset_name
 
 
 def skip_inference_comm_op() -> None:
@@ -76,30 +72,6 @@ def deepspeed_config(cfg: TrainDocument, use_bf16: bool) -> dict[str, Any]:
     }
 
 
-def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batches: int, world: World,
-                finite: Callable[[torch.Tensor], bool]) -> dict[str, torch.Tensor] | None:
-    """One optimizer step's forward and backward by feature-cache accumulation (models.accumulate): the loss of
-    this worker's `micro_batches` x batch_size rows against every worker's, computed at once, with one
-    micro-batch's activations. Returns the loss and its parts, or None (nothing applied) where `finite` rejects the
-    loss. The gradient exchange happens once, after the last backward: ZeRO-1/2/3 through DeepSpeed's
-    ``coalesce_grad_reduction`` (every backward inside keeps its gradients local, the exit reduces them once), ZeRO-0
-    through the accumulation boundary set on the last backward only (its all-reduce runs at the boundary)."""
-    step = CachedBatch(engine.module, images, tokens, micro_batches, world, forward=engine)
-    if not finite(step.out["loss"]):
-        return None
-    if engine.zero_optimization_stage() == 0:
-        def backward(loss: torch.Tensor, last: bool) -> None:
-            engine.set_gradient_accumulation_boundary(last)
-            engine.backward(loss)
-
-        step.backward(backward)
-    else:
-        with engine.coalesce_grad_reduction():
-            step.backward(lambda loss, last: engine.backward(loss))
-    engine.step()
-    return step.out
-
-
 def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Complete fp32 weights of `module`, copied to `device` (default: where the parameters live). Collective: all
     ranks call it, any ZeRO stage (ZeRO-3 gathers the partitions for the copy and releases them after)."""
@@ -115,74 +87,6 @@ def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None
 def device_name(device: torch.device) -> str:
     """e.g. `cuda:0 (NVIDIA H200)` or `cpu`: where the run trained and evaluated."""
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
-
-
-def eval_batches(task: EvalTask, batch_size: int):
-    shard = ray.train.get_dataset_shard(eval_dataset_name(task))
-    if task.kind == "loss":
-        return shard.iter_torch_batches(batch_size=batch_size, drop_last=False)
-    return shard.iter_batches(batch_size=batch_size, batch_format="numpy")
-
-
-@torch.no_grad()
-def embedding_probe(model: torch.nn.Module, task: EvalTask, n: int = 8) -> dict[str, torch.Tensor]:
-    """A few inputs and the float32 embeddings the trained model gives them on its device (no autocast), to check
-    that saved models reload exactly."""
-    batch = next(iter(eval_batches(task, n)))
-    images = torch.as_tensor(batch["image"])[:n].contiguous()
-    if task.kind == "loss":
-        tokens = batch["text"][:n]
-    else:
-        captions = [c.split("\n")[0] or "a photo" for c in batch["captions"][:n]]
-        tokens = tokenize(captions, model.context_length)
-    tokens = tokens.contiguous()
-    device = model_device(model)
-    image_out, text_out = model.encode_image(to_device(images, device)), model.encode_text(to_device(tokens, device))
-    return {"images": images, "tokens": tokens,
-            **{f"image_{k}": v.float().cpu().contiguous() for k, v in image_out.items()},
-            **{f"text_{k}": v.float().cpu().contiguous() for k, v in text_out.items()}}
-
-
-class DataWait:
-    """How long the training loop waits for its batches: per logging window and over the run. A step ends with a
-    host sync (the loss's finiteness check), so time spent waiting here is time the device had nothing to do."""
-
-    def __init__(self):
-        self.waited_s = self.loop_s = 0.0
-        self._window_wait = self._window_steps = 0
-        self._window_start = self._last = time.perf_counter()
-
-    def start(self) -> None:
-        self._window_start = self._last = time.perf_counter()
-
-    def timed(self, batches):
-        """Yield `batches`, timing each wait for the next one."""
-        it = iter(batches)
-        while True:
-            before = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            now = time.perf_counter()
-            self.waited_s += now - before
-            self._window_wait += now - before
-            self.loop_s += now - self._last
-            self._last = now
-            self._window_steps += 1
-            yield batch
-
-    def window(self) -> tuple[float, float]:
-        """(share of the time since the last call spent waiting, mean wait per batch in ms), then a new window."""
-        now = time.perf_counter()
-        elapsed, steps = now - self._window_start, max(self._window_steps, 1)
-        frac = self._window_wait / elapsed if elapsed > 0 else 0.0
-        ms = 1000 * self._window_wait / steps
-        self._window_start, self._window_wait, self._window_steps = now, 0.0, 0
-        return frac, ms
-
-    def mean(self) -> float:
-        return self.waited_s / self.loop_s if self.loop_s > 0 else 0.0
 
 
 class TrainWorker:
@@ -217,6 +121,7 @@ class TrainWorker:
         self.data_health = DataHealth(run_id, ["train", *map(eval_dataset_name, self.tasks)],
                                       cfg.data.max_bad_frac) if self.rank == 0 else None
         self.data_error: str | None = None
+        self.evaluation = Evaluation(cfg, self.tasks, self.device, self.use_bf16, self.logger) if self.rank == 0 else None
         if self.logger:
             # Where torch.distributed traffic goes (local runs must stay on loopback).
             self.logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
@@ -291,21 +196,8 @@ class TrainWorker:
                 micro = []
                 yield images, tokens
 
-    def train_step(self, images: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """Forward, backward and optimizer step of one global batch; None where its loss was not finite on some
-        rank (nothing applied)."""
-        engine, k = self.engine, self.t.grad_accum
-        if k > 1:
-            return cached_step(engine, images, tokens, k, self.world, self._finite_on_all_ranks)
-        out = engine(images, tokens, self.world)
-        if not self._finite_on_all_ranks(out["loss"]):
-            return None
-        engine.backward(out["loss"])
-        engine.step()
-        return out
-
     def fit(self) -> None:
-        engine, p, t = self.engine, self.progress, self.t
+        p, t = self.progress, self.t
         t0, samples0 = time.perf_counter(), p.samples
         if p.step >= self.last_step:
             return
@@ -314,7 +206,7 @@ class TrainWorker:
         bad_in_a_row = 0
         self.wait.start()
         for batch in self.wait.timed(self.steps_input()):
-            out = self.train_step(*batch)
+            out = train_step(self.engine, *batch, t.grad_accum, self.world)
             if out is None:
                 # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.
                 bad_in_a_row += 1
@@ -332,16 +224,7 @@ class TrainWorker:
             if (p.step % t.log_every == 0 or p.step == self.last_step) and self._data_check():
                 break
             if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
-                metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
-                rate = (p.samples - samples0) / (time.perf_counter() - t0)
-                wait_frac, wait_ms = self.wait.window()
-                metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
-                               contrastive_batch=batch[1].shape[0] * self.world.size,
-                               skipped_batches=p.skipped_batches, world_size=self.world.size,
-                               data_wait_frac=wait_frac, data_wait_ms=wait_ms, **self.data_health.metrics())
-                self.logger.log(metrics, p.step)
-                self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"},
-                                    **{"data wait": f"{wait_frac:.0%}"}, **self.data_health.fields())
+                self._log_step(out, batch[1].shape[0], (p.samples - samples0) / (time.perf_counter() - t0))
             self._maybe_fail(p.step)
             if p.step >= self.last_step:
                 break
@@ -356,6 +239,19 @@ class TrainWorker:
                     # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
                     # this run right after the report: write what we have now.
                     self.logger.flush()
+
+    def _log_step(self, out: dict[str, torch.Tensor], rows: int, rate: float) -> None:
+        """Rank 0: the step's loss and its parts, learning rate, throughput, data wait and skips, logged and shown."""
+        p = self.progress
+        metrics = {k: v.item() for k, v in out.items() if v.numel() == 1}
+        wait_frac, wait_ms = self.wait.window()
+        metrics.update(lr=self.scheduler.get_last_lr()[0], samples_per_s=rate, epoch=p.epoch,
+                       contrastive_batch=rows * self.world.size,
+                       skipped_batches=p.skipped_batches, world_size=self.world.size,
+                       data_wait_frac=wait_frac, data_wait_ms=wait_ms, **self.data_health.metrics())
+        self.logger.log(metrics, p.step)
+        self.console.update(p.step, loss=f"{metrics['loss']:.4f}", **{"samples/s": f"{rate:.0f}"},
+                            **{"data wait": f"{wait_frac:.0%}"}, **self.data_health.fields())
 
     def _first_step(self) -> None:
         """Rank 0 of a run that starts at step 0: how long the job took from its start to the first step (start-up:
@@ -374,12 +270,6 @@ class TrainWorker:
             torch.distributed.broadcast_object_list(verdict, src=0)
         self.data_error = verdict[0]
         return self.data_error is not None
-
-    def _finite_on_all_ranks(self, loss: torch.Tensor) -> bool:
-        bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=loss.device)
-        if self.world.size > 1:
-            torch.distributed.all_reduce(bad)
-        return bad.item() == 0
 
     def _maybe_fail(self, step: int) -> None:
         if self.t.fail_once_at_step != step or self.rank != self.world.size - 1 or not self.failure_marker:
@@ -422,50 +312,13 @@ class TrainWorker:
         return (weights, loss_weights) if self.rank == 0 else (None, None)
 
     def validate(self) -> dict[str, float]:
-        """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them). A task that
-        fails is reported (printed, MLflow tag `probvlp.eval_error`) and training goes on with every metric NaN in
-        this report (a sweep's scheduler needs its metric in each report; NaN is never a score): the final
-        evaluation decides the run's status."""
+        """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them; a failing
+        task gives NaNs, pipelines.train.evaluation)."""
         weights, loss_weights = self._gathered_weights()
-        result: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                result = [self.evaluate(self.eval_objective(weights, loss_weights))[0]]
-            except EvaluationError as err:
-                print(f"[probvlp] step {self.progress.step}: {err}", flush=True)
-                self.logger.tag("probvlp.eval_error", f"step {self.progress.step}: {err}")
-                result = [{name: float("nan") for name in metric_names(self.cfg)}]
-            del weights, loss_weights
+        result = [self.evaluation.validate(weights, loss_weights, self.progress.step) if self.rank == 0 else None]
+        del weights, loss_weights
         torch.distributed.broadcast_object_list(result, src=0)
         return result[0]
-
-    def eval_objective(self, weights, loss_weights) -> torch.nn.Module:
-        """A fresh objective (model + loss) built on this worker's device with these weights, in eval mode."""
-        with torch.device(self.device):
-            objective = build_objective(self.cfg)
-        objective.model.load_state_dict(weights)
-        objective.loss.load_state_dict(loss_weights)
-        return objective.eval()
-
-    def evaluate(self, objective: torch.nn.Module) -> tuple[dict[str, float], dict[str, TaskResult]]:
-        """Rank 0: the `{task}/{metric}` numbers (logged) and per-task results of the objective's model, on its
-        device under the training autocast. EvaluationError names the task that failed."""
-        cfg, model = self.cfg, objective.model
-        metrics: dict[str, float] = {}
-        results: dict[str, TaskResult] = {}
-        for task in self.tasks:
-            try:
-                batches = eval_batches(task, cfg.eval.batch_size)
-                if task.kind == "loss":
-                    metrics[f"{task.name}/loss"] = held_out_loss(objective, batches, self.use_bf16)
-                    continue
-                embeddings = embed_task_locally(model, task, batches, cfg.eval.batch_size, self.use_bf16)
-                results[task.name] = score_task(model, task, embeddings, cfg.eval.calibration_bins)
-            except Exception as err:  # noqa: BLE001 - any failure of a task is reported by its name
-                raise EvaluationError.of(task.name, err) from err
-            metrics.update(prefixed(task, results[task.name]))
-        self.logger.log(metrics, self.progress.step)
-        return metrics, results
 
     def finish(self) -> None:
         """Final weights, saved model and evaluation (rank 0), final checkpoint and report (all ranks)."""
@@ -494,54 +347,17 @@ class TrainWorker:
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
         the final evaluation. A failing evaluation returns {"eval_error": one line naming the task}."""
-        from pipelines.train.model_card import model_card, summary_table
-
-        cfg = self.cfg
-        objective = self.eval_objective(weights, loss_weights)
-        model = objective.model
+        objective = self.evaluation.objective(weights, loss_weights)
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            host = {k: v.cpu() for k, v in weights.items()}
-            save_model(host, tmp / "model.safetensors", cfg.model.name, cfg.model.overrides)
-            try:  # reads the first eval task's data: whatever that holds, the model is saved
-                probe = embedding_probe(model, self.tasks[0])
-                example = probe["images"][0].numpy()
-            except Exception as err:  # noqa: BLE001
-                probe, example = None, np.zeros((3, model.img_size, model.img_size), np.float32)  # a grey image
-                self.logger.tag("probvlp.probe_error", str(EvaluationError.of(self.tasks[0].name, err)))
-            # The MLflow model (MLmodel, code/, data/model.safetensors) is the `model` folder; the loss weights,
-            # the probe and the model card sit beside it.
-            from pipelines.tracking import save_mlflow_model  # deferred: rank 0 only, see __init__
-
-            save_mlflow_model(tmp / "model.safetensors", tmp / "mlflow_model", encode_png(example), EXAMPLE_CAPTION,
-                              model.probabilistic)
-            self.logger.artifacts(tmp / "mlflow_model", "model")
-            save_file({k: v.cpu().contiguous() for k, v in loss_weights.items()}, str(tmp / "loss.safetensors"))
-            self.logger.artifact(tmp / "loss.safetensors", "model")
-            if probe is not None:
-                save_file(probe, str(tmp / "probe.safetensors"))
-                self.logger.artifact(tmp / "probe.safetensors", "model")
-            try:
-                metrics, results = self.evaluate(objective)
-            except EvaluationError as err:
-                reason = str(err)
-                print(f"[probvlp] {reason}; the trained model is saved: runs:/{self.logger.run_id}/model", flush=True)
-                self.logger.tag("probvlp.failure", reason)
-                (tmp / "README.md").write_text(model_card(cfg, {}, self.progress.step))
-                self.logger.artifact(tmp / "README.md", "model")
-                return {"eval_error": reason}
-            (tmp / "README.md").write_text(model_card(cfg, metrics, self.progress.step))
-            self.logger.artifact(tmp / "README.md", "model")
-            (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-            (tmp / "summary.md").write_text(summary_table(metrics))
-            for name in ("metrics.json", "summary.md"):
-                self.logger.artifact(tmp / name, "eval")
-            for png in write_plots(results, tmp):
-                self.logger.artifact(png, "plots")
+            probe = self.evaluation.probe(objective.model)
+            export.save_trained_model(self.logger, self.cfg, objective.model, weights, loss_weights, probe, tmp)
+            metrics, results, error = self.evaluation.final(objective, self.progress.step)
+            export.save_model_card(self.logger, self.cfg, metrics, self.progress.step, tmp)
+            if error:
+                return {"eval_error": error}
+            self.evaluation.save_results(metrics, results, tmp)
         return metrics
-
-
-EXAMPLE_CAPTION = "a photo of a dog"
 
 
 def train_loop(config: dict[str, Any]) -> None:

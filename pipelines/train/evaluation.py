@@ -1,0 +1,122 @@
+"""Evaluation inside a training run, on rank 0 (the evaluate stage's tasks over the trained weights): every
+`train.eval_every` steps and once at the end, with its artifacts (metrics, summary, plots) and the embedding probe
+saved with the model. The collective part (gathering the weights, sharing the metrics) is the worker's."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ray.train
+import torch
+
+from models.objective import build_objective
+from models.preprocess import to_device
+from models.tokenizer import tokenize
+from pipelines.config import EvalTask, TrainDocument
+from pipelines.evaluate import EvaluationError
+from pipelines.evaluate.in_process import embed_task_locally, model_device
+from pipelines.evaluate.names import metric_names
+from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
+from pipelines.train.model_card import summary_table
+from pipelines.train.trainer import eval_dataset_name
+
+
+def eval_batches(task: EvalTask, batch_size: int):
+    shard = ray.train.get_dataset_shard(eval_dataset_name(task))
+    if task.kind == "loss":
+        return shard.iter_torch_batches(batch_size=batch_size, drop_last=False)
+    return shard.iter_batches(batch_size=batch_size, batch_format="numpy")
+
+
+@torch.no_grad()
+def embedding_probe(model: torch.nn.Module, task: EvalTask, n: int = 8) -> dict[str, torch.Tensor]:
+    """A few inputs and the float32 embeddings the trained model gives them on its device (no autocast), to check
+    that saved models reload exactly."""
+    batch = next(iter(eval_batches(task, n)))
+    images = torch.as_tensor(batch["image"])[:n].contiguous()
+    if task.kind == "loss":
+        tokens = batch["text"][:n]
+    else:
+        captions = [c.split("\n")[0] or "a photo" for c in batch["captions"][:n]]
+        tokens = tokenize(captions, model.context_length)
+    tokens = tokens.contiguous()
+    device = model_device(model)
+    image_out, text_out = model.encode_image(to_device(images, device)), model.encode_text(to_device(tokens, device))
+    return {"images": images, "tokens": tokens,
+            **{f"image_{k}": v.float().cpu().contiguous() for k, v in image_out.items()},
+            **{f"text_{k}": v.float().cpu().contiguous() for k, v in text_out.items()}}
+
+
+class Evaluation:
+    """Rank 0's evaluation of the weights it is handed, logged through rank 0's logger (a StepLogger)."""
+
+    def __init__(self, cfg: TrainDocument, tasks: list[EvalTask], device: torch.device, use_bf16: bool, logger):
+        self.cfg, self.tasks, self.device, self.use_bf16, self.logger = cfg, tasks, device, use_bf16, logger
+
+    def objective(self, weights, loss_weights) -> torch.nn.Module:
+        """A fresh objective (model + loss) built on this worker's device with these weights, in eval mode."""
+        with torch.device(self.device):
+            objective = build_objective(self.cfg)
+        objective.model.load_state_dict(weights)
+        objective.loss.load_state_dict(loss_weights)
+        return objective.eval()
+
+    def evaluate(self, objective: torch.nn.Module, step: int) -> tuple[dict[str, float], dict[str, TaskResult]]:
+        """The `{task}/{metric}` numbers (logged at `step`) and per-task results of the objective's model, on its
+        device under the training autocast. EvaluationError names the task that failed."""
+        cfg, model = self.cfg, objective.model
+        metrics: dict[str, float] = {}
+        results: dict[str, TaskResult] = {}
+        for task in self.tasks:
+            try:
+                batches = eval_batches(task, cfg.eval.batch_size)
+                if task.kind == "loss":
+                    metrics[f"{task.name}/loss"] = held_out_loss(objective, batches, self.use_bf16)
+                    continue
+                embeddings = embed_task_locally(model, task, batches, cfg.eval.batch_size, self.use_bf16)
+                results[task.name] = score_task(model, task, embeddings, cfg.eval.calibration_bins)
+            except Exception as err:  # noqa: BLE001 - any failure of a task is reported by its name
+                raise EvaluationError.of(task.name, err) from err
+            metrics.update(prefixed(task, results[task.name]))
+        self.logger.log(metrics, step)
+        return metrics, results
+
+    def validate(self, weights, loss_weights, step: int) -> dict[str, float]:
+        """Every eval task's metrics at `step`. A task that fails is reported (printed, MLflow tag
+        `probvlp.eval_error`) and training goes on with every metric NaN in this report (a sweep's scheduler needs
+        its metric in each report; NaN is never a score): the final evaluation decides the run's status."""
+        try:
+            return self.evaluate(self.objective(weights, loss_weights), step)[0]
+        except EvaluationError as err:
+            print(f"[probvlp] step {step}: {err}", flush=True)
+            self.logger.tag("probvlp.eval_error", f"step {step}: {err}")
+            return {name: float("nan") for name in metric_names(self.cfg)}
+
+    def probe(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The embedding probe on the first eval task's data; None (tagged `probvlp.probe_error`) where that data
+        fails it: whatever the data holds, the model is saved."""
+        try:
+            return embedding_probe(model, self.tasks[0])
+        except Exception as err:  # noqa: BLE001
+            self.logger.tag("probvlp.probe_error", str(EvaluationError.of(self.tasks[0].name, err)))
+            return None
+
+    def final(self, objective: torch.nn.Module, step: int) -> tuple[dict[str, float], dict[str, TaskResult], str | None]:
+        """The run's final metrics and per-task results, or ({}, {}, one line naming the task that failed: printed
+        and tagged `probvlp.failure`, the run's status)."""
+        try:
+            return (*self.evaluate(objective, step), None)
+        except EvaluationError as err:
+            reason = str(err)
+            print(f"[probvlp] {reason}; the trained model is saved: runs:/{self.logger.run_id}/model", flush=True)
+            self.logger.tag("probvlp.failure", reason)
+            return {}, {}, reason
+
+    def save_results(self, metrics: dict[str, float], results: dict[str, TaskResult], folder: Path) -> None:
+        """The final metrics (eval/metrics.json, eval/summary.md) and the tasks' plots (plots/) as run artifacts."""
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+        (folder / "summary.md").write_text(summary_table(metrics))
+        for name in ("metrics.json", "summary.md"):
+            self.logger.artifact(folder / name, "eval")
+        for png in write_plots(results, folder):
+            self.logger.artifact(png, "plots")
