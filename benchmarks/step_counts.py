@@ -53,8 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 THIS = str(Path(__file__).resolve())
 aten = torch.ops.aten
 MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "convolution_backward", "_fused_adamw_"}
-NO_KERNEL = {"detach", "alias", "empty", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "_local_scalar_dense",
-             "set_", "resize_", "_reshape_alias", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+NO_KERNEL = {"detach", "alias", "empty", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+             "_local_scalar_dense", "set_", "resize_", "_reshape_alias", "sym_size", "sym_stride", "sym_numel",
+             "is_same_size"}
 COPIES = {"_to_copy", "copy_"}
 
 
@@ -300,8 +301,10 @@ def table(counts: dict) -> str:
         base = next((b for m, b in PAIRS if m == n), None)
         kr = f"{c.kernels / counts[base].kernels:.2f}x" if base in counts else "-"
         mr = f"{memory_bytes(c) / memory_bytes(counts[base]):.2f}x" if base in counts else "-"
-        lines.append(f"| {LABEL[n]} | {LABEL[base] if base else '-'} | {c.ops} | {c.kernels} | {kr} | {sum(c.syncs.values())} "
-                     f"| {(c.bytes['pointwise'] + c.bytes['reduction']) / 1e6:.0f} | {c.bytes['other'] / 1e6:.0f} | {mr} "
+        lines.append(f"| {LABEL[n]} | {LABEL[base] if base else '-'} | {c.ops} | {c.kernels} | {kr} "
+                     f"| {sum(c.syncs.values())} "
+                     f"| {(c.bytes['pointwise'] + c.bytes['reduction']) / 1e6:.0f} | {c.bytes['other'] / 1e6:.0f} "
+                     f"| {mr} "
                      f"| {c.bytes['matmul'] / 1e6:.0f} | {getattr(c, 'optimizer_bytes', 0) / 1e6:.0f} |")
     return "\n".join(lines)
 
@@ -371,8 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     counts = {}
     for n in names:
         counts[n] = count_step(n, SIZES[args.size], args.batch, args.captions, args.mixture_tokens)
-        print(f"{LABEL[n]}: {counts[n].ops} ops, {counts[n].kernels} kernels, syncs {dict(counts[n].syncs)}", flush=True)
-    body = table(counts) + "\n\nHost syncs, where:\n\n" + sync_lines(counts) + "\n\nKernels beyond the baseline's, by op:\n\n" + top_ops(counts)
+        print(f"{LABEL[n]}: {counts[n].ops} ops, {counts[n].kernels} kernels, syncs {dict(counts[n].syncs)}",
+              flush=True)
+    body = (table(counts) + "\n\nHost syncs, where:\n\n" + sync_lines(counts)
+            + "\n\nKernels beyond the baseline's, by op:\n\n" + top_ops(counts))
     if not args.no_graph_breaks:
         body += "\n\n" + graph_break_table(names)
     print(body)
@@ -439,7 +444,8 @@ def write(label: str, body: str, argv: list[str] | None) -> None:
     for part in ("before", "after"):
         m = re.search(rf"<!-- step_counts_{part}:begin -->\n(.*?)\n<!-- step_counts_{part}:end -->", text, re.S)
         tables[part] = m.group(1) if m else "(not run yet)"
-    tables[label] = f"Command: `{' '.join(['python -m benchmarks.step_counts', command]).strip()}`; torch {torch.__version__}.\n\n{body}"
+    run = " ".join(["python -m benchmarks.step_counts", command]).strip()
+    tables[label] = f"Command: `{run}`; torch {torch.__version__}.\n\n{body}"
     section = ("## Step counts: ops, host syncs and memory-bound bytes per training step (`benchmarks/step_counts.py`)\n\n"
                + INTRO + "\n\n"
                + "".join(f"### {part.capitalize()}\n\n<!-- step_counts_{part}:begin -->\n{tables[part]}\n"
