@@ -213,10 +213,13 @@ class StepLogger:
         else:
             self.client.log_artifacts(self.run_id, str(folder), artifact_path)
 
-    def close(self) -> OutboxReport | None:
-        """The end of the run's logging (again: nothing): flush, then with an outbox wait for delivery and print how
+    def close(self, drop_unflushed: bool = False) -> OutboxReport | None:
+        """The end of the run's logging (again: nothing): flush (or, `drop_unflushed`, drop what no flush has taken
+        yet: a failed attempt's steps after its last checkpoint), then with an outbox wait for delivery and print how
         long the store was unreachable (MLflow metric tracking_unreachable_s at the last step logged) and, if it
         never answered again, what it did not get and where that is kept."""
+        if drop_unflushed:
+            self.buffer = []
         self.flush()
         if self.outbox is None or self.report is not None:
             return self.report

@@ -365,9 +365,13 @@ def train_loop(config: dict[str, Any]) -> None:
     use_texts(config.get("texts", {}))
     worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
                          config.get("job_started_at"))
+    failed = True
     try:
         worker.fit()
         worker.finish()
+        failed = False
     finally:  # what the outbox still holds reaches the store before the driver ends the run
         if worker.logger:
-            worker.logger.close()
+            # A failed attempt's steps after its last checkpoint are not written: the restart runs them again (at
+            # another size, after a lost node) and MLflow keeps the steps of the attempt that went on.
+            worker.logger.close(drop_unflushed=failed)
