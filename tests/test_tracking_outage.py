@@ -149,3 +149,18 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tm
     assert run.data.tags[tracking.LOGGED_THROUGH_TAG] == "100"
     assert run.data.metrics[UNREACHABLE_METRIC] == pytest.approx(report.unreachable_s, abs=0.1)
     assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/card.md"]
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_failed_attempt_leaves_its_steps_after_the_last_checkpoint_to_the_restart(tmp_path, failed):
+    """Steps not yet flushed (with checkpoints: not covered by one) are written when an attempt ends well and dropped
+    when it fails: the restart runs them again, at another size after a lost node, and MLflow keeps its values."""
+    uri = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("attempts")).info.run_id
+    logger = StepLogger(uri, run_id, flush_every=None, background=True)
+    logger.log({"loss": 1.0}, 1)
+    logger.flush()  # a checkpoint's
+    logger.log({"loss": 2.0}, 2)
+    logger.close(drop_unflushed=failed)
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == ([1] if failed else [1, 2])
