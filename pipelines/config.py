@@ -54,6 +54,10 @@ class RunConfig(Section):
     storage_path: str = ".probvlp/ray_results"
     # Worker-failure restarts from the last checkpoint (-1: unlimited).
     max_failures: int = Field(0, ge=-1)
+    # Restarts after a node was preempted (a drain with reason PREEMPTION, a SIGTERM to a training worker), counted
+    # apart from max_failures so that spot reclaims never use up the budget for real errors (-1: unlimited, Ray's
+    # default).
+    max_preemptions: int = Field(-1, ge=-1)
     keep_checkpoints: int = Field(2, ge=1)
 
 

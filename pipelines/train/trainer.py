@@ -37,7 +37,8 @@ def torch_trainer(loop: Callable[[dict], None], loop_config: dict[str, Any], cfg
         scaling_config=ray.train.ScalingConfig(**scaling),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=cfg.run.storage_path,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures,
+                                                   max_preemption_failures=cfg.run.max_preemptions),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             callbacks=callbacks,
             # Ray Train's routine INFO lines (worker group started, checkpoint saved) stay in its log files.
