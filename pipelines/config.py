@@ -1,20 +1,21 @@
-"""Typed experiment configuration loaded from YAML.
+"""Typed configuration loaded from YAML: what several stages share.
 
-Every section rejects unknown keys, wrong types and out-of-range values with a one-line
-message naming the key (`ConfigError`). Plain dicts appear only at the Ray boundary
+One home per stage: a stage's own sections, document and loader live in `pipelines/<stage>/config.py`
+(`download`, `train`, `tune`, `adapt`); this module holds what more than one stage reads (the run, data, model,
+loss, eval, tracking and ray sections, the documents they form) and the loading itself (unknown keys, YAML,
+`--set` overrides, local paths). Every section rejects unknown keys, wrong types and out-of-range values with a
+one-line message naming the key (`ConfigError`). Plain dicts appear only at the Ray boundary
 (`TrainDocument.to_dict()` / `TrainDocument.from_dict()`).
 """
 from __future__ import annotations
 
-import inspect
 import os
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +59,10 @@ class RunConfig(Section):
     # apart from max_failures so that spot reclaims never use up the budget for real errors (-1: unlimited, Ray's
     # default).
     max_preemptions: int = Field(-1, ge=-1)
+    # SIGTERM to a training worker's process is a notice of preemption this many seconds ahead (a Kubernetes pod's
+    # terminationGracePeriodSeconds, `docker stop -t`, a SLURM KillWait): the run saves at the next step and Ray
+    # Train restarts it once the time is up. None: SIGTERM ends the worker at once, as in Ray.
+    sigterm_grace_s: float | None = Field(30.0, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
 
 
@@ -135,74 +140,6 @@ class WorkerResources(Section):
     @property
     def worker_resources(self) -> dict[str, float]:
         return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.use_gpu else {})}
-
-
-class TrainConfig(WorkerResources):
-    # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
-    # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
-    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.train.reshard; per-worker batch and learning rate kept:
-    # docs/SCALING.md "Elastic training").
-    num_workers: int | tuple[int, int] = 2
-    # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
-    elastic_resize_interval_s: float = Field(60.0, gt=0)
-    batch_size: int = Field(64, ge=1, description="per worker")
-    steps: int = Field(1000, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.2, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-6, gt=0)
-    warmup_steps: int = Field(50, ge=0)
-    zero_stage: int = Field(2, ge=0, le=3)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    grad_clip: float = Field(1.0, ge=0)
-    # Micro-batches per optimizer step, by feature-cache accumulation (models.accumulate): the loss of each step is
-    # that of one batch of grad_accum x batch_size x workers samples (every one a negative of every other), with the
-    # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".
-    grad_accum: int = Field(1, ge=1)
-    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the run.
-    max_bad_batches: int = Field(20, ge=1)
-    log_every: int = Field(10, ge=1)
-    # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
-    # so a restart never logs a step twice.
-    checkpoint_every: int = Field(0, ge=0)
-    # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
-    eval_every: int = Field(0, ge=0)
-    # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
-    stop_at_step: int | None = Field(None, ge=1)
-    # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.
-    fail_once_at_step: int | None = Field(None, ge=1)
-    # Activation checkpointing of the towers' transformer blocks (non-reentrant torch.utils.checkpoint): only each
-    # block's input is kept and the block is recomputed in the backward, so twice the per-GPU batch fits for ~1/3
-    # more tower compute (docs/BENCHMARKS.md, "Memory").
-    grad_checkpointing: bool = False
-    # torch.compile of every transformer block (models.towers.compile_blocks); off: docs/BENCHMARKS.md measures it.
-    compile: bool = False
-
-    @field_validator("num_workers")
-    @classmethod
-    def _worker_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
-        low, high = (v, v) if isinstance(v, int) else v
-        if low < 1:
-            raise ValueError(f"needs at least 1 worker (got {list(v) if isinstance(v, tuple) else v})")
-        if low > high:
-            raise ValueError(f"[min, max] with min > max (got {list(v)})")
-        return v
-
-    @property
-    def elastic(self) -> bool:
-        return isinstance(self.num_workers, tuple)
-
-    @property
-    def contrastive_batch(self) -> int | str:
-        """Samples one loss sees per step (batch_size x grad_accum x workers); elastic runs: "min-max"."""
-        low, high = (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else self.num_workers
-        per_worker = self.batch_size * self.grad_accum
-        return per_worker * low if low == high else f"{per_worker * low}-{per_worker * high}"
-
-    @property
-    def max_workers(self) -> int:
-        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
 TASK_NAME = r"^[A-Za-z0-9_.-]+$"
@@ -319,7 +256,7 @@ class EvalConfig(Section):
         return out
 
     def with_local_paths(self, local) -> "EvalConfig":
-        """The tasks' data and template paths passed through `local` (see TrainDocument.with_absolute_paths)."""
+        """The tasks' data and template paths passed through `local` (see ExperimentDocument.with_absolute_paths)."""
         if self.tasks is None:
             return self
         return self.model_copy(update={"tasks": [
@@ -351,68 +288,6 @@ class RayConfig(Section):
     # Folders every node of the cluster mounts at the same path (NFS, a shared volume). On a cluster of several
     # nodes any other local path is the driver node's alone: a run's storage must then be object storage or here.
     shared_paths: list[str] = Field(default_factory=list)
-
-
-class DownloadConfig(Section):
-    """`jobs.download`: URL table -> de-duplicated parts -> img2dataset on Ray tasks -> webdataset shards."""
-
-    # URL table: a file, a folder of files, or a glob; local path or fsspec URI (s3://, gs://, ...).
-    input: str
-    # auto: from the file extension (.parquet, .csv, .tsv, .jsonl / .json).
-    input_format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"
-    url_col: str = "url"
-    # None: no captions.
-    caption_col: str | None = "caption"
-    # Extra table columns copied into each sample's json (img2dataset save_additional_columns).
-    additional_columns: list[str] = Field(default_factory=list)
-    # Folder (or fsspec URI) for NNNNN.tar + NNNNN.parquet + NNNNN_stats.json and the run summary.
-    output: str
-    image_size: int = Field(256, ge=8, le=8192)
-    resize_mode: Literal["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"] = "border"
-    encode_format: Literal["jpg", "png", "webp"] = "jpg"
-    # None: 95 for jpg/webp, compression 9 for png (png takes 0-9).
-    encode_quality: int | None = Field(None, ge=0, le=100)
-    # Extra attempts per URL after a failed fetch, and the per-request timeout in seconds.
-    retries: int = Field(0, ge=0, le=20)
-    timeout: float = Field(10.0, gt=0)
-    min_image_size: int = Field(0, ge=0)
-    # Larger source images are counted as failed ("image area too large"); None: no limit.
-    max_image_area: float | None = Field(None, gt=0)
-    # De-duplicate and split the table with Ray Data (ray_data) or in the driver (driver, same result);
-    # auto: the driver for tables up to plan_local_max_mb of files.
-    planner: Literal["auto", "ray_data", "driver"] = "auto"
-    plan_local_max_mb: float = Field(256.0, ge=0)
-    # About this many URLs per part; one part = one Ray task = one output shard.
-    rows_per_shard: int = Field(10000, ge=1)
-    # Download threads inside each task, CPUs Ray reserves per task (one process each),
-    # and at most this many parts running at once (None: as many as the cluster's CPUs allow).
-    threads_per_task: int = Field(64, ge=1, le=1024)
-    cpus_per_task: float = Field(1.0, gt=0)
-    max_parts_in_flight: int | None = Field(None, ge=1)
-    # A part still running after this many seconds is cancelled and counted as failed (re-run retries it).
-    part_timeout_s: float = Field(3600.0, gt=0)
-    # X-Robots-Tag directives that opt an image out (img2dataset's default list); [] disables the check.
-    disallowed_header_directives: list[str] = Field(
-        default_factory=lambda: ["noai", "noimageai", "noindex", "noimageindex"])
-    user_agent_token: str | None = None
-    compute_hash: Literal["md5", "sha256", "sha512"] | None = "sha256"
-    extract_exif: bool = False
-
-    @field_validator("additional_columns")
-    @classmethod
-    def _columns(cls, value: list[str]) -> list[str]:
-        reserved = {"key", "caption", "url", "width", "height", "original_width", "original_height", "status",
-                    "error_message", "exif", "md5", "sha256", "sha512"}
-        clash = sorted(reserved & set(value))
-        if clash:
-            raise ValueError(f"{', '.join(clash)} reserved by img2dataset")
-        return value
-
-    @model_validator(mode="after")
-    def _png_quality(self) -> "DownloadConfig":
-        if self.encode_format == "png" and self.encode_quality is not None and self.encode_quality > 9:
-            raise ValueError("encode_quality: png takes a compression level 0-9")
-        return self
 
 
 class Document(Section):
@@ -465,66 +340,21 @@ class JobDocument(Document):
         })
 
 
-class TrainDocument(JobDocument):
+class ExperimentDocument(JobDocument):
+    """The sections of an experiment file that every stage building its model reads (the data, the model, its
+    loss, beside the run, eval, tracking and ray sections): evaluation and the job inputs take this, pretraining
+    its `pipelines.train.config.TrainDocument`."""
+
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    # Only `jobs.download` needs it.
-    download: DownloadConfig | None = None
 
-    @model_validator(mode="after")
-    def _cross_checks(self) -> "TrainDocument":
-        from models.registry import list_models  # deferred: the registry imports timm and every model class
-
-        if self.model.name not in list_models():
-            raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
-        if self.train.grad_accum > 1:
-            from models.registry import model_arch
-
-            if not hasattr(model_arch(self.model.name), "features"):
-                raise ValueError(f"train.grad_accum: {self.model.name} has no per-sample features to cache (an adapter's "
-                                 "loss is per sample: raise train.batch_size instead)")
-        return self
-
-    def flat(self) -> dict[str, Any]:
-        """MLflow params, with the contrastive batch the config implies (batch_size x grad_accum x workers)."""
-        return {**super().flat(), "train.contrastive_batch": self.train.contrastive_batch}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainDocument":
-        return _validate(data)
-
-    def with_absolute_paths(self) -> "TrainDocument":
+    def with_absolute_paths(self) -> "ExperimentDocument":
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
         in other working directories than the command that was started."""
         return self._with_absolute(
             data=self.data.model_copy(update={"root": local_path(self.data.root)}),
             model=self.model.model_copy(update={"init_from_openclip": local_path(self.model.init_from_openclip)}))
-
-
-class DownloadDocument(Document):
-    """What `jobs.download` reads of a config file: its download, run, tracking and ray sections. The other
-    sections of an experiment file may stand beside them (unchecked here: the model registry, and with it torch,
-    is not imported for a download)."""
-
-    run: RunConfig = Field(default_factory=RunConfig)
-    download: DownloadConfig
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
-
-
-def load_download_config(path: str | Path, overrides: list[str] | None = None) -> DownloadDocument:
-    data = read_config_file(path, overrides)
-    unknown = sorted(set(data) - set(TrainDocument.model_fields))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key")
-    if data.get("download") is None:
-        raise ConfigError(f"{path}: no `download:` section")
-    try:
-        return DownloadDocument.model_validate({k: v for k, v in data.items() if k in DownloadDocument.model_fields})
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
 
 
 def local_path(value: str | None) -> str | None:
@@ -552,66 +382,6 @@ def format_validation_error(err: ValidationError) -> str:
     got = first.get("input")
     got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
     return f"{loc}: {msg}{got_text}"
-
-
-def _validate(data: dict[str, Any]) -> TrainDocument:
-    try:
-        cfg = TrainDocument.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
-    _check_loss(cfg)
-    return cfg
-
-
-def _check_loss(cfg: TrainDocument) -> None:
-    """Validate loss params and model overrides against what their constructors take."""
-    from models.losses import list_losses, loss_class  # deferred, as in TrainDocument._cross_checks
-    from models.objective import loss_name
-    from models.registry import override_types
-
-    name = loss_name(cfg)
-    if name not in list_losses():
-        raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
-    _check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), cfg.loss.params)
-    _check_kwargs("model.overrides", f"model {cfg.model.name!r}", override_types(cfg.model.name), cfg.model.overrides)
-    _check_openclip_init(cfg)
-
-
-def _check_openclip_init(cfg: TrainDocument) -> None:
-    source = cfg.model.init_from_openclip
-    if source is None:
-        return
-    if not source.startswith("open_clip:") and not Path(source).is_file():
-        raise ConfigError(f"model.init_from_openclip: no such file {source!r} (or use open_clip:<arch>/<tag>)")
-    import torch  # deferred, as in TrainDocument._cross_checks: only configs that start from open_clip weights
-    from models.objective import build_objective
-
-    with torch.device("meta"):
-        objective = build_objective(cfg)
-    if "visual.vit.norm_pre.weight" not in objective.model.state_dict():
-        raise ConfigError("model.init_from_openclip: CLIP weights need CLIP's ln_pre; "
-                          "set model.overrides.vision_pre_norm: true")
-
-
-def keyword_types(cls: type) -> dict[str, Any]:
-    """The keyword parameters of `cls`'s constructor and their annotated types (Any where unannotated)."""
-    sig = inspect.signature(cls.__init__)
-    hints = typing.get_type_hints(cls.__init__)
-    return {name: hints.get(name, Any) for name, p in sig.parameters.items()
-            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
-def _check_kwargs(prefix: str, what: str, types: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """Names and types of `kwargs` against `types` (name -> annotation), as one-line ConfigErrors."""
-    for key, value in kwargs.items():
-        if key not in types:
-            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(types)}")
-        if types[key] is not Any:
-            try:
-                # Strict for everything but ints where a float is expected (YAML writes 10 for 10.0).
-                TypeAdapter(types[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
-            except ValidationError as err:
-                raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -653,6 +423,3 @@ def read_config_file(path: str | Path, overrides: list[str] | None = None) -> di
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return apply_overrides(data, overrides or [])
 
-
-def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainDocument:
-    return _validate(read_config_file(path, overrides))
