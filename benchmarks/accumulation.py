@@ -37,7 +37,8 @@ from models.objective import build_objective
 from models.registry import TINY
 from models.towers import TowerConfig
 from models.tokenizer import tokenize
-from pipelines.config import TrainDocument, ModelConfig
+from pipelines.config import ModelConfig
+from pipelines.train.config import TrainDocument
 from pipelines.train.optim import adamw, param_groups
 
 METHODS = {"CLIP": "clip_tiny", "SigLIP": "siglip_tiny", "ProLIP": "prolip_tiny", "PCME++": "pcmepp_tiny",

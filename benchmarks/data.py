@@ -134,7 +134,8 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
     import torch
 
     from models.objective import build_objective
-    from pipelines.config import TrainDocument, ModelConfig
+    from pipelines.config import ModelConfig
+    from pipelines.train.config import TrainDocument
     from pipelines.data.captions import CaptionSampler
     from pipelines.digits.shards import write_digit_shards
     from pipelines.cluster.runtime import init_ray

@@ -28,7 +28,7 @@ def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str)
 
     from models.gather import World
     from models.tokenizer import tokenize
-    from pipelines.config import TrainDocument
+    from pipelines.train.config import TrainDocument
     from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
     from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 

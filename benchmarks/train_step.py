@@ -45,7 +45,8 @@ from models.objective import build_objective
 from models.registry import TINY, VIT_B16
 from models.tokenizer import tokenize
 from models.towers import TowerConfig, compile_blocks, set_grad_checkpointing
-from pipelines.config import TrainDocument, ModelConfig
+from pipelines.config import ModelConfig
+from pipelines.train.config import TrainDocument
 from pipelines.train.optim import adamw, param_groups
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import load_download_config
+from pipelines.download.config import load_download_config
 
 
 @job_main

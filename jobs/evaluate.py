@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

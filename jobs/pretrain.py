@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from jobs.cli import config_parser, job_main
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 
 
 @job_main

@@ -27,9 +27,10 @@ from models.distributions import ppcl_logits
 from models.losses import ProLIPLoss
 from models.objective import Objective, build_objective
 from models.tokenizer import tokenize
-from pipelines.config import EvalTask, load_train_config, read_config_file
+from pipelines.config import EvalTask, read_config_file
+from pipelines.train.config import load_train_config
 from pipelines.digits.dataset import NAMES, specific_captions
-from pipelines.digits.quick_fit import config_sampler, digit_arrays
+from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
 
@@ -106,7 +107,7 @@ class MultiPositiveProLIP(ProLIPLoss):
 
 def train(cfg, seed: int, multi_positive: bool):
     """cfg's model and loss, cfg.train.steps AdamW steps of the global batch (batch_size x num_workers) on the train
-    split with cfg.data's caption mix, in this process; the model in eval mode. pipelines.digits.quick_fit's loop,
+    split with cfg.data's caption mix, in this process; the model in eval mode. pipelines.train.in_process's loop,
     with the batch's match labels set before each step when `multi_positive`."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

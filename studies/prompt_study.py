@@ -1,6 +1,6 @@
 """Zero-shot prompt weighting with deliberately wrong prompts, on models trained in this process (no Ray):
 the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts" (it reuses the tests' in-process
-digit fits, pipelines/digits/quick_fit.py). Run it as a module:
+digit fits, pipelines/train/in_process.py). Run it as a module:
 
     .venv/bin/python -m studies.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
     .venv/bin/python -m studies.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps
@@ -27,9 +27,11 @@ import numpy as np
 import torch
 
 from models.registry import create_model
-from pipelines.config import EvalTask, load_train_config
+from pipelines.config import EvalTask
+from pipelines.train.config import load_train_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, OFF_DOMAIN, mid_captions, specific_captions
-from pipelines.digits.quick_fit import config_sampler, digit_arrays, fit_in_process
+from pipelines.digits.arrays import config_sampler, digit_arrays
+from pipelines.train.in_process import fit_in_process
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
 

@@ -89,7 +89,7 @@ def digits_root(tmp_path_factory) -> str:
 def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, PretrainResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
-    from pipelines.config import load_train_config
+    from pipelines.train.config import load_train_config
     from pipelines.train.job import run_pretrain
 
     tmp = tmp_path_factory.mktemp("pretrain")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 from pipelines.train.state import checkpoint_safe_globals
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -261,7 +261,7 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     """The weights after one SGD step of a DeepSpeed engine (the worker's config), one pass or cached."""
     import deepspeed
 
-    from pipelines.config import TrainDocument
+    from pipelines.train.config import TrainDocument
     from pipelines.train.step import cached_step
     from pipelines.train.worker import deepspeed_config, full_state_dict
 
@@ -384,7 +384,8 @@ def test_deepspeed_step_with_accumulation_equals_the_one_batch_step(two_workers)
 
 
 def test_config_states_the_contrastive_batch_and_refuses_per_sample_adapters():
-    from pipelines.config import TrainDocument, ConfigError
+    from pipelines.config import ConfigError
+    from pipelines.train.config import TrainDocument
 
     cfg = TrainDocument.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": 2}})
     assert cfg.flat()["train.contrastive_batch"] == 128  # an MLflow param of every run

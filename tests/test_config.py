@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import TrainDocument, ConfigError, load_train_config, load_download_config
+from pipelines.config import ConfigError
+from pipelines.train.config import TrainDocument, load_train_config
+from pipelines.download.config import EXPERIMENT_SECTIONS, load_download_config
 from pipelines.tune.config import load_tune_config
 from tests.pace import scaled
 
@@ -144,7 +146,7 @@ def test_download_config_reads_its_sections_without_the_model_registry(tmp_path)
     path = tmp_path / "dl.yaml"
     path.write_text(yaml.safe_dump({"run": {"name": "d"}, "model": {"name": "clip_tiny"},
                                     "download": {"input": "urls.parquet", "output": "out"}}))
-    code = ("import sys; from pipelines.config import load_download_config; "
+    code = ("import sys; from pipelines.download.config import load_download_config; "
             f"c = load_download_config({str(path)!r}, ['download.image_size=64']); "
             "print(c.download.image_size, c.run.name, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -155,3 +157,6 @@ def test_download_config_reads_its_sections_without_the_model_registry(tmp_path)
         path.write_text(yaml.safe_dump(data))
         with pytest.raises(ConfigError, match=message):
             load_download_config(path)
+    # the sections it lets stand are an experiment file's: the download stage names them without importing the
+    # train stage's document
+    assert sorted(EXPERIMENT_SECTIONS) == sorted(TrainDocument.model_fields)

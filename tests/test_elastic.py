@@ -25,7 +25,8 @@ from mlflow import MlflowClient
 
 from pipelines.cluster.isolated import node_command, node_env
 from pipelines.cluster.local import LOCAL_DATA, processes
-from pipelines.config import PROJECT_ROOT, load_train_config
+from pipelines.config import PROJECT_ROOT
+from pipelines.train.config import load_train_config
 from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.train.optim import warmup_cosine
 from tests.helpers import wait_for
@@ -362,7 +363,7 @@ def resized_run_checks(client: MlflowClient, s3, checkpoints: str, copies: Path,
     model."""
     from models.objective import build_objective
     from pipelines.digits.dataset import NAMES, specific_captions
-    from pipelines.digits.quick_fit import digit_arrays
+    from pipelines.digits.arrays import digit_arrays
     from pipelines.train import reshard
     from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 

@@ -29,7 +29,7 @@ from models.registry import create_model
 from models.tokenizer import tokenize
 from models.towers import random_keep, random_text_mask
 from pipelines.adapt.config import AdaptLossConfig, load_adapt_config
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 
 f64 = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
@@ -835,7 +835,7 @@ def test_bf16_autocast_leaves_heads_mixer_and_pooling_in_float32():
 
 
 def test_bf16_training_is_deepspeed_torch_autocast():
-    from pipelines.config import TrainDocument
+    from pipelines.train.config import TrainDocument
     from pipelines.train.worker import deepspeed_config
 
     cfg = TrainDocument.from_dict({"model": {"name": "prolip_tiny"}})

@@ -23,7 +23,7 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.model_file import load_model
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 from pipelines.tracking import model_file
 
 GPU = torch.cuda.is_available()

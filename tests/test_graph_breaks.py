@@ -12,7 +12,8 @@ import torch
 from benchmarks.train_step import LABEL
 from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines.config import ModelConfig, TrainDocument
+from pipelines.config import ModelConfig
+from pipelines.train.config import TrainDocument
 
 
 @pytest.mark.parametrize("name", list(LABEL))

@@ -19,7 +19,7 @@ from models.distributions import inclusion_test
 from models.model_file import load_model
 from models.tokenizer import tokenize
 from models.towers import random_keep
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 from pipelines.digits.dataset import (
     GENERAL_CAPTIONS,
     NAMES,

@@ -90,7 +90,7 @@ def test_paper_size_builds_on_meta(name):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*_tiny.yaml")) + sorted((ROOT / "configs").glob("*_vit_b16.yaml")),
                          ids=lambda p: p.name)
 def test_method_configs_validate(path):
-    from pipelines.config import load_train_config
+    from pipelines.train.config import load_train_config
 
     cfg = load_train_config(path)
     assert cfg.model.name in list_models()

@@ -12,7 +12,7 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.model_file import load_model
-from pipelines.config import TrainDocument
+from pipelines.train.config import TrainDocument
 from pipelines.tracking import StepLogger, model_file, redact
 from tests.helpers import DEMO_STEPS
 from tests.pace import scaled

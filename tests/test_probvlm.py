@@ -295,14 +295,15 @@ SOURCE_STEPS = 600  # the in-process demo CLIP of the uncertainty behaviours (he
 
 def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     """A repeatable adapted CLIP, all in this process on one thread from fixed seeds (a Ray fit's data order is not
-    fixed): the demo CLIP trained `source_steps` (pipelines/digits/quick_fit.py), each training image paired with its
+    fixed): the demo CLIP trained `source_steps` (pipelines/train/in_process.py), each training image paired with its
     two retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained `steps` over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
-    from pipelines.config import load_train_config
+    from pipelines.train.config import load_train_config
     from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
     from models.tokenizer import tokenize
-    from pipelines.digits.quick_fit import digit_arrays, fit_in_process
+    from pipelines.digits.arrays import digit_arrays
+    from pipelines.train.in_process import fit_in_process
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _config(world: int, stage: int):
-    from pipelines.config import TrainDocument
+    from pipelines.train.config import TrainDocument
 
     return TrainDocument.from_dict({"model": {"name": "clip_tiny", "overrides": {"vision_depth": 1, "text_depth": 1}},
                              "loss": {"name": "infonce"},

@@ -8,7 +8,8 @@ import torch
 from models.objective import build_objective
 from models.registry import METHODS
 from models.tokenizer import tokenize
-from pipelines.config import TrainDocument, ConfigError
+from pipelines.config import ConfigError
+from pipelines.train.config import TrainDocument
 from pipelines.train.optim import training_objective
 
 CAPTIONS = ["the digit seven", "a handwritten digit four", "an odd digit", "a photo of the number three",

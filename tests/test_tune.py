@@ -14,7 +14,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from pipelines.config import ConfigError, load_train_config
+from pipelines.config import ConfigError
+from pipelines.train.config import load_train_config
 from pipelines.tune.config import load_tune_config
 
 from tests.pace import scaled

@@ -98,7 +98,7 @@ import json, os, sys
 import numpy as np, torch, deepspeed
 from models.tokenizer import tokenize
 from pipelines.config import load_train_config
-from pipelines.digits.quick_fit import config_sampler, digit_arrays
+from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.train.optim import training_objective
 from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 rank, steps, per_rank = int(os.environ["RANK"]), int(sys.argv[1]), int(sys.argv[2])

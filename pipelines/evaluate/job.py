@@ -27,7 +27,7 @@ from models.objective import Objective
 from models.scoring.ann import MeanIndex
 from pipelines.cluster.check import is_local_path
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import TrainDocument, ConfigError, InputError
+from pipelines.config import ConfigError, ExperimentDocument, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.data.reader import read_shards, shard_paths
 from pipelines.data.storage import fs_path
@@ -41,7 +41,7 @@ from pipelines.inputs import prepare_inputs
 from pipelines.tracking import LOCAL_DIR, finish_with_results, resolve_model, start_run, tracking_uri
 
 
-def loss_section(cfg: TrainDocument, source_config: str | None) -> tuple[str | None, dict]:
+def loss_section(cfg: ExperimentDocument, source_config: str | None) -> tuple[str | None, dict]:
     """The loss to rebuild for `loss` tasks: the source run's, unless the eval config names one."""
     if cfg.loss.name is None and source_config:
         loss = (yaml.safe_load(source_config) or {}).get("loss") or {}
@@ -49,7 +49,7 @@ def loss_section(cfg: TrainDocument, source_config: str | None) -> tuple[str | N
     return cfg.loss.name, cfg.loss.params
 
 
-def held_out_loss_of(cfg: TrainDocument, model, source: dict, task, stats_name: str | None = None) -> float:
+def held_out_loss_of(cfg: ExperimentDocument, model, source: dict, task, stats_name: str | None = None) -> float:
     if source["loss"] is None:
         raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
                           f"{source['model']}")
@@ -66,7 +66,7 @@ def model_name(path: Path) -> str:
         return (f.metadata() or {})["model"]
 
 
-def run_evaluate(cfg: TrainDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> dict[str, Any]:
+def run_evaluate(cfg: ExperimentDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> dict[str, Any]:
     """`jobs.evaluate`: the model (a file, runs:/<run_id>/model or a run id; InputError when none is there) on
     every task of cfg.eval, under `out` (None: .probvlp/eval/<time>); returns {"metrics", "records", "results",
     "mlflow_run_id", "skipped", "out"}."""
@@ -82,7 +82,7 @@ def run_evaluate(cfg: TrainDocument, model_ref: str, out: Path | None, opts: Inf
     return {**evaluate_tasks(cfg, source, out, opts), "out": out}
 
 
-def evaluate_tasks(cfg: TrainDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+def evaluate_tasks(cfg: ExperimentDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
     """Every task of cfg.eval on the resolved model `source` (`pipelines.tracking.resolve_model`)."""
     model = load_model(source["model"])
     tasks = cfg.resolved_tasks()

@@ -3,7 +3,7 @@ metric against before any trial, and what the evaluation fills in."""
 from __future__ import annotations
 
 from models.registry import model_arch
-from pipelines.config import TrainDocument, EvalTask
+from pipelines.config import EvalTask, ExperimentDocument
 
 DIRECTIONS = ("i2t", "t2i")
 RETRIEVAL_METRICS = [f"{d}_{m}" for d in DIRECTIONS for m in ("R1", "R5", "R10", "mAP_R", "R_precision")] + ["rsum"]
@@ -27,7 +27,7 @@ def task_metric_names(task: EvalTask, probabilistic: bool) -> list[str]:
     return names
 
 
-def metric_names(cfg: TrainDocument) -> list[str]:
+def metric_names(cfg: ExperimentDocument) -> list[str]:
     """Every `{task}/{metric}` a run of `cfg` reports."""
     probabilistic = bool(getattr(model_arch(cfg.model.name), "probabilistic", False))
     return [f"{t.name}/{m}" for t in cfg.resolved_tasks() for m in task_metric_names(t, probabilistic)]

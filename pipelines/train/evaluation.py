@@ -12,7 +12,8 @@ import torch
 from models.objective import build_objective
 from models.preprocess import to_device
 from models.tokenizer import tokenize
-from pipelines.config import EvalTask, TrainDocument
+from pipelines.config import EvalTask
+from pipelines.train.config import TrainDocument
 from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.in_process import embed_task_locally, model_device
 from pipelines.evaluate.names import metric_names

@@ -13,7 +13,7 @@ from ray.data import ExecutionOptions
 from models.objective import build_objective, loss_name
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import TrainDocument
+from pipelines.train.config import TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from models.objective import Objective, build_training_objective
-from pipelines.config import TrainDocument
+from pipelines.train.config import TrainDocument
 
 
 def training_objective(cfg: TrainDocument) -> Objective:

@@ -24,7 +24,7 @@ with without("mlflow"):
     import deepspeed
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.gather import World
-from pipelines.config import TrainDocument
+from pipelines.train.config import TrainDocument
 from pipelines.data.device_augment import model_images
 from pipelines.data.eval_tasks import use_texts
 from pipelines.data.stats import report_metrics

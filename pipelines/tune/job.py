@@ -25,7 +25,8 @@ from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import TrainDocument, ConfigError, absolute_local, set_dotted
+from pipelines.config import ConfigError, absolute_local, set_dotted
+from pipelines.train.config import TrainDocument
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
 from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,

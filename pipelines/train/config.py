@@ -1,0 +1,179 @@
+"""The pretraining stage's configuration: the train section, and the experiment document `jobs.pretrain` reads
+(`TrainDocument`, `load_train_config`). The sections it shares with the other stages, and the YAML loading, are
+`pipelines.config`'s.
+"""
+from __future__ import annotations
+
+import inspect
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from pipelines.config import (ConfigError, ExperimentDocument, WorkerResources, format_validation_error,
+                              read_config_file)
+from pipelines.download.config import DownloadConfig
+
+
+class TrainConfig(WorkerResources):
+    # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
+    # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
+    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.train.reshard; per-worker batch and learning rate kept:
+    # docs/SCALING.md "Elastic training").
+    num_workers: int | tuple[int, int] = 2
+    # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
+    elastic_resize_interval_s: float = Field(60.0, gt=0)
+    batch_size: int = Field(64, ge=1, description="per worker")
+    steps: int = Field(1000, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.2, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    zero_stage: int = Field(2, ge=0, le=3)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    grad_clip: float = Field(1.0, ge=0)
+    # Micro-batches per optimizer step, by feature-cache accumulation (models.accumulate): the loss of each step is
+    # that of one batch of grad_accum x batch_size x workers samples (every one a negative of every other), with the
+    # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".
+    grad_accum: int = Field(1, ge=1)
+    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the run.
+    max_bad_batches: int = Field(20, ge=1)
+    log_every: int = Field(10, ge=1)
+    # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
+    # so a restart never logs a step twice.
+    checkpoint_every: int = Field(0, ge=0)
+    # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
+    eval_every: int = Field(0, ge=0)
+    # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
+    stop_at_step: int | None = Field(None, ge=1)
+    # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.
+    fail_once_at_step: int | None = Field(None, ge=1)
+    # Activation checkpointing of the towers' transformer blocks (non-reentrant torch.utils.checkpoint): only each
+    # block's input is kept and the block is recomputed in the backward, so twice the per-GPU batch fits for ~1/3
+    # more tower compute (docs/BENCHMARKS.md, "Memory").
+    grad_checkpointing: bool = False
+    # torch.compile of every transformer block (models.towers.compile_blocks); off: docs/BENCHMARKS.md measures it.
+    compile: bool = False
+
+    @field_validator("num_workers")
+    @classmethod
+    def _worker_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (v, v) if isinstance(v, int) else v
+        if low < 1:
+            raise ValueError(f"needs at least 1 worker (got {list(v) if isinstance(v, tuple) else v})")
+        if low > high:
+            raise ValueError(f"[min, max] with min > max (got {list(v)})")
+        return v
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def contrastive_batch(self) -> int | str:
+        """Samples one loss sees per step (batch_size x grad_accum x workers); elastic runs: "min-max"."""
+        low, high = (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else self.num_workers
+        per_worker = self.batch_size * self.grad_accum
+        return per_worker * low if low == high else f"{per_worker * low}-{per_worker * high}"
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+
+class TrainDocument(ExperimentDocument):
+    """An experiment file as `jobs.pretrain` (and a sweep's base, each trial) reads it: the experiment's sections
+    and the train section, checked against the model registry and the loss and model constructors."""
+
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    # Only `jobs.download` needs it.
+    download: DownloadConfig | None = None
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "TrainDocument":
+        from models.registry import list_models  # deferred: the registry imports timm and every model class
+
+        if self.model.name not in list_models():
+            raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
+        if self.train.grad_accum > 1:
+            from models.registry import model_arch
+
+            if not hasattr(model_arch(self.model.name), "features"):
+                raise ValueError(f"train.grad_accum: {self.model.name} has no per-sample features to cache (an adapter's "
+                                 "loss is per sample: raise train.batch_size instead)")
+        return self
+
+    def flat(self) -> dict[str, Any]:
+        """MLflow params, with the contrastive batch the config implies (batch_size x grad_accum x workers)."""
+        return {**super().flat(), "train.contrastive_batch": self.train.contrastive_batch}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainDocument":
+        return _validate(data)
+
+
+def _validate(data: dict[str, Any]) -> TrainDocument:
+    try:
+        cfg = TrainDocument.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+    _check_loss(cfg)
+    return cfg
+
+
+def _check_loss(cfg: TrainDocument) -> None:
+    """Validate loss params and model overrides against what their constructors take."""
+    from models.losses import list_losses, loss_class  # deferred, as in TrainDocument._cross_checks
+    from models.objective import loss_name
+    from models.registry import override_types
+
+    name = loss_name(cfg)
+    if name not in list_losses():
+        raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
+    _check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), cfg.loss.params)
+    _check_kwargs("model.overrides", f"model {cfg.model.name!r}", override_types(cfg.model.name), cfg.model.overrides)
+    _check_openclip_init(cfg)
+
+
+def _check_openclip_init(cfg: TrainDocument) -> None:
+    source = cfg.model.init_from_openclip
+    if source is None:
+        return
+    if not source.startswith("open_clip:") and not Path(source).is_file():
+        raise ConfigError(f"model.init_from_openclip: no such file {source!r} (or use open_clip:<arch>/<tag>)")
+    import torch  # deferred, as in TrainDocument._cross_checks: only configs that start from open_clip weights
+    from models.objective import build_objective
+
+    with torch.device("meta"):
+        objective = build_objective(cfg)
+    if "visual.vit.norm_pre.weight" not in objective.model.state_dict():
+        raise ConfigError("model.init_from_openclip: CLIP weights need CLIP's ln_pre; "
+                          "set model.overrides.vision_pre_norm: true")
+
+
+def keyword_types(cls: type) -> dict[str, Any]:
+    """The keyword parameters of `cls`'s constructor and their annotated types (Any where unannotated)."""
+    sig = inspect.signature(cls.__init__)
+    hints = typing.get_type_hints(cls.__init__)
+    return {name: hints.get(name, Any) for name, p in sig.parameters.items()
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _check_kwargs(prefix: str, what: str, types: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Names and types of `kwargs` against `types` (name -> annotation), as one-line ConfigErrors."""
+    for key, value in kwargs.items():
+        if key not in types:
+            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(types)}")
+        if types[key] is not Any:
+            try:
+                # Strict for everything but ints where a float is expected (YAML writes 10 for 10.0).
+                TypeAdapter(types[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
+            except ValidationError as err:
+                raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainDocument:
+    return _validate(read_config_file(path, overrides))

@@ -1,0 +1,48 @@
+"""A tiny model trained in this process on the bundled digits (no Ray, no DeepSpeed): the same model and
+loss as a Ray Train fit of the config, single process, AdamW, for tests and studies that need trained embeddings
+fast."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.accumulate import CachedBatch
+from models.objective import build_objective
+from models.tokenizer import tokenize
+from pipelines.digits.quick_fit import config_sampler, digit_arrays
+from pipelines.train.config import TrainDocument
+
+
+def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
+                   accum: int = 1, dtype: torch.dtype = torch.float32):
+    """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
+    on the train split with cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw);
+    returns the model in eval mode. loss_sign -1 climbs the objective instead: the broken loss that
+    tests/test_learning.py's targets must reject. The model comes back in float32. accum > 1: each step's `batch` rows run as `accum` micro-batches
+    by feature-cache accumulation (models.accumulate, as train.grad_accum), the same samples and draws. dtype: of
+    the weights and images (float64: two fits that differ by rounding only stay together much longer)."""
+    if accum > 1 and loss_sign != 1.0:
+        raise ValueError("loss_sign applies to one-pass fits only")
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    images, _, metas = digit_arrays("train")
+    sampler = sampler or config_sampler(cfg)
+    objective = build_objective(cfg).to(dtype).train()
+    images = images.to(dtype)
+    t = cfg.train
+    opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                            weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)))
+    context = objective.model.context_length
+    for _ in range(steps):
+        rows = rng.choice(len(images), batch, replace=False)
+        tokens = tokenize([sampler.draw(metas[i], "", rng) for i in rows], context)
+        opt.zero_grad(set_to_none=True)
+        if accum > 1:
+            CachedBatch(objective, images[rows], tokens, accum).backward()
+        else:
+            (loss_sign * objective(images[rows], tokens)["loss"]).backward()
+        torch.nn.utils.clip_grad_norm_(objective.parameters(), t.grad_clip)
+        opt.step()
+        sched.step()
+    return objective.model.float().eval()
