@@ -9,7 +9,7 @@ import torch
 from models.accumulate import CachedBatch
 from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines.digits.quick_fit import config_sampler, digit_arrays
+from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.train.config import TrainDocument
 
 
