@@ -18,6 +18,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The project's local state: the default MLflow store, rank 0's tracking outboxes, injected-failure markers, a sweep's
+# rungs and best config, evaluation and adapter outputs (a config's own paths, such as data.root, stay as written).
+# $PROBVLP_HOME where set (the tests set a folder of their own; Ray's processes inherit it), else .probvlp in the
+# project folder.
+LOCAL_DIR = Path(os.path.abspath(os.path.expanduser(os.environ.get("PROBVLP_HOME") or PROJECT_ROOT / ".probvlp")))
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -18,12 +18,11 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import models
-from pipelines.config import PROJECT_ROOT
+from pipelines.config import LOCAL_DIR, PROJECT_ROOT
 from pipelines.mlflow_store import prepare_sqlite_store
 from pipelines.tracking_outbox import BATCH, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox, OutboxReport
 
 
-LOCAL_DIR = PROJECT_ROOT / ".probvlp"
 # Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
 _SECRET_KEY = re.compile(r"(?:^|[._-])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[._-])", re.I)
 _URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import DEMO_STEPS
+from tests.helpers import BUCKET, DEMO_STEPS, files_under, written_between
 from tests.pace import ENV, scaled, slowness
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +20,15 @@ if str(ROOT) not in sys.path:
 # Where torch would JIT-build C++ ops in this pytest run (Ray's processes inherit it): training must build none
 # (tests/test_pretrain.py), and a per-run folder keeps a copy built elsewhere from hiding a build.
 os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_")
+# The project's local state in this pytest run (pipelines.config.LOCAL_DIR: the default MLflow store, rank 0's tracking
+# outboxes, injected-failure markers, a sweep's rungs and best config): a folder of the run's own, never the checkout's
+# .probvlp. Set before pipelines.config is imported (it reads it once); Ray's processes, the local clusters' nodes and
+# the jobs the tests start inherit it. A run that writes into the checkout's .probvlp anyway fails
+# (pytest_sessionfinish).
+os.environ["PROBVLP_HOME"] = tempfile.mkdtemp(prefix="probvlp_home_")
+CHECKOUT_STATE = ROOT / ".probvlp"
+_CHECKOUT_FILES = pytest.StashKey[dict]()
+_WRITTEN = pytest.StashKey[list]()
 # `make test` runs a pytest worker per core, and each starts Ray processes of its own: the cores are always
 # oversubscribed. OpenMP threads then sleep while they wait instead of spinning (libgomp's default spin burns the
 # cores the other processes need: two processes of two torch threads each on two cores took 4x the wall time and
@@ -50,7 +59,7 @@ def ray_local(s3):
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """moto's S3 server on 127.0.0.1 with the bucket "probvlp-test"; its endpoint and credentials in this process's
+    """moto's S3 server on 127.0.0.1 with the bucket BUCKET (tests.helpers); its endpoint and credentials in this process's
     environment while the session runs (jobs and local clusters started by the tests inherit them, as a cloud node
     has its instance role): an s3fs filesystem on it."""
     import s3fs
@@ -60,7 +69,7 @@ def s3(tmp_path_factory):
 
     port = free_port()
     env = services.s3_env(f"http://127.0.0.1:{port}")
-    server = services.start_s3(port, tmp_path_factory.mktemp("s3") / "log", ["probvlp-test"])
+    server = services.start_s3(port, tmp_path_factory.mktemp("s3") / "log", [BUCKET])
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -83,6 +92,17 @@ def digits_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("digits")
     write_digit_shards(root, image_size=32, shard_size=500)
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def digits_on_s3(s3, digits_root) -> str:
+    """`digits_root`'s shards and eval sets on the tests' S3, what a cluster's nodes read (none sees the head's copy).
+    In one pytest process (`make test-cluster`) they are the files `straight_small_run` trained on."""
+    from pipelines.digits.shards import write_digit_eval_sets
+
+    write_digit_eval_sets(digits_root)  # what the digits source adds to its shards (idempotent)
+    s3.put(digits_root, f"{BUCKET}/digits", recursive=True)
+    return f"s3://{BUCKET}/digits"
 
 
 @pytest.fixture(scope="session")
@@ -200,6 +220,31 @@ def _module(item) -> str:
 
 def pytest_configure(config):
     slowness()  # measured once, before pytest-xdist starts its workers: they and every process the tests start read it
+    config.stash[_CHECKOUT_FILES] = files_under(CHECKOUT_STATE)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal reporter's summary, which names what was written
+def pytest_sessionfinish(session, exitstatus):
+    """The run fails when the checkout's .probvlp gained or changed a file while it ran: a test, or a process it
+    started, wrote there instead of under its own temporary folder ($PROBVLP_HOME for the project's local state).
+    Checked once, by pytest-xdist's controller after its workers (or by the one pytest process)."""
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    written = written_between(config.stash[_CHECKOUT_FILES], files_under(CHECKOUT_STATE))
+    if written:
+        config.stash[_WRITTEN] = written
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    written = config.stash.get(_WRITTEN, [])
+    if written:
+        terminalreporter.section(f"FAILED: {len(written)} paths written into {CHECKOUT_STATE}", red=True)
+        terminalreporter.write_line("a test (or a process it started) wrote into the checkout instead of its own "
+                                    "temporary folder ($PROBVLP_HOME, tmp_path):")
+        for path in written[:30]:
+            terminalreporter.write_line(f"  {path}")
 
 
 def pytest_report_header(config):
@@ -243,3 +288,4 @@ def _starts_ray_only_if_slow(request):
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["TORCH_EXTENSIONS_DIR"], ignore_errors=True)
+    shutil.rmtree(os.environ["PROBVLP_HOME"], ignore_errors=True)

@@ -13,6 +13,8 @@ from tests.pace import scaled, slowness
 
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
 DEMO_STEPS = 300
+# The tests' object-storage bucket: conftest's `s3` fixture creates it on its S3 server.
+BUCKET = "probvlp-test"
 
 
 def free_port() -> int:
@@ -20,6 +22,24 @@ def free_port() -> int:
     from pipelines.cluster.runtime import local_port  # imports Ray: not at conftest's import
 
     return local_port()
+
+
+def files_under(folder: Path) -> dict[str, int]:
+    """Every file and folder under `folder`: path relative to it -> modification time in ns (-1 for a folder); empty
+    where `folder` does not exist."""
+    folder = Path(folder)
+    found = {}
+    for path in folder.rglob("*") if folder.is_dir() else ():
+        try:
+            found[str(path.relative_to(folder))] = -1 if path.is_dir() else path.stat().st_mtime_ns
+        except OSError:  # removed meanwhile
+            continue
+    return found
+
+
+def written_between(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The paths of `after` (files_under) that `before` lacks, and its files modified since."""
+    return sorted(p for p, t in after.items() if p not in before or (t >= 0 and t != before[p]))
 
 
 def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):

@@ -29,10 +29,11 @@ from mlflow.artifacts import download_artifacts
 from models.model_file import load_model
 from pipelines.cluster import services
 from pipelines.cluster.file_server import LoopbackServer
-from pipelines.cluster.local import LocalCluster, processes, start
+from pipelines.cluster.local import LOCAL_DATA, LocalCluster, processes, start
+from pipelines.config import LOCAL_DIR
 from pipelines.download.plan import bucket_of
 from pipelines.tracking import model_file
-from tests.helpers import free_port, jpeg, wait_for
+from tests.helpers import BUCKET, free_port, jpeg, wait_for
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 from tests.pace import scaled
 
@@ -42,9 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # The run that conftest's straight_small_run trains uninterrupted (test_scale's bit-exact resume compares with it too).
 RUN = [*REFERENCE, "train.log_every=5", "run.max_failures=2"]
-
-
-BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +66,6 @@ def mlflow_server(s3, tmp_path_factory):
         yield f"http://127.0.0.1:{port}", tmp_path
     finally:
         services.stop(proc)
-
-
-@pytest.fixture(scope="module")
-def digits_on_s3(s3, straight_small_run) -> str:
-    """The reference run's digit shards, uploaded to S3 (the same files: the node-loss run ends bit for bit on the
-    reference's weights)."""
-    for part in ("train", "val", "test", "eval"):
-        s3.put(f"{straight_small_run['data_root']}/{part}", f"{BUCKET}/digits/{part}", recursive=True)
-    return f"s3://{BUCKET}/digits"
 
 
 def dashboard(cluster: LocalCluster, path: str) -> dict:
@@ -124,7 +113,7 @@ def job_args(tmp: Path, digits_root: str, name: str, *extra: str, tracking: str 
 
 
 def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, s3, digits_on_s3,
-                                                                  straight_small_run, tmp_path):
+                                                                  digits_root, straight_small_run, tmp_path):
     """jobs.pretrain submitted to the 0-CPU head, logging to an `mlflow server`: the autoscaler starts worker nodes
     for Ray Train's workers and Ray Data; after the first checkpoint the raylet of a node running a train worker is
     killed (the node is lost with its processes); Ray Train restarts the workers from that checkpoint on a node the
@@ -133,6 +122,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     Train's per-report lines; every result, the model too, reaches the MLflow server."""
     cluster, log = local_cluster, tmp_path / "job.log"
     uri, server_dir = mlflow_server
+    # the files on S3 are the reference's, so that the run can end on its weights (one pytest process: `make test-cluster`)
+    assert straight_small_run["data_root"] == digits_root
     assert alive_workers(cluster) == set()  # the head only: nothing runs on it
     t0 = time.monotonic()
     job = submit(cluster, job_args(tmp_path, digits_on_s3, "lost-node", *RUN, "data.source=shards", tracking=uri), log)
@@ -391,8 +382,8 @@ def test_nodes_see_no_file_of_the_head_or_of_each_other(local_cluster, tmp_path)
     (tmp_path / "probe.py").write_text(PROBE)
     head_file = tmp_path / "written_on_the_head.txt"
     head_file.write_text("head")
-    data = ROOT / ".probvlp" / "written_on_the_head.txt"  # the project's data folder (the demo's data, its store)
-    data.parent.mkdir(exist_ok=True)
+    data = LOCAL_DATA / "written_on_the_head.txt"  # the project's local state folder ($PROBVLP_HOME: the tests')
+    data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("head")
     out = subprocess.run([str(BIN / "ray"), "job", "submit", "--", sys.executable, str(tmp_path / "probe.py"),
                           str(head_file), str(data)],
@@ -413,7 +404,7 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     submits it. With its defaults it stops before any worker starts, in one line naming run.storage_path (a folder on
     the head, where the workers could not write checkpoints); with that one setting on S3 it trains on the bundled
     digits (written on the head, sent to the workers through Ray's object store) and logs to its default sqlite store
-    (the head's copy of the working directory; the workers, on other nodes, log through the driver's node)."""
+    (in the head's local state folder; the workers, on other nodes, log through the driver's node)."""
     def submit_demo(*overrides: str) -> subprocess.CompletedProcess:
         sets = [a for kv in ("train.steps=10", "train.log_every=5", *overrides) for a in ("--set", kv)]
         return subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
@@ -432,9 +423,11 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     assert done.returncode == 0 and "succeeded" in logs.lower(), logs[-4000:]
     assert "[train] step 10/10" in logs and "digits_zeroshot: top1" in logs and "model: runs:/" in logs
     assert "not found" not in logs.lower()
-    stores = list(Path(local_cluster.temp_dir).glob("session_2*/runtime_resources/working_dir_files/*/.probvlp/mlflow.db"))
-    assert len(stores) == 1, stores  # on the head only, in the job's copy of the project
-    client = MlflowClient(f"sqlite:///{stores[0]}")
+    # on the head, in the project's local state folder: $PROBVLP_HOME, which the tests set and the job inherits (the
+    # job's copy of the project where it is not set)
+    copies = list(Path(local_cluster.temp_dir).glob("session_2*/runtime_resources/working_dir_files/*/.probvlp/mlflow.db"))
+    assert (LOCAL_DIR / "mlflow.db").is_file() and not copies, copies
+    client = MlflowClient(f"sqlite:///{LOCAL_DIR / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("probvlp-demo").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "10"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10]  # rank 0's, relayed

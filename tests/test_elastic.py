@@ -29,7 +29,7 @@ from pipelines.config import PROJECT_ROOT
 from pipelines.train.config import load_train_config
 from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.train.optim import warmup_cosine
-from tests.helpers import wait_for
+from tests.helpers import BUCKET, wait_for
 from tests.small_runs import SMALL
 from tests.zero_state import gathered_partitions, universal_state
 from tests.pace import scaled
@@ -48,7 +48,6 @@ STEPS = 5000
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",
            "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
            "run.max_failures=4"]
-BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
 
 
 def ray_temp_dir() -> str:
@@ -140,16 +139,6 @@ def two_node_ray(s3, tmp_path, monkeypatch):
     finally:
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def digits_on_s3(s3, digits_root) -> str:
-    """The digit shards and eval sets, on S3: no worker node sees the head's copy."""
-    from pipelines.digits.shards import write_digit_eval_sets
-
-    write_digit_eval_sets(digits_root)  # what the digits source adds to its shards (idempotent)
-    s3.put(digits_root, f"{BUCKET}/elastic/digits", recursive=True)
-    return f"s3://{BUCKET}/elastic/digits"
 
 
 def registered(s3, run_folder: str) -> list[str]:

@@ -25,6 +25,7 @@ from pipelines.data.eval_tasks import check_task, task_paths
 from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.tracking import model_file
 from pipelines.tune.config import load_tune_config
+from tests.helpers import BUCKET
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +239,7 @@ def test_jobs_embed_reads_its_shards_from_s3_and_writes_its_output_there(trained
     from models.scoring.ann import MeanIndex
 
     _, result, _ = trained_clip
-    data, out = "probvlp-test/embed/digits", "probvlp-test/embed/out"
+    data, out = f"{BUCKET}/embed/digits", f"{BUCKET}/embed/out"
     for tar in sorted((Path(digits_root) / "test").glob("*.tar")):
         s3.put(str(tar), f"{data}/test/{tar.name}")
     s3.pipe(f"{out}/images/stale.parquet", b"an earlier run's file")

@@ -14,9 +14,9 @@ from models import create_model
 from models.model_file import load_model, save_model
 from models.preprocess import encode_png
 from pipelines.tracking import resolve_model, save_mlflow_model, tracked_run
+from tests.helpers import BUCKET
 
 ROOT = Path(__file__).resolve().parent.parent
-BUCKET = "probvlp-test"  # tests/conftest.py's s3 fixture creates it
 
 
 def test_mlflow_artifacts_go_straight_to_s3_and_load_back(s3, tmp_path):

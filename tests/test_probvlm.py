@@ -26,6 +26,7 @@ from pipelines.data.eval_reader import iter_local_batches
 from pipelines.data.eval_tasks import task_paths
 from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.evaluate.tasks import rank_retrieval, sigma2
+from tests.helpers import BUCKET
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "probvlm_demo.yaml"
@@ -274,7 +275,7 @@ def adapt_clip(trained_clip, digits_root, tmp, name: str, steps: int, extra: tup
     return res, result, digits_root, tmp
 
 
-ON_S3 = "probvlp-test/adapt"  # the module's jobs.adapt run reads and writes object storage (tests/conftest.py's s3)
+ON_S3 = f"{BUCKET}/adapt"  # the module's jobs.adapt run reads and writes object storage (tests/conftest.py's s3)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
-"""A local Ray beside another Ray instance on the same machine (two runs on one workstation, or pytest workers)."""
+"""A local Ray beside another Ray instance on the same machine (two runs on one workstation, or pytest workers); its
+workers keep the project's local state folder of the process that started it."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -49,3 +51,16 @@ def test_state_api_finds_its_own_instance_beside_others(ray_local):
         for other in others:
             other.stdin.close()
             other.wait(timeout=scaled(60))
+
+
+def test_ray_workers_keep_the_local_state_folder(ray_local):
+    """A Ray worker (a training worker writing rank 0's tracking outbox or an injected failure's marker) finds the
+    project's local state where the process that started Ray does: $PROBVLP_HOME, inherited (tests/conftest.py sets
+    it to the pytest run's own folder, never the checkout's .probvlp)."""
+    @ray_local.remote
+    def local_dir() -> str:
+        from pipelines.config import LOCAL_DIR
+
+        return str(LOCAL_DIR)
+
+    assert ray_local.get(local_dir.remote()) == os.environ["PROBVLP_HOME"]

@@ -18,6 +18,7 @@ from pipelines.data.captions import CaptionSampler
 from pipelines.data.device_augment import model_images
 from pipelines.data.reader import read_shards, read_split
 from pipelines.data.stats import reader_stats
+from tests.helpers import BUCKET
 
 SIZE, CONTEXT = 16, 12
 
@@ -110,7 +111,7 @@ def test_broken_objects_on_s3_are_named_and_counted_and_keep_what_precedes_the_b
     paths, good, _ = write_shards(tmp_path / "good", n_good=6, per_shard=6, corrupt=False)
     samples = [{"__key__": f"{700000 + i}", "jpg": image_bytes(i), "txt": b"c", "json": b"{}"} for i in range(5)]
     truncated_tar(tmp_path / "cut.tar", samples, keep=3)
-    prefix = "probvlp-test/reader-broken"
+    prefix = f"{BUCKET}/reader-broken"
     s3.put(paths[0], f"{prefix}/good.tar")
     s3.put(str(tmp_path / "cut.tar"), f"{prefix}/cut.tar")
     s3.put(paths[0], f"{prefix}/gone.tar")

@@ -16,8 +16,10 @@ from mlflow import MlflowClient
 
 from pipelines.config import ConfigError
 from pipelines.train.config import load_train_config
+from pipelines.tracking import LOCAL_DIR
 from pipelines.tune.config import load_tune_config
 
+from tests.helpers import BUCKET
 from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +87,7 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     trial is kept, not rerun, and the sampled one is cut at the first rung against the first trial's result from
     before the interruption (restored from S3); MLflow holds a parent run with every trial as a child."""
     root, _ = user_shards
-    storage = f"probvlp-test/tune-{tmp_path.name}"
+    storage = f"{BUCKET}/tune-{tmp_path.name}"
     path = sweep_file(tmp_path, root, "two", num_samples=2, storage=f"s3://{storage}")
     best_out = tmp_path / "best.yaml"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -147,8 +149,9 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     after = [r for r in final if r.data.tags["probvlp.trial_id"] not in done_before]
     assert [float(r.data.params["train.lr"]) for r in after] == [1.0e-7], "the seeded sample changed"
     assert [r.data.tags["probvlp.trial_status"] for r in after] == ["stopped early"]
-    # the scheduler's rungs stay with the driver (pipelines.tune.job), its storage being on S3
-    assert (ROOT / ".probvlp" / "tune" / "two_asha_rungs.json").is_file()
+    # the scheduler's rungs stay with the driver (pipelines.tune.job), its storage being on S3: in the project's local
+    # state folder ($PROBVLP_HOME, which tests/conftest.py sets and the job inherits)
+    assert (LOCAL_DIR / "tune" / "two_asha_rungs.json").is_file()
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"} <= artifacts
     # The best trial is the one with the lowest final metric, and the best config carries its sampled knobs.

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.config import PROJECT_ROOT, ConfigError
+from pipelines.config import LOCAL_DIR, PROJECT_ROOT, ConfigError
 from pipelines.cluster import services
 from pipelines.cluster.isolated import PROVIDER
 from pipelines.cluster.runtime import local_port, port_lock
 
 CLUSTER_YAML = PROJECT_ROOT / "ray_cluster.yaml"
-LOCAL_DATA = PROJECT_ROOT / ".probvlp"  # the project's local data, MLflow store and runs: each node's own
+LOCAL_DATA = LOCAL_DIR  # the project's local data, MLflow store and runs: each node's own
 STATE_DIR = LOCAL_DATA / "local_cluster"
 # The fake provider registers its head under this node type name, whatever the config calls it.
 FAKE_HEAD_TYPE = "ray.head.default"
