@@ -49,6 +49,7 @@ class Progress:
     batch_in_epoch: int = 0
     samples: int = 0
     skipped_batches: int = 0
+    preemptions: int = 0  # notices of preemption the run saved on (pipelines.train.preemption)
 
 
 def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:

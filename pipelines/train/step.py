@@ -10,12 +10,15 @@ from models.accumulate import CachedBatch
 from models.gather import World
 
 
-def finite_on_all_ranks(loss: torch.Tensor, world: World) -> bool:
-    """Collective: a loss that is NaN/inf on one rank is skipped on all of them, or the ranks' weights part ways."""
-    bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=loss.device)
+def agree(loss: torch.Tensor, world: World, notice: bool = False) -> tuple[bool, bool]:
+    """Collective, once a step: whether the loss is finite on every rank (a NaN/inf on one rank is skipped on all of
+    them, or the ranks' weights part ways), and whether any rank has a notice of preemption (pipelines.train.
+    preemption: the notice rides on the all-reduce the step makes anyway, so every rank saves at the same step)."""
+    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, 1.0 if notice else 0.0], device=loss.device)
     if world.size > 1:
-        torch.distributed.all_reduce(bad)
-    return bad.item() == 0
+        torch.distributed.all_reduce(flags)
+    bad, noticed = flags.tolist()
+    return bad == 0, noticed > 0
 
 
 def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batches: int, world: World,
@@ -42,18 +45,23 @@ def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batche
     return step.out
 
 
-def train_step(engine, images: torch.Tensor, tokens: torch.Tensor, grad_accum: int,
-               world: World) -> dict[str, torch.Tensor] | None:
-    """Forward, backward and optimizer step of one global batch (this worker's `grad_accum` micro-batches, joined);
-    None where its loss was not finite on some rank (nothing applied)."""
+def train_step(engine, images: torch.Tensor, tokens: torch.Tensor, grad_accum: int, world: World,
+               notice: bool = False) -> tuple[dict[str, torch.Tensor] | None, bool]:
+    """Forward, backward and optimizer step of one global batch (this worker's `grad_accum` micro-batches, joined):
+    its loss and parts, or None where its loss was not finite on some rank (nothing applied); and whether some rank
+    had a notice of preemption (`notice`: this rank's)."""
+    noticed = False
+
     def finite(loss: torch.Tensor) -> bool:
-        return finite_on_all_ranks(loss, world)
+        nonlocal noticed
+        ok, noticed = agree(loss, world, notice)
+        return ok
 
     if grad_accum > 1:
-        return cached_step(engine, images, tokens, grad_accum, world, finite)
+        return cached_step(engine, images, tokens, grad_accum, world, finite), noticed
     out = engine(images, tokens, world)
     if not finite(out["loss"]):
-        return None
+        return None, noticed
     engine.backward(out["loss"])
     engine.step()
-    return out
+    return out, noticed

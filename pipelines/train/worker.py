@@ -33,10 +33,16 @@ from pipelines.train import export, state as train_state
 from pipelines.train.data_health import DataHealth
 from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
+from pipelines.train.loop import EmptyEpoch, epoch_batches
 from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
+from pipelines.train.preemption import Notice
 from pipelines.train.state import Progress
 from pipelines.train.step import train_step
 from pipelines.train.trainer import eval_dataset_name
+
+
+# The step of the latest notice of preemption, tagged as the save begins (the restart compares its own step with it).
+NOTICE_STEP_TAG = "probvlp.preemption_notice_step"
 
 
 def skip_inference_comm_op() -> None:
@@ -108,6 +114,7 @@ class TrainWorker:
         self.world = World.current()
         self.engine, self.scheduler = self._build_engine()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
+        self.notice = Notice(cfg.run.sigterm_grace_s)
         # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
         flush_every = None if self.t.checkpoint_every else 500
         self.logger = None
@@ -129,6 +136,7 @@ class TrainWorker:
             self.logger.tag("probvlp.device", device_name(self.device))
             if self.progress.step:
                 self.logger.tag("probvlp.resumed_from_step", str(self.progress.step))
+                self._log_steps_lost()
             if resharded:  # a resize's universal conversion (world sizes, seconds, bytes), one tag per resize
                 self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
 
@@ -166,23 +174,18 @@ class TrainWorker:
     def batches(self):
         """This worker's micro-batches from the current position on (skips what the epoch already consumed)."""
         shard = ray.train.get_dataset_shard("train")
-        while True:
-            p = self.progress
-            stream = shard.iter_torch_batches(
+
+        def stream(epoch: int):
+            return shard.iter_torch_batches(
                 batch_size=self.t.batch_size, drop_last=True, device=self.device, pin_memory=self.use_gpu,
                 prefetch_batches=self.cfg.data.prefetch_batches,
-                local_shuffle_buffer_size=4 * self.t.batch_size, local_shuffle_seed=self.cfg.run.seed + p.epoch,
+                local_shuffle_buffer_size=4 * self.t.batch_size, local_shuffle_seed=self.cfg.run.seed + epoch,
             )
-            got = False
-            for i, batch in enumerate(stream):
-                got = True
-                if i >= p.batch_in_epoch:
-                    p.batch_in_epoch = i + 1
-                    yield batch
-            if not got:  # every file broken or every sample skipped: an empty epoch would repeat forever
-                self.data_error = "training data: an epoch gave no batch (every file or sample was skipped)"
-                return
-            p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+
+        try:
+            yield from epoch_batches(stream, self.progress)
+        except EmptyEpoch as err:  # every file broken or every sample skipped
+            self.data_error = str(err)
 
     def steps_input(self):
         """Per optimizer step: the images and tokens of this worker's train.grad_accum micro-batches, joined (the
@@ -206,7 +209,10 @@ class TrainWorker:
         bad_in_a_row = 0
         self.wait.start()
         for batch in self.wait.timed(self.steps_input()):
-            out = train_step(self.engine, *batch, t.grad_accum, self.world)
+            out, noticed = train_step(self.engine, *batch, t.grad_accum, self.world, self.notice.pending())
+            if out is None and noticed:  # nothing applied at this step: the state of the step before is saved
+                self.save_on_notice({"step": p.step})
+                continue
             if out is None:
                 # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.
                 bad_in_a_row += 1
@@ -231,7 +237,9 @@ class TrainWorker:
             due_eval = bool(t.eval_every) and p.step % t.eval_every == 0
             due_checkpoint = bool(t.checkpoint_every) and p.step % t.checkpoint_every == 0
             metrics = {"step": p.step, **(self.validate() if due_eval else {})}
-            if due_checkpoint:
+            if noticed:
+                self.save_on_notice(metrics)
+            elif due_checkpoint:
                 self.checkpoint(metrics)
             elif due_eval:
                 ray.train.report(metrics)
@@ -287,6 +295,37 @@ class TrainWorker:
             # Metrics are written only once their step is covered by a checkpoint: a restart
             # replays steps after the last checkpoint, and MLflow must not see them twice.
             self.logger.flush()
+
+    def save_on_notice(self, metrics: dict[str, Any]) -> None:
+        """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
+        checkpoint at once (registered only once every rank's part is in, so a save that the machine's end cuts
+        short is never resumed from), then wait for Ray Train's restart. Logged: `preemptions` (notices saved on
+        so far), `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds)."""
+        p = self.progress
+        notice = self.notice.take()
+        if self.logger:  # before the save: a restart that finds it past its checkpoint knows the steps lost
+            self.logger.tag(NOTICE_STEP_TAG, str(p.step))
+        p.preemptions += 1
+        start = time.perf_counter()
+        train_state.save(self.engine, p, metrics)
+        save_s = time.perf_counter() - start
+        if self.logger:  # with the steps the checkpoint covers (checkpoint(): a flush makes the step's later logs replays)
+            self.logger.log({"preemptions": p.preemptions, "preemption_save_s": save_s}, p.step)
+            self.logger.tag(f"probvlp.preemption.step_{p.step}", json.dumps({**notice, "save_s": round(save_s, 3)}))
+            self.logger.flush()
+            left = notice["deadline_in_s"]
+            print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
+                  f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
+                  f"{save_s:.1f} s", flush=True)
+        self.notice.hold(notice["deadline_in_s"])
+
+    def _log_steps_lost(self) -> None:
+        """Rank 0 of a restart after a notice of preemption: the steps between the checkpoint it resumed from and
+        the step of the notice (0 when the notice's save was registered; the save's own steps when the machine went
+        before it was), metric `preemption_steps_lost`."""
+        noticed = self.logger.client.get_run(self.logger.run_id).data.tags.get(NOTICE_STEP_TAG)
+        if noticed is not None and int(noticed) >= self.progress.step:
+            self.logger.log({"preemption_steps_lost": int(noticed) - self.progress.step}, self.progress.step)
 
     def _data_report(self) -> dict[str, Any]:
         """Rank 0: every dataset's skipped samples and files, logged (metrics and data/skipped.json) and returned for

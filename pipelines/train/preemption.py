@@ -1,0 +1,216 @@
+"""Notices of preemption, from every source a user has, turned into one rank-local flag per training worker.
+
+The flag costs no collective of its own: the step's all-reduce (pipelines.train.step) carries it beside the
+non-finite-loss flag, so every rank agrees at the same step boundary that some node is about to go, and the run saves
+its normal checkpoint there (pipelines.train.worker). The sources:
+
+- Ray's drain of a node with reason PREEMPTION (the autoscaler on a spot reclaim, KubeRay, `ray drain-node`, and a
+  `ray start --block` node that gets SIGTERM, which Ray 2.60 turns into such a drain): Ray Train's preemption watcher
+  marks every worker of the run (its train context's `preemption_context`), which `Notice.pending` reads. Only drains
+  of nodes that hold this run's workers count, so an idle drain (IDLE_TERMINATION) of another node changes nothing.
+- SIGTERM to a training worker's own process (a SLURM step's or a process group's signal): the handler installed
+  by `install_sigterm_handler` notes it with a deadline `run.sigterm_grace_s` away.
+- The hook for any other source (a SLURM `--signal` trap, a cloud metadata poller): the file named by
+  $PROBVLP_PREEMPTION_NOTICE_FILE on the worker's node, or `notify()` in the worker's process.
+
+A notice that Ray did not see itself (the last two) is handed to Ray: to this worker's train context, so that Ray
+Train's controller waits for the deadline and then restarts the run counting a preemption (run.max_preemptions, not
+run.max_failures), and, off the head node, as a drain of this node with reason PREEMPTION, so that the restart places
+no worker there. The head node is not drained: it holds the cluster's control plane, which goes with it (and a
+one-machine run has nothing else to restart on)."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+# The hook: a file on the worker's node whose existence is a notice; its content, if a number, the seconds left at
+# the time the file was written (its mtime). A SLURM batch script: `trap 'echo 120 > $PROBVLP_PREEMPTION_NOTICE_FILE'
+# USR1` with `#SBATCH --signal=B:USR1@120`.
+NOTICE_FILE_ENV = "PROBVLP_PREEMPTION_NOTICE_FILE"
+# Ray Train's controller, given a notice without a deadline, restarts the run this long after it saw it
+# (ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S).
+RAY_DEFAULT_DEADLINE_S = 120.0
+# After the deadline the saved workers wait this much longer for Ray Train's restart before they train on: a notice
+# whose machine never went (a drain undone) must not stop the run for good.
+HOLD_SLACK_S = 60.0
+
+
+@dataclass
+class Local:
+    """Notices this process received itself (not through Ray): source -> deadline (epoch seconds, None: unknown)."""
+
+    sources: dict[str, float | None] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_LOCAL = Local()
+_SIGTERM_GRACE_S = 30.0
+
+
+def notify(source: str, deadline_s: float | None = None) -> None:
+    """The hook for a source of notices that this module does not read: call it in the training worker's process
+    (from a signal handler or a thread) with `deadline_s`, the seconds before the machine goes if known. The run then
+    saves at the next step boundary on every rank, as for Ray's own notices."""
+    with _LOCAL.lock:
+        if source not in _LOCAL.sources:
+            _LOCAL.sources[source] = None if deadline_s is None else time.time() + deadline_s
+
+
+def _on_sigterm(signum, frame) -> None:
+    # The second SIGTERM means now: Ray's own handler (a clean exit).
+    if "SIGTERM" in _LOCAL.sources and callable(_RAY_SIGTERM[0]):
+        _RAY_SIGTERM[0](signum, frame)
+    notify("SIGTERM", _SIGTERM_GRACE_S)
+
+
+_RAY_SIGTERM: list = [None]
+
+
+def _install_in_main_thread(grace_s: float) -> bool:
+    global _SIGTERM_GRACE_S
+    _SIGTERM_GRACE_S = grace_s
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    if previous is not _on_sigterm:
+        _RAY_SIGTERM[0] = previous
+    return True
+
+
+def install_sigterm_handler(grace_s: float) -> bool:
+    """Turn SIGTERM to this worker's process into a notice `grace_s` seconds ahead (a Kubernetes pod's grace
+    period, docker stop's -t) instead of Ray's immediate exit. A signal handler is set from the main thread only, and
+    a Ray Train worker runs its training function in another thread: the handler is set through the worker actor's
+    own `execute`, which runs on the actor's main thread while the training thread waits for it."""
+    if threading.current_thread() is threading.main_thread():
+        return _install_in_main_thread(grace_s)
+    import ray
+
+    try:
+        actor = ray.get_runtime_context().current_actor
+        return ray.get(actor.execute.remote(_install_in_main_thread, grace_s))
+    except Exception as err:  # not in a Ray actor (a test calling the loop directly): no handler, said once
+        log.warning("SIGTERM is not turned into a notice of preemption here: %s", err)
+        return False
+
+
+def _ray_notice():
+    """Ray Train's PreemptionInfo for this worker (set by its watcher on a drain), or None. Read from the worker's
+    train context (what `ray.train.get_preemption_info()` reads before it broadcasts rank 0's, a collective of its
+    own that the step's all-reduce makes unneeded)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+    except Exception:  # outside a Ray Train worker
+        return None
+
+
+def _file_notice(path: str) -> float | None | bool:
+    """False without a notice file; else its deadline (epoch seconds) or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    try:
+        with open(path) as f:
+            return st.st_mtime + float(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class Notice:
+    """One training worker's view of notices of preemption. `pending()` once a step (a dictionary look-up and, with
+    the hook's file named, one stat); `take()` when the ranks agreed, for what to log and how long to hold."""
+
+    def __init__(self, sigterm_grace_s: float | None):
+        self.file = os.environ.get(NOTICE_FILE_ENV) or None
+        self.handed_to_ray = False
+        self.dismissed = None  # Ray's notice of a false alarm (hold), no longer one
+        if sigterm_grace_s is not None:
+            install_sigterm_handler(sigterm_grace_s)
+
+    def _sources(self) -> dict[str, float | None]:
+        with _LOCAL.lock:
+            sources = dict(_LOCAL.sources)
+        if self.file and "file" not in sources:
+            deadline = _file_notice(self.file)
+            if deadline is not False:
+                notify("file", None if deadline is None else deadline - time.time())
+                sources["file"] = deadline
+        return sources
+
+    def pending(self) -> bool:
+        """Whether this worker has a notice (from any source); a local one is handed to Ray the first time."""
+        local = self._sources()
+        ray_info = _ray_notice()
+        if ray_info is self.dismissed:
+            ray_info = None
+        if local and not self.handed_to_ray:
+            self.handed_to_ray = True
+            deadline = min((d for d in local.values() if d is not None), default=None)
+            threading.Thread(target=_hand_to_ray, args=(sorted(local), deadline), daemon=True,
+                             name="probvlp-preemption").start()
+        return bool(local or ray_info)
+
+    def take(self) -> dict:
+        """What this worker knows of the notice: its sources and the seconds left to the earliest deadline (None:
+        unknown; a rank that learned of it through the all-reduce only knows Ray's, if any)."""
+        sources = self._sources()
+        deadlines = [d for d in sources.values() if d is not None]
+        info = _ray_notice()
+        if info is not None:
+            sources = {**sources, "ray_drain": None}
+            if info.deadline_ms:
+                deadlines.append(info.deadline_ms / 1000)
+        deadline = min(deadlines, default=None)
+        return {"sources": sorted(sources), "deadline_in_s": None if deadline is None else deadline - time.time()}
+
+    def hold(self, deadline_in_s: float | None) -> None:
+        """After the agreed save: wait for Ray Train to restart the run (at the deadline, a preemption). Every step
+        trained past the save would be run again, whichever node goes; past the deadline and HOLD_SLACK_S the notice
+        is taken for a false alarm and training goes on."""
+        wait = (RAY_DEFAULT_DEADLINE_S if deadline_in_s is None else max(0.0, deadline_in_s)) + HOLD_SLACK_S
+        print(f"[preemption] checkpoint saved; waiting up to {wait:.0f} s for the restart", flush=True)
+        time.sleep(wait)
+        print("[preemption] no restart came: a false alarm, training goes on", flush=True)
+        with _LOCAL.lock:
+            _LOCAL.sources.clear()
+        self.handed_to_ray = False
+        self.dismissed = _ray_notice()
+
+
+def _hand_to_ray(sources: list[str], deadline: float | None) -> None:
+    """A notice Ray did not see: to this worker's train context (what the controller polls; it then restarts at the
+    deadline, counting a preemption) and, off the head node, as a PREEMPTION drain of this node (no worker is placed
+    there again; this node's actors dying count as preempted)."""
+    try:
+        import ray
+        from ray.core.generated import autoscaler_pb2
+        from ray.train.v2._internal.execution.context import get_train_context
+        from ray.train.v2._internal.execution.preemption import PreemptionInfo, merge_preemption_info
+
+        if not ray.is_initialized():  # a process outside Ray (notify() in a test): the save is all there is
+            return
+        node_id = ray.get_runtime_context().get_node_id()
+        context = get_train_context()
+        deadline_ms = None if deadline is None else int(deadline * 1000)
+        info = PreemptionInfo(deadline_ms=deadline_ms,
+                              preempted_node_to_ranks={node_id: [context.get_world_rank()]})
+        known = context.preemption_context.preemption_info
+        context.preemption_context.preemption_info = info if known is None else merge_preemption_info(known, info)
+        head = any(n["NodeID"] == node_id and "node:__internal_head__" in n.get("Resources", {})
+                   for n in ray.nodes())
+        if head:
+            return
+        accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
+            node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            f"probvlp: notice of preemption from {', '.join(sources)}", deadline_ms or 0)
+        if not accepted:
+            log.warning("the drain of node %s was refused: %s", node_id, why)
+    except Exception:  # the save goes ahead on the all-reduce whatever Ray makes of it
+        log.warning("could not hand the notice of preemption to Ray", exc_info=True)

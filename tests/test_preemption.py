@@ -1,0 +1,117 @@
+"""Notices of preemption on one node (pipelines.train.preemption): the hook's file, the budget Ray Train counts a
+preemption against, and SIGTERM to a training worker on the shared local Ray, which saves at the next step on every
+rank and resumes there. A drain by Ray (reason PREEMPTION) of a node that then goes needs nodes of their own: the
+multi-node tier, tests/test_elastic.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from pipelines.train import preemption
+from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
+from tests.helpers import registered, wait_for
+from tests.small_runs import REFERENCE, assert_identical, config, load_state
+
+
+@pytest.fixture
+def no_notice():
+    """The notices this process has received are per process (a worker's): none before or after a test."""
+    preemption._LOCAL.sources.clear()
+    yield
+    preemption._LOCAL.sources.clear()
+
+
+def test_the_hooks_file_is_a_notice_with_its_deadline(no_notice, tmp_path, monkeypatch):
+    """$PROBVLP_PREEMPTION_NOTICE_FILE: nothing while the file is absent; once written (the seconds left), a notice
+    from "file" whose deadline is counted from the file's time; notify() adds a source of its own."""
+    path = tmp_path / "notice"
+    monkeypatch.setenv(NOTICE_FILE_ENV, str(path))
+    notice = Notice(sigterm_grace_s=None)
+    assert not notice.pending()
+    path.write_text("120\n")
+    os.utime(path, (time.time() - 20, time.time() - 20))  # written 20 s ago
+    assert notice.pending()
+    taken = notice.take()
+    assert taken["sources"] == ["file"] and 99 < taken["deadline_in_s"] <= 100
+    preemption.notify("slurm USR1", deadline_s=10)
+    taken = notice.take()
+    assert taken["sources"] == ["file", "slurm USR1"] and 9 < taken["deadline_in_s"] <= 10
+
+
+def test_a_preemption_has_its_own_budget(tmp_path):
+    """run.max_preemptions reaches Ray Train's FailureConfig beside run.max_failures; unlimited (-1) by default."""
+    from pipelines.train.trainer import torch_trainer
+
+    def failure_config(*settings):
+        cfg = config(tmp_path, str(tmp_path), "budget", *settings)
+        return torch_trainer(lambda c: None, {}, cfg, {}).run_config.failure_config
+
+    default = failure_config()
+    assert (default.max_failures, default.max_preemption_failures) == (0, -1)
+    set_both = failure_config("run.max_failures=2", "run.max_preemptions=5")
+    assert (set_both.max_failures, set_both.max_preemption_failures) == (2, 5)
+
+
+def train_workers() -> list[int]:
+    """The pids of the training workers alive on the shared local Ray."""
+    import ray
+    from ray.util.state import list_actors
+
+    alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    # named: other Rays may run on this machine
+    return sorted(a.pid for a in list_actors(ray.get_runtime_context().gcs_address, filters=alive, detail=True))
+
+
+def test_sigterm_to_a_training_worker_saves_at_the_next_step_and_resumes_there(ray_local, straight_small_run,
+                                                                                no_notice, tmp_path):
+    """SIGTERM to one of the two training workers after the first checkpoint (REFERENCE: every 5 steps): both ranks
+    save at the next step boundary, wait, and Ray Train restarts them at the deadline (run.sigterm_grace_s) as a
+    preemption: with run.max_failures=0 the run still ends well. It resumes from the notice's step (no step run
+    twice), logs every step once, and ends bit for bit on an uninterrupted run's state."""
+    data = straight_small_run["data_root"]
+    cfg = config(tmp_path, data, "sigterm", *REFERENCE, "train.log_every=1", "run.max_failures=0",
+                 "run.sigterm_grace_s=3")
+    sent: dict = {}
+
+    def terminate_a_worker() -> None:
+        try:
+            wait_for("the first checkpoint registered", lambda: registered(tmp_path / "ray" / "sigterm"), 300, 0.2)
+            pids = wait_for("two training workers", lambda: len(pids := train_workers()) == 2 and pids, 60, 0.2)
+            sent["at"] = time.time()
+            os.kill(pids[-1], signal.SIGTERM)
+        except BaseException as error:  # the test's thread re-raises it
+            sent["error"] = error
+
+    thread = threading.Thread(target=terminate_a_worker, daemon=True)
+    thread.start()
+    from pipelines.train.job import run_pretrain
+
+    result = run_pretrain(cfg)
+    thread.join()
+    if "error" in sent:
+        raise sent["error"]
+    assert result.metrics["step"] == 40
+    client = MlflowClient(result.mlflow_uri)
+    run = client.get_run(result.mlflow_run_id)
+    notices = {int(k.rsplit("_", 1)[1]): json.loads(v) for k, v in run.data.tags.items()
+               if k.startswith("probvlp.preemption.step_")}
+    assert len(notices) == 1, notices
+    (step, notice), = notices.items()
+    assert run.data.tags["probvlp.resumed_from_step"] == str(step)  # the notice's own checkpoint, no step twice
+    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+               for key in ("loss", "preemptions", "preemption_save_s", "preemption_steps_lost")}
+    assert sorted(history["loss"]) == list(range(1, 41))
+    assert history["preemptions"] == {step: 1} and history["preemption_steps_lost"] == {step: 0}
+    assert 0 < history["preemption_save_s"][step] == pytest.approx(notice["save_s"], abs=1e-3)
+    assert run.info.status == "FINISHED"
+    assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
+    resumed = history["loss"] and client.get_metric_history(run.info.run_id, "loss")
+    first_after = next(m.timestamp / 1000 for m in resumed if m.step == step + 1)
+    print(f"SIGTERM at step ~{step - 1}: checkpoint of step {step} saved in {notice['save_s']:.2f} s; step "
+          f"{step + 1} trained {first_after - sent['at']:.1f} s after the SIGTERM (grace 3 s, then the restart)")
