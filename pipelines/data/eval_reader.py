@@ -19,7 +19,7 @@ from models.preprocess import resize, to_model_input
 from pipelines.data.reader import IMAGE_COLUMNS, decode_row, present
 from pipelines.data.stats import SkippedSample, stats_actor
 from pipelines.data.storage import total_bytes
-from pipelines.data.tars import iter_tar_samples, read_tar_shards
+from pipelines.data.tars import cached_tar_shards, iter_tar_samples, read_tar_shards
 
 # What a task's samples must carry besides an image (None: nothing else, e.g. jobs.embed)
 REQUIRES = {"retrieval": "caption", "zeroshot": "class", "loss": "caption"}
@@ -137,10 +137,10 @@ def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None =
     """Ray Dataset of decoded evaluation batches, in file order. Sets read every epoch (a training run's eval
     tasks) are cached still encoded when small; a one-pass reader (batch inference) sets cache_max_mb=0 and
     streams. require: see EvalDecode (REQUIRES[task.kind] for a task)."""
-    ds = read_tar_shards(paths, stats_name)
     if total_bytes(paths) <= cache_max_mb * 2**20:
-        ds.context.execution_options.preserve_order = True
-        ds = ds.materialize()
+        ds = cached_tar_shards(paths, stats_name, ordered=True)
+    else:
+        ds = read_tar_shards(paths, stats_name)
     stats = stats_actor() if stats_name else None
     return ds.map_batches(_decode, fn_kwargs=dict(image_size=image_size, stats=stats, stats_name=stats_name,
                                                   uint8=uint8, require=require),

@@ -42,7 +42,7 @@ from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_ui
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.storage import fs_path, total_bytes, uri
 from pipelines.data.stats import SkippedSample, stats_actor
-from pipelines.data.tars import read_tar_shards
+from pipelines.data.tars import cached_tar_shards, read_tar_shards
 from pipelines.data.tokens import tokenize_cached
 
 IMAGE_COLUMNS = ("jpg", "jpeg", "png", "webp")
@@ -231,13 +231,12 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     # File-order shuffling at read time (reseeded every epoch) streams; randomize_block_order would be a
     # barrier that reads the whole dataset before the first batch.
     file_shuffle = ray.data.FileShuffleConfig(seed=seed) if shuffle else None
-    ds = read_tar_shards(paths, stats_name, shuffle=file_shuffle)
     if cache is None:
         cache = total_bytes(paths) <= cache_max_mb * 2**20
     if cache:
-        if ordered:
-            ds.context.execution_options.preserve_order = True
-        ds = ds.materialize()
+        ds = cached_tar_shards(paths, stats_name, shuffle=file_shuffle, ordered=ordered)
+    else:
+        ds = read_tar_shards(paths, stats_name, shuffle=file_shuffle)
     stats = stats_actor() if stats_name else None
     # Tasks rather than an actor pool: each epoch re-executes the pipeline, and tasks start cheaply.
     return ds.map_batches(

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import fsspec
+import numpy as np
 import pandas as pd
 import ray
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
-from pipelines.cluster.check import only_here
+from pipelines.cluster.check import node_only, only_here
 from pipelines.data.stats import stats_actor
 
 # key = everything before the first "." of the member's base name, directories included (webdataset's rule)
@@ -178,13 +179,34 @@ class TarShards(FileBasedDatasource):
 
 def read_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None):
     """A Ray Dataset of the raw samples of webdataset .tar files (`TarShards`); `shuffle`: a FileShuffleConfig."""
-    stats = stats_actor() if stats_name else None
-    source = TarShards(paths, stats, stats_name, shuffle=shuffle)
     if only_here(paths):
         # this node's files on a cluster whose other nodes do not see them (the bundled digits, a small local set):
         # read here, and sent to the readers through Ray's object store
-        return ray.data.from_pandas([block for path in paths for block in source.blocks(path)])
-    return ray.data.read_datasource(source)
+        return _read_here(paths, stats_name)
+    return ray.data.read_datasource(TarShards(paths, stats_actor() if stats_name else None, stats_name,
+                                              shuffle=shuffle))
+
+
+def _read_here(paths: list[str], stats_name: str | None):
+    """The samples of local tar files read in this process, as a dataset already in Ray's object store (block
+    metadata computed here: no Ray task)."""
+    source = TarShards(paths, stats_actor() if stats_name else None, stats_name)
+    return ray.data.from_blocks([block for path in paths for block in source.blocks(path)] or [_block([])])
+
+
+def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None, ordered: bool = False):
+    """The raw samples of tar files small enough to keep (`read_tar_shards`), read once into Ray's object store.
+    Files on this node's disk are read in this process: a Ray Data execution here (its actors and read tasks) would
+    cost a job's driver seconds before training starts, for files it reads in well under one. Others (object
+    storage) are read by Ray Data's tasks; `ordered`: their blocks in file order, not task completion order."""
+    if all(node_only(p) for p in paths):
+        if shuffle is not None:  # one file order, drawn as a seeded read would draw it once
+            paths = [paths[i] for i in np.random.default_rng(shuffle.seed).permutation(len(paths))]
+        return _read_here(paths, stats_name)
+    ds = read_tar_shards(paths, stats_name, shuffle=shuffle)
+    if ordered:
+        ds.context.execution_options.preserve_order = True
+    return ds.materialize()
 
 
 def write_tar(path: Path, samples: list[dict[str, bytes]]) -> None:
