@@ -64,6 +64,7 @@ def fit_adapters(clip, steps: int = ADAPTER_STEPS, seed: int = 0) -> dict[str, t
     them; returns the two adapted models (frozen CLIP + adapter)."""
     from pipelines.adapt.config import load_adapt_config
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
+    from pipelines.train.loop import run_steps
 
     images, _, metas = digit_arrays("train")
     captions = [c for i, m in enumerate(metas) for c in (m["captions"]["specific"][i % 5], m["captions"]["instance"][0])]
@@ -75,8 +76,8 @@ def fit_adapters(clip, steps: int = ADAPTER_STEPS, seed: int = 0) -> dict[str, t
     net = build_adapter_set(cfg, zi.shape[1])
     fit = AdapterFit(net, cfg.train.lr, cfg.train.weight_decay, steps, seed=seed)
     rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        fit.step(pairs[torch.from_numpy(rng.choice(len(pairs), cfg.train.batch_size, replace=False))])
+    run_steps(fit, (pairs[torch.from_numpy(rng.choice(len(pairs), cfg.train.batch_size, replace=False))]
+                    for _ in range(steps)), steps)
     models = {}
     for name, registry in (("adapter", "probvlm_adapter"), ("baseline", "pfe_adapter")):
         model = create_model(registry, source="clip_tiny", hidden=cfg.adapter.hidden)

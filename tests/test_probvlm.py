@@ -75,6 +75,7 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
+    from pipelines.train.loop import run_steps
 
     cfg = load_adapt_config(CONFIG, ["adapter.hidden=16", "loss.lambda_cross=0.01"])
     g = torch.Generator().manual_seed(0)
@@ -88,7 +89,7 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     lrs = []
     for b in batches:
         lrs.append(straight.lr())
-        straight.step(b)
+        run_steps(straight, [b], len(batches))
     # the closed-form schedule is torch's CosineAnnealingLR (eta_min 0) over train.steps
     ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
     ref = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=len(batches))
@@ -100,14 +101,12 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     np.testing.assert_allclose(lrs, expected, rtol=1e-12)
 
     first = new_fit(0)
-    for b in batches[:4]:
-        first.step(b)
+    run_steps(first, batches, 4)
     save_file(first.state(), str(tmp_path / "state.safetensors"))
     resumed = new_fit(1)  # other initial weights: everything must come from the file
     resumed.load(load_file(str(tmp_path / "state.safetensors")))
-    assert (resumed.step_count, resumed.batch_in_epoch, resumed.samples) == (4, 4, 32)
-    for b in batches[4:]:
-        resumed.step(b)
+    assert (resumed.progress.step, resumed.progress.samples) == (4, 32)
+    run_steps(resumed, batches[4:], len(batches))
     a, b = straight.net.state_dict(), resumed.net.state_dict()
     assert a.keys() == b.keys() and any(k.startswith("adapters.baseline.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -302,6 +301,7 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     from pipelines.train.config import load_train_config
     from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
+    from pipelines.train.loop import run_steps
     from models.tokenizer import tokenize
     from pipelines.digits.arrays import digit_arrays
     from pipelines.train.in_process import fit_in_process
@@ -323,12 +323,13 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
         net = build_adapter_set(acfg, pairs.shape[-1])
         fit = AdapterFit(net, acfg.train.lr, acfg.train.weight_decay, steps, seed=acfg.run.seed)
         order, size = torch.Generator().manual_seed(acfg.run.seed), acfg.train.batch_size
-        while fit.step_count < steps:
-            perm = torch.randperm(len(pairs), generator=order)
-            for start in range(0, len(perm) - size + 1, size):
-                if fit.step_count < steps:
-                    fit.step(pairs[perm[start : start + size]])
-            fit.end_epoch()
+
+        def epochs():
+            while True:
+                perm = torch.randperm(len(pairs), generator=order)
+                yield from (pairs[perm[start : start + size]] for start in range(0, len(perm) - size + 1, size))
+
+        run_steps(fit, epochs(), steps)
         a = acfg.adapter
         model = create_model("probvlm_adapter", source=cfg.model.name, source_overrides=cfg.model.overrides,
                              hidden=a.hidden, dropout=a.dropout, mc_samples=a.mc_samples, mc_seed=a.mc_seed)

@@ -77,7 +77,12 @@ class AdaptTrainConfig(WorkerResources):
     batch_size: int = Field(128, ge=2, description="per worker")
     steps: int = Field(500, ge=1)
     lr: float = Field(1e-3, gt=0)
+    # Linear warm-up, then cosine annealing to 0 at train.steps (pipelines.train.optim, as pretraining's).
+    warmup_steps: int = Field(0, ge=0)
+    # No weight decay on biases and other vectors (pipelines.train.optim.param_groups).
     weight_decay: float = Field(0.0, ge=0)
+    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the fit.
+    max_bad_batches: int = Field(20, ge=1)
     log_every: int = Field(50, ge=1)
     # A Ray Train checkpoint (adapters, optimizer, step) every this many steps and at the end; the same
     # run.name again resumes from the latest.

@@ -1,16 +1,18 @@
 """What each Ray Train worker runs for `jobs.adapt`: the adapter (and the optional baseline) on embedding pairs.
 
 The frozen source model is not here at all: the workers see only its embeddings, so no gradient or
-optimizer can reach its weights. Rank 0 logs step metrics to MLflow and reports a Ray Train checkpoint
-every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and the step / epoch
-counters (safetensors). A run started again under the same `run.name` gets that checkpoint back from Ray
-Train and continues from its step (a finished one trains no further unless `train.steps` was raised).
+optimizer can reach its weights. The loop is pretraining's (`pipelines.train.loop`: the place in the data, skipped
+non-finite steps, logging points), and so are the optimizer and the schedule (`pipelines.train.optim`); what is the
+adapter's own is its objective (`AdapterSet`), its state and its checkpoint. Rank 0 logs step metrics to MLflow and
+reports a Ray Train checkpoint every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and
+the progress counters (safetensors). A run started again under the same `run.name` gets that checkpoint back from
+Ray Train and continues from its step (a finished one trains no further unless `train.steps` was raised).
 """
 from __future__ import annotations
 
-import math
 import tempfile
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,15 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from models.gather import World
 from models.losses import create_loss
 from models.probvlm import build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
 from pipelines.tracking import StepLogger
+from pipelines.train.loop import epoch_batches, run_steps
+from pipelines.train.optim import adamw, param_groups, warmup_cosine_factor
+from pipelines.train.state import Progress
+from pipelines.train.step import agree
 
 ADAPTER_FILE = "adapters.safetensors"
 
@@ -59,101 +66,110 @@ def build_adapter_set(cfg, dim: int) -> AdapterSet:
 
 
 class AdapterFit:
-    """The adapters, AdamW and the cosine learning rate, one `step` per batch, and the whole training state as
-    a flat dict of tensors (safetensors: no pickle) that `load` restores, so a fit resumes where it stopped."""
+    """The adapters and their optimizer (pretraining's AdamW and warm-up + cosine learning rate), one `step` per batch
+    for `pipelines.train.loop.run_steps`, and the whole training state as a flat dict of tensors (safetensors: no
+    pickle) that `load` restores, so a fit resumes where it stopped."""
 
     def __init__(self, net: AdapterSet, lr: float, weight_decay: float, steps: int, seed: int = 0, rank: int = 0,
-                 forward: nn.Module | None = None):
+                 forward: nn.Module | None = None, warmup_steps: int = 0, world: World | None = None):
         self.net, self.forward = net, forward or net  # forward: the DDP wrapper on Ray Train workers
-        self.base_lr, self.steps, self.seed, self.rank = lr, steps, seed, rank
-        self.optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
-        self.step_count = self.epoch = self.batch_in_epoch = self.samples = 0
+        self.base_lr, self.steps, self.warmup_steps, self.seed, self.rank = lr, steps, warmup_steps, seed, rank
+        self.world = world or World()
+        self.optimizer = adamw(param_groups(net, weight_decay), lr=lr)
+        self.progress = Progress()
 
     def lr(self) -> float:
-        # closed-form cosine annealing to 0 over train.steps (CosineAnnealingLR, eta_min 0), a function of the step
-        # alone, so a resumed fit (or one whose train.steps was raised) needs no scheduler state
-        return self.base_lr * 0.5 * (1.0 + math.cos(math.pi * min(self.step_count, self.steps) / self.steps))
+        return self.base_lr * warmup_cosine_factor(self.progress.step, self.warmup_steps, self.steps)
 
-    def step(self, pairs: torch.Tensor, world: int = 1) -> dict[str, torch.Tensor]:
-        """One optimizer step on a (B, 2, D) batch of (image, caption) embedding pairs."""
+    def step(self, pairs: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """One optimizer step on a (B, 2, D) batch of (image, caption) embedding pairs; None (nothing applied) where
+        the loss was not finite on some rank."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
         # dropout masks from (seed, rank, step): a resumed fit draws the ones an uninterrupted fit would have
-        torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.step_count)
+        torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.progress.step)
         out = self.forward(pairs[:, 0], pairs[:, 1])
-        if not torch.isfinite(out["loss"]):
-            raise FloatingPointError(f"adapter loss is not finite at step {self.step_count} ({out['loss'].item()}); "
-                                     "lower train.lr or check the embeddings")
+        if not agree(out["loss"], self.world)[0]:
+            return None
         self.optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
         self.optimizer.step()
-        self.step_count += 1
-        self.batch_in_epoch += 1
-        self.samples += pairs.shape[0] * world
         return out
 
-    def end_epoch(self) -> None:
-        self.epoch += 1
-        self.batch_in_epoch = 0
+    def rows(self, pairs: torch.Tensor) -> int:
+        return pairs.shape[0] * self.world.size
 
     def state(self) -> dict[str, torch.Tensor]:
         state = {f"adapters.{k}": v.detach().cpu().contiguous() for k, v in self.net.adapters.state_dict().items()}
-        params = list(self.net.parameters())
-        for i, p in enumerate(params):
-            for key, value in self.optimizer.state.get(p, {}).items():
+        for i, entries in self.optimizer.state_dict()["state"].items():
+            for key, value in entries.items():
                 state[f"optimizer.{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-        for key in COUNTERS:
-            state[f"progress.{key}"] = torch.tensor(getattr(self, key), dtype=torch.int64)
+        for key, value in asdict(self.progress).items():
+            state[f"progress.{key}"] = torch.tensor(value, dtype=torch.int64)
         return state
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         prefix = "adapters."
         self.net.adapters.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        params = list(self.net.parameters())
-        device = params[0].device
-        for i, p in enumerate(params):
-            entries = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"optimizer.{i}.")}
-            if entries:
-                # AdamW keeps its step count on the CPU unless capturable / fused
-                self.optimizer.state[p] = {k: v.to(device) if v.dim() else v.clone() for k, v in entries.items()}
-        for key in COUNTERS:
-            setattr(self, key, int(state[f"progress.{key}"]))
+        entries: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            if key.startswith("optimizer."):
+                _, i, name = key.split(".", 2)
+                entries.setdefault(int(i), {})[name] = value
+        # torch puts each entry where its parameter is (the step count too where the optimizer is fused)
+        self.optimizer.load_state_dict({"state": entries,
+                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
+        self.progress = Progress(**{f.name: int(state[f"progress.{f.name}"]) for f in fields(Progress)
+                                    if f"progress.{f.name}" in state})
 
 
-COUNTERS = ("step_count", "epoch", "batch_in_epoch", "samples")
 STATE_FILE = "state.safetensors"
 
 
 def adapt_loop(config: dict[str, Any]) -> None:
     cfg = adapt_config_from_dict(config["config"])
     t = cfg.train
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world = ray.train.get_context().get_world_rank(), World.current()
     if not t.use_gpu:
         torch.set_num_threads(max(1, int(t.cpus_per_worker)))
     torch.manual_seed(cfg.run.seed)  # the same initial adapters on every rank
     net = build_adapter_set(cfg, int(config["dim"]))
     model = ray.train.torch.prepare_model(net)  # DDP across workers; the device of this worker
-    fit = AdapterFit(net, t.lr, t.weight_decay, t.steps, cfg.run.seed, rank, forward=model)
+    fit = AdapterFit(net, t.lr, t.weight_decay, t.steps, cfg.run.seed, rank, forward=model,
+                     warmup_steps=t.warmup_steps, world=world)
     checkpoint = ray.train.get_checkpoint()  # set when this run name was trained before (or a worker failed)
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    first_step, last_step = fit.step_count, min(t.steps, t.stop_at_step or t.steps)
+    p, first_step, last_step = fit.progress, fit.progress.step, min(t.steps, t.stop_at_step or t.steps)
     logger = StepLogger(config["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
+    start, loss = time.perf_counter(), float("nan")
+
+    def pairs(epoch: int):
+        for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=fit_device(net),
+                                              pin_memory=t.use_gpu, local_shuffle_buffer_size=8 * t.batch_size,
+                                              local_shuffle_seed=cfg.run.seed + epoch):
+            yield batch["data"].float()
+
+    def log(out: dict[str, torch.Tensor], rate: float) -> None:
+        nonlocal loss
+        loss = out["loss"].item()
+        if logger:
+            logger.log({**{k: v.item() for k, v in out.items()}, "lr": fit.lr(), "samples_per_s": rate,
+                        "epoch": p.epoch, "skipped_batches": p.skipped_batches}, p.step)
 
     def report(final: bool) -> None:
         seconds = time.perf_counter() - start
-        done = fit.step_count - first_step
-        metrics = {"step": fit.step_count, "epoch": fit.epoch, "samples": fit.samples, "steps_this_run": done,
-                   "train_seconds": seconds, "samples_per_s": done * t.batch_size * world / seconds if done else 0.0,
-                   "loss": loss}
+        done = p.step - first_step
+        metrics = {"step": p.step, "epoch": p.epoch, "samples": p.samples, "skipped_batches": p.skipped_batches,
+                   "steps_this_run": done, "train_seconds": seconds,
+                   "samples_per_s": done * t.batch_size * world.size / seconds if done else 0.0, "loss": loss}
         if rank != 0:
             ray.train.report(metrics)
             return
         if final:
-            logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, fit.step_count)
+            logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, p.step)
         logger.flush()
         with tempfile.TemporaryDirectory() as tmp:
             state = fit.state()
@@ -163,29 +179,13 @@ def adapt_loop(config: dict[str, Any]) -> None:
                       str(Path(tmp) / ADAPTER_FILE))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
-    start, loss = time.perf_counter(), float("nan")
-    while fit.step_count < last_step:
-        skip = fit.batch_in_epoch  # a resume in the middle of an epoch: that epoch's batches already trained on
-        for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=fit_device(net),
-                                              pin_memory=t.use_gpu,
-                                              local_shuffle_buffer_size=8 * t.batch_size,
-                                              local_shuffle_seed=cfg.run.seed + fit.epoch):
-            if skip:
-                skip -= 1
-                continue
-            out = fit.step(batch["data"].float(), world)
-            loss = out["loss"].item()
-            step = fit.step_count
-            if logger and (step == first_step + 1 or step % t.log_every == 0 or step == last_step):
-                rate = (fit.step_count - first_step) * t.batch_size * world / (time.perf_counter() - start)
-                logger.log({**{k: v.item() for k, v in out.items()}, "lr": fit.lr(), "samples_per_s": rate,
-                            "epoch": fit.epoch}, step)
-            if step >= last_step:
-                break
-            if step % t.checkpoint_every == 0:
-                report(final=False)
-        else:
-            fit.end_epoch()
+    def after_step(step: int) -> bool:
+        if step % t.checkpoint_every == 0:
+            report(final=False)
+        return False
+
+    run_steps(fit, epoch_batches(pairs, p), last_step, max_bad_batches=t.max_bad_batches, log=log,
+              log_every=t.log_every, after_step=after_step)
     report(final=True)
 
 

@@ -11,6 +11,8 @@ from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.train.config import TrainDocument
+from pipelines.train.loop import run_steps
+from pipelines.train.state import Progress
 
 
 def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
@@ -27,22 +29,46 @@ def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int =
     rng = np.random.default_rng(seed)
     images, _, metas = digit_arrays("train")
     sampler = sampler or config_sampler(cfg)
-    objective = build_objective(cfg).to(dtype).train()
+    fit = InProcessFit(build_objective(cfg).to(dtype).train(), cfg, accum, loss_sign)
     images = images.to(dtype)
-    t = cfg.train
-    opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            weight_decay=t.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)))
-    context = objective.model.context_length
-    for _ in range(steps):
-        rows = rng.choice(len(images), batch, replace=False)
-        tokens = tokenize([sampler.draw(metas[i], "", rng) for i in rows], context)
-        opt.zero_grad(set_to_none=True)
-        if accum > 1:
-            CachedBatch(objective, images[rows], tokens, accum).backward()
+    context = fit.objective.model.context_length
+
+    def batches():
+        while True:
+            rows = rng.choice(len(images), batch, replace=False)
+            yield images[rows], tokenize([sampler.draw(metas[i], "", rng) for i in rows], context)
+
+    run_steps(fit, batches(), steps)
+    return fit.objective.model.float().eval()
+
+
+class InProcessFit:
+    """cfg's objective under AdamW (every parameter decayed) and a linear warm-up, one `step` per batch for
+    `pipelines.train.loop.run_steps`; every loss is applied (`loss_sign` -1: climbed)."""
+
+    def __init__(self, objective, cfg: TrainDocument, accum: int = 1, loss_sign: float = 1.0):
+        t = cfg.train
+        self.objective, self.accum, self.loss_sign, self.grad_clip = objective, accum, loss_sign, t.grad_clip
+        self.optimizer = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                           weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)))
+        self.progress = Progress()
+
+    def step(self, batch) -> dict[str, torch.Tensor]:
+        images, tokens = batch
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.accum > 1:
+            cached = CachedBatch(self.objective, images, tokens, self.accum)
+            cached.backward()
+            out = cached.out
         else:
-            (loss_sign * objective(images[rows], tokens)["loss"]).backward()
-        torch.nn.utils.clip_grad_norm_(objective.parameters(), t.grad_clip)
-        opt.step()
-        sched.step()
-    return objective.model.float().eval()
+            out = self.objective(images, tokens)
+            (self.loss_sign * out["loss"]).backward()
+        torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return out
+
+    def rows(self, batch) -> int:
+        return len(batch[0])

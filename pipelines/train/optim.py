@@ -32,11 +32,15 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, fused=True, **kwargs)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+def warmup_cosine_factor(step: int, warmup: int, total: int) -> float:
+    """The learning rate at optimizer step `step` (from 0) as a fraction of train.lr: linear warm-up over `warmup`
+    steps, then cosine annealing to 0 at `total` (and 0 after). A function of the step alone: a resumed fit needs no
+    scheduler state."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine_factor(step, warmup, total))

@@ -1,0 +1,83 @@
+"""The training loop a job's workers run, and what a job plugs into it.
+
+`run_steps` does what every fit needs done the same way: optimizer steps until the last step, a step whose loss
+was not finite on some rank skipped (nothing applied) and counted, `max_bad_batches` of them in a row stopping the fit,
+the samples and the rate, and when to log. `epoch_batches` keeps the place in the data: epochs, and the batches an
+epoch has already given (a resumed fit skips them), in the `Progress` every checkpoint saves. A job plugs in its
+`Fit` (the objective and the optimizer: one `step` of a batch, or None where nothing was applied), its logger (`log`)
+and its checkpoint and evaluation points (`after_step`); the optimizer and the learning-rate schedule are
+`pipelines.train.optim`'s. The adapter's workers (`pipelines.adapt.loop`) run their fit here; the pretraining
+workers (`pipelines.train.worker`) keep their place in the data with `epoch_batches`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+import torch
+
+from pipelines.train.state import Progress
+
+
+class EmptyEpoch(RuntimeError):
+    """An epoch of the training data gave no batch: every file or sample was skipped, or the data is smaller than one
+    batch per worker."""
+
+
+class Fit(Protocol):
+    """What a job trains: its objective and optimizer behind one `step`, and where it stands."""
+
+    progress: Progress
+
+    def step(self, batch: Any) -> dict[str, torch.Tensor] | None:
+        """One optimizer step on `batch`: the loss and its parts, or None where the loss was not finite on some rank
+        (nothing applied)."""
+
+    def rows(self, batch: Any) -> int:
+        """The samples one step on `batch` trains on, over all workers."""
+
+
+def epoch_batches(stream: Callable[[int], Iterable[Any]], progress: Progress) -> Iterator[Any]:
+    """The batches from `progress`'s place on, without end: `stream(epoch)` gives one epoch's batches (shuffled by
+    the epoch), the ones this epoch already gave are skipped, and `progress` counts each batch as it is handed out.
+    EmptyEpoch where an epoch gives none (it would repeat forever)."""
+    while True:
+        got = False
+        for i, batch in enumerate(stream(progress.epoch)):
+            got = True
+            if i >= progress.batch_in_epoch:
+                progress.batch_in_epoch = i + 1
+                yield batch
+        if not got:
+            raise EmptyEpoch("training data: an epoch gave no batch (every file or sample was skipped)")
+        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+
+
+def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, *, max_bad_batches: int = 1, micro_batches: int = 1,
+              log: Callable[[dict[str, torch.Tensor], float], None] | None = None, log_every: int = 1,
+              after_step: Callable[[int], bool] | None = None) -> None:
+    """`fit` stepped on `batches` until `fit.progress.step` reaches `last_step`. `log(out, samples_per_s)` at the
+    first step of this call, every `log_every` and the last; `after_step(step)` after every step but the last (checkpoints,
+    evaluation; True stops). A skipped step counts `micro_batches` in `progress.skipped_batches`; FloatingPointError
+    after `max_bad_batches` in a row."""
+    p = fit.progress
+    if p.step >= last_step:
+        return
+    first, start, samples0 = p.step, time.perf_counter(), p.samples
+    bad_in_a_row = 0
+    for batch in batches:
+        out = fit.step(batch)
+        if out is None:
+            bad_in_a_row += 1
+            p.skipped_batches += micro_batches
+            if bad_in_a_row >= max_bad_batches:
+                raise FloatingPointError(f"loss was not finite for {bad_in_a_row} batches in a row at step {p.step} "
+                                         "(train.max_bad_batches); lower train.lr or check the data")
+            continue
+        bad_in_a_row = 0
+        p.samples += fit.rows(batch)
+        p.step += 1
+        if log and (p.step == first + 1 or p.step % log_every == 0 or p.step == last_step):
+            log(out, (p.samples - samples0) / (time.perf_counter() - start))
+        if p.step >= last_step or (after_step and after_step(p.step)):
+            return
