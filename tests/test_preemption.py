@@ -115,3 +115,42 @@ def test_sigterm_to_a_training_worker_saves_at_the_next_step_and_resumes_there(r
     first_after = next(m.timestamp / 1000 for m in resumed if m.step == step + 1)
     print(f"SIGTERM at step ~{step - 1}: checkpoint of step {step} saved in {notice['save_s']:.2f} s; step "
           f"{step + 1} trained {first_after - sent['at']:.1f} s after the SIGTERM (grace 3 s, then the restart)")
+
+
+@pytest.mark.long
+def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpoint(ray_local, straight_small_run,
+                                                                                     no_notice, tmp_path):
+    """SIGTERM with no grace (run.sigterm_grace_s=0): Ray Train restarts the run at once, before or during the notice's
+    save. A checkpoint counts only once every rank's part is in (Ray Train registers it when every rank's
+    ray.train.report has returned), so the restart resumes from one that was registered, whole (REFERENCE's every 5
+    steps, or the notice's if it finished first), and the run ends bit for bit as an uninterrupted one."""
+    data = straight_small_run["data_root"]
+    cfg = config(tmp_path, data, "short", *REFERENCE, "train.log_every=1", "run.max_failures=0", "run.sigterm_grace_s=0")
+    seen: list[list[str]] = []
+
+    def terminate_a_worker() -> None:
+        try:
+            folder = tmp_path / "ray" / "short"
+            wait_for("the first checkpoint registered", lambda: registered(folder), 300, 0.2)
+            pids = wait_for("two training workers", lambda: len(pids := train_workers()) == 2 and pids, 60, 0.2)
+            os.kill(pids[-1], signal.SIGTERM)
+            while train_workers() == pids:  # the restart replaces both
+                seen.append(registered(folder))
+                time.sleep(0.05)
+        except BaseException as error:
+            seen.append(error)
+
+    thread = threading.Thread(target=terminate_a_worker, daemon=True)
+    thread.start()
+    from pipelines.train.job import run_pretrain
+
+    result = run_pretrain(cfg)
+    thread.join()
+    assert not any(isinstance(s, BaseException) for s in seen), seen
+    run = MlflowClient(result.mlflow_uri).get_run(result.mlflow_run_id)
+    resumed = int(run.data.tags["probvlp.resumed_from_step"])
+    notice = int(run.data.tags.get("probvlp.preemption_notice_step", -1))
+    assert resumed % 5 == 0 or resumed == notice  # a periodic checkpoint, or the notice's if it was registered
+    assert result.metrics["step"] == 40 and run.info.status == "FINISHED"
+    assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
+    print(f"notice at step {notice}, resumed from {resumed}; registered before the restart: {seen[-1] if seen else []}")
