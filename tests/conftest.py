@@ -26,7 +26,9 @@ os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_
 # the jobs the tests start inherit it. A run that writes into the checkout's .probvlp anyway fails
 # (pytest_sessionfinish).
 os.environ["PROBVLP_HOME"] = tempfile.mkdtemp(prefix="probvlp_home_")
-CHECKOUT_STATE = ROOT / ".probvlp"
+# What a run from the checkout writes there by default, which no test may: the project's local state, and MLflow's
+# artifacts of an experiment created without an artifact location (./mlruns).
+CHECKOUT_STATE = (ROOT / ".probvlp", ROOT / "mlruns")
 _CHECKOUT_FILES = pytest.StashKey[dict]()
 _WRITTEN = pytest.StashKey[list]()
 # `make test` runs a pytest worker per core, and each starts Ray processes of its own: the cores are always
@@ -220,18 +222,22 @@ def _module(item) -> str:
 
 def pytest_configure(config):
     slowness()  # measured once, before pytest-xdist starts its workers: they and every process the tests start read it
-    config.stash[_CHECKOUT_FILES] = files_under(CHECKOUT_STATE)
+    config.stash[_CHECKOUT_FILES] = checkout_state()
+
+
+def checkout_state() -> dict[str, int]:
+    return {f"{folder.name}/{path}": t for folder in CHECKOUT_STATE for path, t in files_under(folder).items()}
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal reporter's summary, which names what was written
 def pytest_sessionfinish(session, exitstatus):
-    """The run fails when the checkout's .probvlp gained or changed a file while it ran: a test, or a process it
-    started, wrote there instead of under its own temporary folder ($PROBVLP_HOME for the project's local state).
+    """The run fails when the checkout's .probvlp or mlruns gained or changed a file while it ran: a test, or a process
+    it started, wrote there instead of under its own temporary folder ($PROBVLP_HOME for the project's local state).
     Checked once, by pytest-xdist's controller after its workers (or by the one pytest process)."""
     config = session.config
     if hasattr(config, "workerinput"):
         return
-    written = written_between(config.stash[_CHECKOUT_FILES], files_under(CHECKOUT_STATE))
+    written = written_between(config.stash[_CHECKOUT_FILES], checkout_state())
     if written:
         config.stash[_WRITTEN] = written
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -240,7 +246,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     written = config.stash.get(_WRITTEN, [])
     if written:
-        terminalreporter.section(f"FAILED: {len(written)} paths written into {CHECKOUT_STATE}", red=True)
+        terminalreporter.section(f"FAILED: {len(written)} paths written into the checkout ({ROOT})", red=True)
         terminalreporter.write_line("a test (or a process it started) wrote into the checkout instead of its own "
                                     "temporary folder ($PROBVLP_HOME, tmp_path):")
         for path in written[:30]:

@@ -122,7 +122,9 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tm
     monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
     monkeypatch.setattr(tracking_outbox, "MEMORY_METRICS", 40)  # most of what follows goes on in the spill file
     store = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # from a copy of an empty store
-    run_id = MlflowClient(store).create_run(MlflowClient(store).create_experiment("outbox")).info.run_id
+    # its artifacts beside the store, as pipelines.tracking makes a run's (MLflow's default: the checkout's ./mlruns)
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("outbox", tracking.sqlite_artifact_root(store))).info.run_id
     logger = StepLogger(f"http://127.0.0.1:{free_port()}", run_id, flush_every=20, background=True,
                         flush_timeout_s=2)
     started = time.monotonic()
