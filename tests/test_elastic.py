@@ -7,7 +7,6 @@ node shrinks to one worker when a node is lost and grows back to two when a node
 checkpoint each time."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -17,13 +16,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.cluster.isolated import node_command, node_env
+from pipelines.cluster.isolated import start_node, stop_node
 from pipelines.cluster.local import LOCAL_DATA, processes
 from pipelines.config import PROJECT_ROOT
 from pipelines.train.config import load_train_config
@@ -60,11 +60,8 @@ class Node:
 
     def __init__(self, gcs_address: str, cpus: float, log: Path):
         self.node_id = secrets.token_hex(28)
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(
-                node_command(gcs_address, ["/tmp", str(LOCAL_DATA)], cpus, {}, {}, [str(PROJECT_ROOT), sys.prefix]),
-                env=node_env(self.node_id, "elastic-worker"), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = start_node(gcs_address, ["/tmp", str(LOCAL_DATA)], cpus, {}, {},
+                                  [str(PROJECT_ROOT), sys.prefix], self.node_id, "elastic-worker", log)
 
     def pids(self) -> dict[int, str]:
         """pid -> command line of this node's processes (its raylet, agents and workers)."""
@@ -81,13 +78,7 @@ class Node:
 
     def kill(self) -> None:
         """Every process of the node at once (SIGKILL), as when its machine is switched off."""
-        left = self.pids()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        for pid in left:  # any that left the group
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait(timeout=scaled(30))
+        stop_node(self.process, graceful=False, wait_s=scaled(30), strays=list(self.pids()))
 
 
 class Cluster:
@@ -198,18 +189,85 @@ def regrown(sizes: list[int]) -> bool:
     return shrunk is not None and 2 in sizes[shrunk + 1:]
 
 
+def drain(cluster: Cluster, node_id: str, reason: str, deadline_s: float | None = None) -> None:
+    """What Ray's autoscaler does to a node it is about to lose (`ray drain-node` by hand): `reason` PREEMPTION with
+    the seconds left (a spot reclaim), or IDLE_TERMINATION (an idle node scaled down). It kills nothing."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
+    accepted, why = GcsClient(address=cluster.address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value(reason), "tests/test_elastic.py", deadline_ms)
+    assert accepted, why
+
+
+def notices(client: MlflowClient) -> dict[int, dict]:
+    """The run's notices of preemption so far: the step each was saved at -> its record (pipelines.train.worker)."""
+    experiment = client.get_experiment_by_name("test-elastic")
+    runs = client.search_runs([experiment.experiment_id]) if experiment else []
+    return {int(k.rsplit("_", 1)[1]): json.loads(v) for run in runs[:1] for k, v in run.data.tags.items()
+            if k.startswith("probvlp.preemption.step_")}
+
+
+def killed(cluster: Cluster, node: Node, client: MlflowClient, going) -> None:
+    """A node lost without notice: every process of it killed at once."""
+    cluster.lose(node)
+
+
+# The seconds of notice in the preemption scenario: the drain's deadline, and a SIGTERM'd worker's grace
+# (run.sigterm_grace_s). Each is waited out before the node is killed, as the cloud or the kubelet would.
+DRAIN_DEADLINE_S, SIGTERM_GRACE_S = 20, 15
+TIMES: dict[str, float] = {}  # when the scenario's notices were given (time.time()), for what the test prints
+
+
+def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, going) -> None:
+    """An idle node (no CPUs: no training worker) drained as the autoscaler scales it down, which the run must not
+    notice; then `node` drained with reason PREEMPTION and a deadline: the run's notice checkpoint must come before
+    the deadline, at which the node is killed."""
+    idle = cluster.add(cpus=0)
+    wait_for("an idle node", lambda: going() and idle.node_id in cluster.alive(), 120, 0.5)
+    drain(cluster, idle.node_id, "DRAIN_NODE_REASON_IDLE_TERMINATION")
+    TIMES["drain"] = time.time()
+    deadline = TIMES["drain"] + scaled(DRAIN_DEADLINE_S)
+    drain(cluster, node.node_id, "DRAIN_NODE_REASON_PREEMPTION", deadline - time.time())
+    wait_for("the drain's notice checkpoint", lambda: going() and notices(client), DRAIN_DEADLINE_S, 0.5)
+    time.sleep(max(0.0, deadline - time.time()))
+    cluster.lose(node)
+
+
+def sigterm_then_killed(cluster: Cluster, client: MlflowClient, going) -> None:
+    """SIGTERM to the training worker processes of the node added last (a Kubernetes eviction, a SLURM step's
+    signal): the run's notice checkpoint must come within their grace period, at whose end the node is killed; the
+    run then goes on with the one worker of the other node."""
+    node = cluster.nodes[-1]
+    pids = wait_for("a training worker on the node added", lambda: going() and node.train_workers(), 120, 0.5)
+    TIMES["sigterm"] = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    wait_for("the SIGTERM's notice checkpoint", lambda: going() and len(notices(client)) == 2, SIGTERM_GRACE_S, 0.5)
+    time.sleep(max(0.0, TIMES["sigterm"] + scaled(SIGTERM_GRACE_S) - time.time()))
+    cluster.lose(node)
+    after = max(notices(client))
+    wait_for("a checkpointed step run by 1 worker after the SIGTERM",
+             lambda: going() and 1 in world_sizes(client)[after:], 300, 1)
+
+
 def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_path: Path, settings: list[str], s3,
-                 watch=lambda: None, until=lambda client: True) -> tuple[MlflowClient, str]:
-    """The job on two workers (one a node) until a checkpoint; one node lost; on until a step by one worker is logged;
-    a node added; on until a step by two workers again and `until(client)`; then stopped. `watch()` runs at every
-    poll. `digits`: the digits on S3, and the head's folder they were uploaded from. Returns the MLflow client of the
-    run and its checkpoints' folder on S3 (bucket/path)."""
+                 watch=lambda: None, until=lambda client: True, lose=killed,
+                 then=lambda cluster, client, going: None) -> tuple[MlflowClient, str]:
+    """The job on two workers (one a node) until a checkpoint; one node lost (`lose`: killed without notice by
+    default); on until a step by one worker is logged; a node added; on until a step by two workers again and
+    `until(client)`; `then(...)`; then stopped. `watch()` runs at every poll. `digits`: the digits on S3, and the
+    head's folder they were uploaded from. Returns the MLflow client of the run and its checkpoints' folder on S3
+    (bucket/path)."""
     first, second = cluster.nodes
     digits, head_digits = digits
     storage = f"{BUCKET}/elastic/{tmp_path.name}"
     cfg = [f"data.root={digits}", "data.source=shards", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
            f"run.storage_path=s3://{storage}", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *settings]
-    env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard}
+    # Ray Train's preemption watcher on (a one-machine Ray started in this process turns it off), polling every second
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard,
+           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
     log = tmp_path / "job.log"
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     with log.open("w") as out:
@@ -235,7 +293,7 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
         before = set(registered(s3, checkpoints))
         wait_for("a checkpoint registered by the two workers",
                  lambda: going() and set(registered(s3, checkpoints)) - before, 300, 0.5)
-        cluster.lose(second)  # the machine is gone, its processes with it
+        lose(cluster, second, client, going)  # the machine is gone, its processes with it
         # A step run by 1 worker in MLflow means the run has shrunk (a new worker on the node left may still
         # belong to a 2-worker group Ray placed before it noticed the loss).
         wait_for("a checkpointed step run by 1 worker", lambda: going() and 1 in world_sizes(client), 300, 1)
@@ -243,6 +301,7 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
         try:
             wait_for("a checkpointed step run by 2 workers again",
                      lambda: going() and regrown(world_sizes(client)) and until(client), 600, 1)
+            then(cluster, client, going)
         except AssertionError as error:
             raise AssertionError(f"{error}; steps by size {world_sizes(client)}; the controller's last decisions:\n"
                                  + controller_lines()) from None
@@ -254,33 +313,48 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
 
 
 @pytest.mark.timeout(900)
-def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, s3, digits_on_s3, digits_root, tmp_path):
-    """Two workers on the two nodes checkpoint (ZeRO-2); one node is lost (every process of it killed); Ray Train
-    restarts from the checkpoint with the one worker that fits, then with two once a node is added, each restart
-    converting the checkpoint to the new world size in the workers' restore. Every step is logged once across the
-    restarts, every loss is finite, and the learning rate is on its schedule whatever the size (docs/SCALING.md,
-    "Elastic training"). The job is stopped once two workers have run a step again: how a run ends is tested on
-    fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long."""
-    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path, ELASTIC, s3)
+def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, digits_on_s3, digits_root, tmp_path):
+    """Two workers on the two nodes checkpoint (ZeRO-2, every 10 steps). An idle node is drained as the autoscaler
+    scales one down: the run does not notice. One worker's node is drained with reason PREEMPTION and a deadline:
+    both ranks save at the next step, and at the deadline the node is killed; Ray Train restarts from that step with
+    the one worker that fits, then with two once a node is added (from the last checkpoint), and the new node's
+    training worker processes get SIGTERM: both ranks save again at the next step, the node is killed at the end of
+    the grace period, and the run goes on with one worker from that step. Each restart converts the checkpoint to
+    the new world size in the workers' restore; no step is run twice after a notice; every step is logged once
+    across the restarts, every loss is finite, and the learning rate is on its schedule whatever the size
+    (docs/SCALING.md, "Elastic training" and "Preemption"). The job is then stopped: how a run ends is tested on
+    fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long; a
+    SIGTERM'd run that ends bit for bit as an uninterrupted one in tests/test_preemption.py."""
+    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
+                             [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,
+                             lose=drained_then_killed, then=sigterm_then_killed)
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
-    assert int(run.data.tags["probvlp.resumed_from_step"]) % 10 == 0  # each restart from a checkpoint
+    # the drain's and the SIGTERM's, and none of the idle drain
+    saved = notices(client)
+    assert len(saved) == 2, saved
+    drained, sigtermed = sorted(saved)
+    assert "ray_drain" in saved[drained]["sources"], saved
     # each resize went through the restore's conversion, at the step it resumed from
     resized = {int(k.rsplit("_", 1)[1]): json.loads(v) for k, v in run.data.tags.items()
                if k.startswith("probvlp.resharded.step_")}
-    assert sorted((r["from_world_size"], r["to_world_size"]) for r in resized.values()) == [(1, 2), (2, 1)], resized
+    assert sorted((r["from_world_size"], r["to_world_size"]) for r in resized.values()) == [(1, 2), (2, 1), (2, 1)], \
+        resized
     history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-               for key in ("world_size", "loss", "lr")}
+               for key in ("world_size", "loss", "lr", "preemption_steps_lost")}
     last = max(history["world_size"])
     steps = range(1, last + 1)
     assert sorted(history["loss"]) == list(steps)  # every step once, across the restarts
     sizes = [int(history["world_size"][s]) for s in steps]
     changes = [(s + 1, a, b) for s, (a, b) in enumerate(zip(sizes, sizes[1:]), start=1) if a != b]
     runs = size_runs(sizes)
-    shrink = next((step for step, a, b in changes if (a, b) == (2, 1)), None)
-    assert shrink is not None and shrink % 10 == 1, runs  # the 1-worker run resumed from a step-10k checkpoint
-    assert any(step > shrink and (a, b) == (1, 2) and step % 10 == 1 for step, a, b in changes), runs
+    # each notice's restart resumed from the notice's own checkpoint: no step run twice; the regrowth from a
+    # periodic checkpoint of the one worker
+    assert [(step, a, b) for step, a, b in changes if (a, b) == (2, 1)] == [(drained + 1, 2, 1),
+                                                                          (sigtermed + 1, 2, 1)], (runs, saved)
+    assert any(drained < step <= sigtermed and (a, b) == (1, 2) and step % 10 == 1 for step, a, b in changes), runs
     assert {step + 1 for step in resized} == {step for step, a, b in changes}, (runs, resized)
+    assert history["preemption_steps_lost"] == {drained: 0, sigtermed: 0}
     # finite at every size (learning is not judged here: these few dozen steps sit near chance, log(batch), and the
     # batch changes with the size)
     assert all(math.isfinite(history["loss"][s]) for s in steps)
@@ -294,6 +368,11 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(two_node_ray, s3, digit
         schedule.step()
         expected.append(schedule.get_last_lr()[0])
     assert [history["lr"][s] for s in steps] == pytest.approx(expected, rel=1e-6)
+    # what a notice cost (docs/SCALING.md "Preemption"): the save, and the time to the restart's first step
+    stamps = {m.step: m.timestamp / 1000 for m in client.get_metric_history(run.info.run_id, "loss")}
+    for name, step, given in (("drain", drained, TIMES["drain"]), ("SIGTERM", sigtermed, TIMES["sigterm"])):
+        print(f"{name}: notice saved at step {step} in {saved[step]['save_s']:.2f} s, {stamps[step] - given:.1f} s "
+              f"after the notice; step {step + 1} trained {stamps[step + 1] - given:.1f} s after it")
     print(runs)
 
 

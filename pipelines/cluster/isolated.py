@@ -64,6 +64,37 @@ def node_env(node_id: str, node_type: str) -> dict[str, str]:
     return env
 
 
+def start_node(gcs_address: str, hidden: list[str], num_cpus: float, resources: dict, labels: dict, keep: list[str],
+               node_id: str, node_type: str, log: Path) -> subprocess.Popen:
+    """A worker node joining `gcs_address` (node_command, node_env), its output appended to `log`, in a process group
+    of its own: stop_node ends it as a whole, like a machine switched off."""
+    with log.open("ab") as out:
+        return subprocess.Popen(node_command(gcs_address, hidden, num_cpus, resources, labels, keep),
+                                env=node_env(node_id, node_type), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_node(process: subprocess.Popen, graceful: bool = True, wait_s: float = 10, strays: list[int] = ()) -> None:
+    """End a node started by start_node: its process group SIGTERMed (the raylet stops its workers) and SIGKILLed if
+    still there after `wait_s`, or (graceful=False) SIGKILLed at once, as when its machine is switched off. `strays`:
+    processes of the node that left its group, killed with it."""
+    for sig in (signal.SIGTERM, signal.SIGKILL) if graceful else (signal.SIGKILL,):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def free_ports(n: int) -> list[int]:
     """n different free ports of 127.0.0.1, outside the range outgoing connections take theirs from (local_port)."""
     ports: list[int] = []
@@ -132,11 +163,8 @@ class IsolatedNodeProvider(FakeMultiNodeProvider):
             for key in ("GPU", "object_store_memory", "memory"):
                 resources.pop(key, None)  # none on this machine; memory Ray measures
             self._log_dir.mkdir(parents=True, exist_ok=True)
-            with (self._log_dir / f"node-{node_id[-5:]}.log").open("ab") as log:
-                process = subprocess.Popen(
-                    node_command(self._gcs_address, self._hidden, num_cpus, resources, labels or {}, self._keep),
-                    env=node_env(node_id, node_type), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True)  # its own process group: ended as a whole, like a machine switched off
+            process = start_node(self._gcs_address, self._hidden, num_cpus, resources, labels or {}, self._keep,
+                                 node_id, node_type, self._log_dir / f"node-{node_id[-5:]}.log")
             self._nodes[node_id] = {
                 "tags": {TAG_RAY_NODE_KIND: NODE_KIND_WORKER, TAG_RAY_USER_NODE_TYPE: node_type,
                          TAG_RAY_NODE_NAME: node_id, TAG_RAY_NODE_STATUS: STATUS_UP_TO_DATE, **tags},
@@ -159,17 +187,7 @@ class IsolatedNodeProvider(FakeMultiNodeProvider):
                 super().terminate_node(node_id)
 
     def _terminate_node(self, node):
-        process: subprocess.Popen = node["process"]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                process.wait(timeout=10)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_node(node["process"])
 
 
 if __name__ == "__main__":
