@@ -4,7 +4,8 @@ store and Ray Train's controller) and worker nodes that are raylets in mount nam
 autoscaler and a lost machine would. The digits and the checkpoints live on the tests' S3 server (conftest's `s3`);
 rank 0, on a worker node, logs through the driver's relay. A run with train.num_workers [1, 2] and one worker per
 node shrinks to one worker when a node is lost and grows back to two when a node is added again, from the last
-checkpoint each time."""
+checkpoint each time; a node lost after a notice of preemption (a drain by Ray, SIGTERM to its training workers)
+costs no step: the run resumes from the checkpoint all ranks saved at the notice."""
 from __future__ import annotations
 
 import json
