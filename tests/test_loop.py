@@ -1,0 +1,76 @@
+"""The training loop every fit runs (pipelines.train.loop): the place in the data across epochs and resumes, skipped
+non-finite steps, logging and checkpoint points; the adapter's fit on it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipelines.train.loop import EmptyEpoch, epoch_batches, run_steps
+from pipelines.train.state import Progress
+
+
+def test_epoch_batches_resume_within_an_epoch_and_stop_on_an_empty_one():
+    epochs = {0: [0, 1, 2], 1: [10, 11, 12], 2: [20, 21, 22]}
+    p = Progress()
+    it = epoch_batches(lambda e: epochs[e], p)
+    assert [next(it) for _ in range(4)] == [0, 1, 2, 10] and (p.epoch, p.batch_in_epoch) == (1, 1)
+    # a restart from this progress skips what epoch 1 already gave
+    resumed = Progress(epoch=1, batch_in_epoch=1)
+    assert [b for _, b in zip(range(3), epoch_batches(lambda e: epochs[e], resumed))] == [11, 12, 20]
+    with pytest.raises(EmptyEpoch, match="an epoch gave no batch"):
+        list(epoch_batches(lambda e: [], Progress()))
+
+
+class Counting:
+    """A fit whose batches are their losses: NaN is not finite (nothing applied)."""
+
+    def __init__(self):
+        self.progress, self.applied = Progress(), []
+
+    def step(self, loss):
+        if not math.isfinite(loss):
+            return None
+        self.applied.append(loss)
+        return {"loss": torch.tensor(loss)}
+
+    def rows(self, loss):
+        return 4
+
+
+def test_run_steps_skips_and_counts_non_finite_steps_logs_and_stops():
+    fit, logged, hooked = Counting(), [], []
+    batches = [1.0, math.nan, 2.0, 3.0, math.nan, math.nan, 4.0, 5.0, 6.0, 7.0]
+    run_steps(fit, iter(batches), 5, max_bad_batches=3, micro_batches=2, log_every=2,
+              log=lambda out, rate: logged.append((fit.progress.step, out["loss"].item())),
+              after_step=lambda step: hooked.append(step) or False)
+    assert fit.applied == [1.0, 2.0, 3.0, 4.0, 5.0]  # the last step reached, nothing drawn after it
+    assert (fit.progress.step, fit.progress.samples, fit.progress.skipped_batches) == (5, 20, 6)
+    assert logged == [(1, 1.0), (2, 2.0), (4, 4.0), (5, 5.0)]  # the first, every log_every, the last
+    assert hooked == [1, 2, 3, 4]  # every step but the last
+    run_steps(fit, iter([8.0]), 5)  # at the last step already: nothing more
+    assert fit.applied[-1] == 5.0
+    stopped = Counting()
+    run_steps(stopped, iter([1.0, 2.0, 3.0]), 10, after_step=lambda step: step == 2)
+    assert stopped.progress.step == 2
+    with pytest.raises(FloatingPointError, match="not finite for 3 batches in a row at step 1"):
+        run_steps(Counting(), iter([1.0, math.nan, math.nan, math.nan]), 5, max_bad_batches=3)
+
+
+def test_the_adapter_skips_a_non_finite_step():
+    """The adapter's fit on the loop: a batch whose loss is NaN changes nothing and is counted; the next trains."""
+    from pipelines.adapt.config import AdaptDocument
+    from pipelines.adapt.loop import AdapterFit, build_adapter_set
+
+    cfg = AdaptDocument.model_validate({"source": {"model": "m.safetensors"}, "adapter": {"hidden": 8}})
+    torch.manual_seed(0)
+    fit = AdapterFit(build_adapter_set(cfg, 6), lr=1e-2, weight_decay=0.0, steps=4)
+    good = torch.nn.functional.normalize(torch.randn(8, 2, 6), dim=-1)
+    before = {k: v.clone() for k, v in fit.net.state_dict().items()}
+    run_steps(fit, iter([torch.full_like(good, math.nan)]), 4, max_bad_batches=2)
+    assert fit.progress.skipped_batches == 1 and fit.progress.step == 0
+    assert all(torch.equal(v, fit.net.state_dict()[k]) for k, v in before.items())
+    run_steps(fit, iter([good]), 1)
+    after = fit.net.state_dict()
+    assert fit.progress.step == 1 and not all(torch.equal(v, after[k]) for k, v in before.items())
