@@ -28,7 +28,8 @@ _LOCAL_ENV = {
     # Ray Train's controller collects each ray.train.report at its poll (default every 2 s) while the
     # reporting workers wait: a local run with frequent evaluations spends seconds per report on it.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
-    # Its actor polls Ray for the node draining of a cloud cluster's preemption notices: a one-machine Ray has none.
+    # Its actor polls Ray for the node draining of a cloud cluster's preemption notices: a one-machine Ray has none
+    # (a SIGTERM to a training worker and the notice file still reach the run: pipelines.train.preemption).
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 
