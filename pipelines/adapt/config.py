@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, WorkerResources,
-                              format_validation_error, local_path, read_config_file)
+from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, format_validation_error,
+                              local_path, read_config_file)
+from pipelines.train.config import LoopConfig
 
 
 class SourceConfig(Section):
@@ -72,23 +73,18 @@ class AdaptLossConfig(Section):
     l1_cross: bool = False
 
 
-class AdaptTrainConfig(WorkerResources):
+class AdaptTrainConfig(LoopConfig):
     num_workers: int = Field(1, ge=1)
     batch_size: int = Field(128, ge=2, description="per worker")
     steps: int = Field(500, ge=1)
-    lr: float = Field(1e-3, gt=0)
     # Linear warm-up, then cosine annealing to 0 at train.steps (pipelines.train.optim, as pretraining's).
     warmup_steps: int = Field(0, ge=0)
     # No weight decay on biases and other vectors (pipelines.train.optim.param_groups).
     weight_decay: float = Field(0.0, ge=0)
-    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the fit.
-    max_bad_batches: int = Field(20, ge=1)
     log_every: int = Field(50, ge=1)
     # A Ray Train checkpoint (adapters, optimizer, step) every this many steps and at the end; the same
     # run.name again resumes from the latest.
     checkpoint_every: int = Field(500, ge=1)
-    # Stop (checkpointed) at this step without evaluating; the same run.name again continues to train.steps.
-    stop_at_step: int | None = Field(None, ge=1)
 
 
 class EmbedConfig(Section):

@@ -141,7 +141,7 @@ def adapt_loop(config: dict[str, Any]) -> None:
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    p, first_step, last_step = fit.progress, fit.progress.step, min(t.steps, t.stop_at_step or t.steps)
+    p, first_step, last_step = fit.progress, fit.progress.step, t.last_step
     logger = StepLogger(config["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
     start, loss = time.perf_counter(), float("nan")

@@ -16,7 +16,24 @@ from pipelines.config import (ConfigError, ExperimentDocument, WorkerResources, 
 from pipelines.download.config import DownloadConfig
 
 
-class TrainConfig(WorkerResources):
+class LoopConfig(WorkerResources):
+    """What every training job's train section gives the training loop (pipelines.train.loop) beside its workers;
+    each job's section adds its steps and the rest."""
+
+    steps: int
+    lr: float = Field(1e-3, gt=0)
+    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the fit.
+    max_bad_batches: int = Field(20, ge=1)
+    # Stop (checkpointed, not evaluated) after this step; the same run.name again continues to train.steps.
+    stop_at_step: int | None = Field(None, ge=1)
+
+    @property
+    def last_step(self) -> int:
+        """The step this attempt trains to."""
+        return min(self.steps, self.stop_at_step or self.steps)
+
+
+class TrainConfig(LoopConfig):
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
     # a ZeRO-1/2/3 checkpoint is resharded, pipelines.train.reshard; per-worker batch and learning rate kept:
@@ -26,7 +43,6 @@ class TrainConfig(WorkerResources):
     elastic_resize_interval_s: float = Field(60.0, gt=0)
     batch_size: int = Field(64, ge=1, description="per worker")
     steps: int = Field(1000, ge=1)
-    lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.2, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -39,16 +55,12 @@ class TrainConfig(WorkerResources):
     # that of one batch of grad_accum x batch_size x workers samples (every one a negative of every other), with the
     # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".
     grad_accum: int = Field(1, ge=1)
-    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the run.
-    max_bad_batches: int = Field(20, ge=1)
     log_every: int = Field(10, ge=1)
     # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
     # so a restart never logs a step twice.
     checkpoint_every: int = Field(0, ge=0)
     # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
     eval_every: int = Field(0, ge=0)
-    # Stop (checkpoint and exit) after this step; re-run with the same run.name to continue.
-    stop_at_step: int | None = Field(None, ge=1)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.
     fail_once_at_step: int | None = Field(None, ge=1)
     # Activation checkpointing of the towers' transformer blocks (non-reentrant torch.utils.checkpoint): only each

@@ -169,7 +169,7 @@ class TrainWorker:
 
     @property
     def last_step(self) -> int:
-        return min(self.t.steps, self.t.stop_at_step or self.t.steps)
+        return self.t.last_step
 
     def batches(self):
         """This worker's micro-batches from the current position on (skips what the epoch already consumed)."""
