@@ -44,16 +44,19 @@ def test_run_steps_skips_and_counts_non_finite_steps_logs_and_stops():
     batches = [1.0, math.nan, 2.0, 3.0, math.nan, math.nan, 4.0, 5.0, 6.0, 7.0]
     run_steps(fit, iter(batches), 5, max_bad_batches=3, micro_batches=2, log_every=2,
               log=lambda out, rate: logged.append((fit.progress.step, out["loss"].item())),
-              after_step=lambda step: hooked.append(step) or False)
+              after_step=hooked.append)
     assert fit.applied == [1.0, 2.0, 3.0, 4.0, 5.0]  # the last step reached, nothing drawn after it
     assert (fit.progress.step, fit.progress.samples, fit.progress.skipped_batches) == (5, 20, 6)
     assert logged == [(1, 1.0), (2, 2.0), (4, 4.0), (5, 5.0)]  # the first, every log_every, the last
-    assert hooked == [1, 2, 3, 4]  # every step but the last
+    assert hooked == [1, 2, 3, 4, 5]  # every step applied
     run_steps(fit, iter([8.0]), 5)  # at the last step already: nothing more
     assert fit.applied[-1] == 5.0
-    stopped = Counting()
+    stopped, logged = Counting(), []
     run_steps(stopped, iter([1.0, 2.0, 3.0]), 10, after_step=lambda step: step == 2)
     assert stopped.progress.step == 2
+    run_steps(stopped, iter([4.0, 5.0, 6.0, 7.0]), 10, log=lambda out, rate: logged.append(stopped.progress.step)
+              or stopped.progress.step == 4, log_first=False, log_every=2)
+    assert stopped.progress.step == 4 and logged == [4]  # not the first step of this call; a log that stops
     with pytest.raises(FloatingPointError, match="not finite for 3 batches in a row at step 1"):
         run_steps(Counting(), iter([1.0, math.nan, math.nan, math.nan]), 5, max_bad_batches=3)
 

@@ -179,10 +179,9 @@ def adapt_loop(config: dict[str, Any]) -> None:
                       str(Path(tmp) / ADAPTER_FILE))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
-    def after_step(step: int) -> bool:
-        if step % t.checkpoint_every == 0:
+    def after_step(step: int) -> None:
+        if step < last_step and step % t.checkpoint_every == 0:
             report(final=False)
-        return False
 
     run_steps(fit, epoch_batches(pairs, p), last_step, max_bad_batches=t.max_bad_batches, log=log,
               log_every=t.log_every, after_step=after_step)

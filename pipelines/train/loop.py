@@ -6,8 +6,8 @@ the samples and the rate, and when to log. `epoch_batches` keeps the place in th
 epoch has already given (a resumed fit skips them), in the `Progress` every checkpoint saves. A job plugs in its
 `Fit` (the objective and the optimizer: one `step` of a batch, or None where nothing was applied), its logger (`log`)
 and its checkpoint and evaluation points (`after_step`); the optimizer and the learning-rate schedule are
-`pipelines.train.optim`'s. The adapter's workers (`pipelines.adapt.loop`) run their fit here; the pretraining
-workers (`pipelines.train.worker`) keep their place in the data with `epoch_batches`.
+`pipelines.train.optim`'s. The pretraining workers (`pipelines.train.worker.TrainWorker`: DeepSpeed), the adapter's
+(`pipelines.adapt.loop.AdapterFit`) and the in-process fit (`pipelines.train.in_process`) are the fits.
 """
 from __future__ import annotations
 
@@ -54,12 +54,14 @@ def epoch_batches(stream: Callable[[int], Iterable[Any]], progress: Progress) ->
 
 
 def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, *, max_bad_batches: int = 1, micro_batches: int = 1,
-              log: Callable[[dict[str, torch.Tensor], float], None] | None = None, log_every: int = 1,
-              after_step: Callable[[int], bool] | None = None) -> None:
-    """`fit` stepped on `batches` until `fit.progress.step` reaches `last_step`. `log(out, samples_per_s)` at the
-    first step of this call, every `log_every` and the last; `after_step(step)` after every step but the last (checkpoints,
-    evaluation; True stops). A skipped step counts `micro_batches` in `progress.skipped_batches`; FloatingPointError
-    after `max_bad_batches` in a row."""
+              on_step: Callable[[int], None] | None = None,
+              log: Callable[[dict[str, torch.Tensor], float], bool | None] | None = None, log_every: int = 1,
+              log_first: bool = True, after_step: Callable[[int], bool | None] | None = None) -> None:
+    """`fit` stepped on `batches` until `fit.progress.step` reaches `last_step`. After each applied step, in order:
+    `on_step(step)`; `log(out, samples_per_s)` at the first step of this call (`log_first`), every `log_every` and
+    the last; `after_step(step)` (checkpoints, evaluation). `log` or `after_step` returning True stops the fit. A
+    skipped step counts `micro_batches` in `progress.skipped_batches`; FloatingPointError after `max_bad_batches` in
+    a row."""
     p = fit.progress
     if p.step >= last_step:
         return
@@ -77,7 +79,10 @@ def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, *, max_bad_batch
         bad_in_a_row = 0
         p.samples += fit.rows(batch)
         p.step += 1
-        if log and (p.step == first + 1 or p.step % log_every == 0 or p.step == last_step):
-            log(out, (p.samples - samples0) / (time.perf_counter() - start))
-        if p.step >= last_step or (after_step and after_step(p.step)):
+        if on_step:
+            on_step(p.step)
+        if log and ((log_first and p.step == first + 1) or p.step % log_every == 0 or p.step == last_step):
+            if log(out, (p.samples - samples0) / (time.perf_counter() - start)):
+                return
+        if (after_step and after_step(p.step)) or p.step >= last_step:
             return

@@ -33,7 +33,7 @@ from pipelines.train import export, state as train_state
 from pipelines.train.data_health import DataHealth
 from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
-from pipelines.train.loop import EmptyEpoch, epoch_batches
+from pipelines.train.loop import EmptyEpoch, epoch_batches, run_steps
 from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
 from pipelines.train.preemption import Notice
 from pipelines.train.state import Progress
@@ -200,53 +200,61 @@ class TrainWorker:
                 yield images, tokens
 
     def fit(self) -> None:
+        """The steps to the last, on the training loop every job runs (pipelines.train.loop.run_steps)."""
         p, t = self.progress, self.t
-        t0, samples0 = time.perf_counter(), p.samples
         if p.step >= self.last_step:
             return
         if self.console:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
-        bad_in_a_row = 0
         self.wait.start()
-        for batch in self.wait.timed(self.steps_input()):
-            out, noticed = train_step(self.engine, *batch, t.grad_accum, self.world, self.notice.pending())
-            if out is None and noticed:  # nothing applied at this step: the state of the step before is saved
-                self.save_on_notice({"step": p.step})
-                continue
-            if out is None:
-                # A NaN/inf loss (bad batch, overflow) is skipped on every rank and counted, not applied.
-                bad_in_a_row += 1
-                p.skipped_batches += t.grad_accum
-                if bad_in_a_row >= t.max_bad_batches:
-                    raise FloatingPointError(
-                        f"loss was not finite for {bad_in_a_row} batches in a row at step {p.step} "
-                        f"(train.max_bad_batches); lower train.lr or check the data")
-                continue
-            bad_in_a_row = 0
-            p.samples += batch[1].shape[0] * self.world.size
-            p.step += 1
-            if self.job_started_at is not None:
-                self._first_step()
-            if (p.step % t.log_every == 0 or p.step == self.last_step) and self._data_check():
-                break
-            if self.logger and (p.step % t.log_every == 0 or p.step == self.last_step):
-                self._log_step(out, batch[1].shape[0], (p.samples - samples0) / (time.perf_counter() - t0))
-            self._maybe_fail(p.step)
-            if p.step >= self.last_step:
-                break
-            due_eval = bool(t.eval_every) and p.step % t.eval_every == 0
-            due_checkpoint = bool(t.checkpoint_every) and p.step % t.checkpoint_every == 0
-            metrics = {"step": p.step, **(self.validate() if due_eval else {})}
-            if noticed:
-                self.save_on_notice(metrics)
-            elif due_checkpoint:
-                self.checkpoint(metrics)
-            elif due_eval:
-                ray.train.report(metrics)
-                if self.logger and not t.checkpoint_every:
-                    # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
-                    # this run right after the report: write what we have now.
-                    self.logger.flush()
+        run_steps(self, self.wait.timed(self.steps_input()), self.last_step, max_bad_batches=t.max_bad_batches,
+                  micro_batches=t.grad_accum, on_step=self._on_step, log=self._at_log_step, log_every=t.log_every,
+                  log_first=False, after_step=self._after_step)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """One optimizer step (pipelines.train.step), or None where the loss was not finite on some rank (a bad batch,
+        an overflow: skipped on every rank and counted, not applied); a notice of preemption saves."""
+        self.rows_in_step = batch[1].shape[0]
+        out, self.noticed = train_step(self.engine, *batch, self.t.grad_accum, self.world, self.notice.pending())
+        if out is None and self.noticed:  # nothing applied at this step: the state of the step before is saved
+            self.save_on_notice({"step": self.progress.step})
+        return out
+
+    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return batch[1].shape[0] * self.world.size
+
+    def _on_step(self, step: int) -> None:
+        if self.job_started_at is not None:
+            self._first_step()
+
+    def _at_log_step(self, out: dict[str, torch.Tensor], rate: float) -> bool:
+        """Every rank at a log step: True (stop) where the data check failed, else rank 0 logs the step."""
+        if self._data_check():
+            return True
+        if self.logger:
+            self._log_step(out, self.rows_in_step, rate)
+        return False
+
+    def _after_step(self, step: int) -> bool:
+        """The injected failure, then (before the last step) the evaluation, checkpoint or save on a notice due."""
+        t = self.t
+        self._maybe_fail(step)
+        if step >= self.last_step:
+            return True
+        due_eval = bool(t.eval_every) and step % t.eval_every == 0
+        due_checkpoint = bool(t.checkpoint_every) and step % t.checkpoint_every == 0
+        metrics = {"step": step, **(self.validate() if due_eval else {})}
+        if self.noticed:
+            self.save_on_notice(metrics)
+        elif due_checkpoint:
+            self.checkpoint(metrics)
+        elif due_eval:
+            ray.train.report(metrics)
+            if self.logger and not t.checkpoint_every:
+                # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
+                # this run right after the report: write what we have now.
+                self.logger.flush()
+        return False
 
     def _log_step(self, out: dict[str, torch.Tensor], rows: int, rate: float) -> None:
         """Rank 0: the step's loss and its parts, learning rate, throughput, data wait and skips, logged and shown."""
