@@ -217,7 +217,7 @@ def killed(cluster: Cluster, node: Node, client: MlflowClient, going) -> None:
 
 # The seconds of notice in the preemption scenario: the drain's deadline, and a SIGTERM'd worker's grace
 # (run.sigterm_grace_s). Each is waited out before the node is killed, as the cloud or the kubelet would.
-DRAIN_DEADLINE_S, SIGTERM_GRACE_S = 20, 15
+DRAIN_DEADLINE_S, SIGTERM_GRACE_S = 12, 10
 TIMES: dict[str, float] = {}  # when the scenario's notices were given (time.time()), for what the test prints
 
 

@@ -43,10 +43,11 @@ HOLD_SLACK_S = 60.0
 
 @dataclass
 class Local:
-    """Notices this process received itself (not through Ray): source -> deadline (epoch seconds, None: unknown)."""
+    """Notices this process received itself (not through Ray): source -> deadline (epoch seconds, None: unknown).
+    No lock: the SIGTERM handler writes here on the main thread, and a handler that waited for a lock the interrupted
+    main thread holds would never return; one dict operation is atomic under the GIL, which is all this needs."""
 
     sources: dict[str, float | None] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _LOCAL = Local()
@@ -57,9 +58,7 @@ def notify(source: str, deadline_s: float | None = None) -> None:
     """The hook for a source of notices that this module does not read: call it in the training worker's process
     (from a signal handler or a thread) with `deadline_s`, the seconds before the machine goes if known. The run then
     saves at the next step boundary on every rank, as for Ray's own notices."""
-    with _LOCAL.lock:
-        if source not in _LOCAL.sources:
-            _LOCAL.sources[source] = None if deadline_s is None else time.time() + deadline_s
+    _LOCAL.sources.setdefault(source, None if deadline_s is None else time.time() + deadline_s)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -135,8 +134,7 @@ class Notice:
             install_sigterm_handler(sigterm_grace_s)
 
     def _sources(self) -> dict[str, float | None]:
-        with _LOCAL.lock:
-            sources = dict(_LOCAL.sources)
+        sources = dict(_LOCAL.sources)
         if self.file and "file" not in sources:
             deadline = _file_notice(self.file)
             if deadline is not False:
@@ -178,8 +176,7 @@ class Notice:
         print(f"[preemption] checkpoint saved; waiting up to {wait:.0f} s for the restart", flush=True)
         time.sleep(wait)
         print("[preemption] no restart came: a false alarm, training goes on", flush=True)
-        with _LOCAL.lock:
-            _LOCAL.sources.clear()
+        _LOCAL.sources.clear()
         self.handed_to_ray = False
         self.dismissed = _ray_notice()
 
