@@ -848,7 +848,7 @@ BF16_ENGINE_STEPS = """
 import json, os, torch, deepspeed
 from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 skip_inference_comm_op()

@@ -97,7 +97,7 @@ ZERO_FIT = """
 import json, os, sys
 import numpy as np, torch, deepspeed
 from models.tokenizer import tokenize
-from pipelines.config import load_train_config
+from pipelines.train.config import load_train_config
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.train.optim import training_objective
 from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
