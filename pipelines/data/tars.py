@@ -200,8 +200,10 @@ def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=N
     cost a job's driver seconds before training starts, for files it reads in well under one. Others (object
     storage) are read by Ray Data's tasks; `ordered`: their blocks in file order, not task completion order."""
     if all(node_only(p) for p in paths):
-        if shuffle is not None:  # one file order, drawn as a seeded read would draw it once
-            paths = [paths[i] for i in np.random.default_rng(shuffle.seed).permutation(len(paths))]
+        if shuffle is not None:
+            # the order Ray Data's first (cached) read of them draws: the same run from object storage is the same
+            paths = list(paths)
+            np.random.default_rng(shuffle.get_seed(0)).shuffle(paths)
         return _read_here(paths, stats_name)
     ds = read_tar_shards(paths, stats_name, shuffle=shuffle)
     if ordered:
