@@ -22,7 +22,7 @@ import yaml
 from PIL import Image
 
 from pipelines.train.config import load_train_config
-from pipelines.download.config import DownloadConfig
+from pipelines.config import DownloadConfig
 from pipelines.download.job import download_shards
 from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer

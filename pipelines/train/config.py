@@ -11,9 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from pipelines.config import (ConfigError, ExperimentDocument, WorkerResources, format_validation_error,
-                              read_config_file)
-from pipelines.download.config import DownloadConfig
+from pipelines.config import (ConfigError, DownloadConfig, ExperimentDocument, WorkerResources,
+                              format_validation_error, read_config_file)
 
 
 class LoopConfig(WorkerResources):
