@@ -109,6 +109,9 @@ class AdapterFit:
         return state
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
+        if "progress.step_count" in state:  # its optimizer entries are numbered in another parameter order
+            raise ValueError("an adapter checkpoint from before the shared training loop (issue 54) does not resume: "
+                             "start the fit under a new run.name")
         prefix = "adapters."
         self.net.adapters.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         entries: dict[int, dict[str, torch.Tensor]] = {}
