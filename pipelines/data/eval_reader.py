@@ -138,7 +138,7 @@ def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None =
     tasks) are cached still encoded when small; a one-pass reader (batch inference) sets cache_max_mb=0 and
     streams. require: see EvalDecode (REQUIRES[task.kind] for a task)."""
     if total_bytes(paths) <= cache_max_mb * 2**20:
-        ds = cached_tar_shards(paths, stats_name, ordered=True)
+        ds = cached_tar_shards(paths, stats_name)
     else:
         ds = read_tar_shards(paths, stats_name)
     stats = stats_actor() if stats_name else None

@@ -216,15 +216,13 @@ def default_decode_size(image_size: int) -> int:
 def read_shards(paths: list[str], image_size: int, context_length: int, seed: int | None = None, *,
                 captions: CaptionSampler = CaptionSampler(), augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
-                cache_max_mb: float = 512.0, ordered: bool = False, uint8: bool = False, augment_on: str = "reader",
+                cache_max_mb: float = 512.0, uint8: bool = False, augment_on: str = "reader",
                 decode_size: int | None = None, flip_p: float = 0.0, stats_sync: bool = False):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
     cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
     epochs only decode and augment; None: when the shards total at most cache_max_mb (re-reading a
     handful of small tar files each epoch costs more than preprocessing them).
-    ordered: the cached blocks keep the file order (else they come in read-task completion order,
-    which differs between runs); needed, with a seed and ordered execution, for exact resumes.
     uint8, augment_on, decode_size, flip_p: see `Preprocess`. stats_sync: each batch's counts reach the stats
     before the batch goes on (evaluation reads; training sends them without waiting).
     """
@@ -234,7 +232,7 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     if cache is None:
         cache = total_bytes(paths) <= cache_max_mb * 2**20
     if cache:
-        ds = cached_tar_shards(paths, stats_name, shuffle=file_shuffle, ordered=ordered)
+        ds = cached_tar_shards(paths, stats_name, shuffle=file_shuffle)
     else:
         ds = read_tar_shards(paths, stats_name, shuffle=file_shuffle)
     stats = stats_actor() if stats_name else None
@@ -251,13 +249,13 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
 def read_split(root: str, split: str, image_size: int, context_length: int, seed: int | None = None, *,
                captions: CaptionSampler = CaptionSampler(), augment: bool | None = None,
                shuffle: bool | None = None, stats_name: str | None = None, cache: bool | None = None,
-               ordered: bool = False, **image_options):
+               **image_options):
     """{root}/{split}/*.tar; augmentation and file shuffling default to on for "train" only. image_options:
     read_shards' uint8, augment_on, decode_size, flip_p (`train_options`)."""
     train = split == "train"
     return read_shards(shard_paths(root, split), image_size, context_length, seed, captions=captions,
                        augment=train if augment is None else augment, shuffle=train if shuffle is None else shuffle,
-                       stats_name=stats_name or split, cache=cache, ordered=ordered, **image_options)
+                       stats_name=stats_name or split, cache=cache, **image_options)
 
 
 def train_options(cfg) -> dict:

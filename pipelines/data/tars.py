@@ -22,7 +22,7 @@ import ray
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
-from pipelines.cluster.check import node_only, only_here
+from pipelines.cluster.check import only_here
 from pipelines.data.stats import stats_actor
 
 # key = everything before the first "." of the member's base name, directories included (webdataset's rule)
@@ -166,8 +166,13 @@ class TarShards(FileBasedDatasource):
             yield _block(rows)
 
     def blocks(self, path: str):
-        """The blocks of one local file, read in this process."""
-        with open(path.removeprefix("file://"), "rb") as f:
+        """The blocks of one file (local or fsspec URI), read in this process."""
+        try:
+            f = fsspec.open(path, "rb").open()
+        except Exception as err:  # noqa: BLE001 - reported by _read_stream, named
+            yield from self._read_stream(_Unopened(err), path)
+            return
+        with f:
             yield from self._read_stream(f, path)
 
     def _report(self, path: str, err: BrokenFile) -> None:
@@ -194,21 +199,17 @@ def _read_here(paths: list[str], stats_name: str | None):
     return ray.data.from_blocks([block for path in paths for block in source.blocks(path)] or [_block([])])
 
 
-def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None, ordered: bool = False):
-    """The raw samples of tar files small enough to keep (`read_tar_shards`), read once into Ray's object store.
-    Files on this node's disk are read in this process: a Ray Data execution here (its actors and read tasks) would
-    cost a job's driver seconds before training starts, for files it reads in well under one. Others (object
-    storage) are read by Ray Data's tasks; `ordered`: their blocks in file order, not task completion order."""
-    if all(node_only(p) for p in paths):
-        if shuffle is not None:
-            # the order Ray Data's first (cached) read of them draws: the same run from object storage is the same
-            paths = list(paths)
-            np.random.default_rng(shuffle.get_seed(0)).shuffle(paths)
-        return _read_here(paths, stats_name)
-    ds = read_tar_shards(paths, stats_name, shuffle=shuffle)
-    if ordered:
-        ds.context.execution_options.preserve_order = True
-    return ds.materialize()
+def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None):
+    """The raw samples of tar files small enough to keep (`read_tar_shards`; at most SHIP_MAX_MB), read once, in
+    this process, into Ray's object store, in file order (`shuffle`: the order Ray Data's first read would draw).
+    One block per file of up to CHUNK_ROWS rows whatever cluster reads them, so that the same files give the same
+    batches on one machine and from object storage (a Ray Data read splits its blocks by the cluster's size); and no
+    Ray Data execution on a job's driver before its training starts (its actors and read tasks cost seconds, for
+    files read here in well under one)."""
+    if shuffle is not None:
+        paths = list(paths)
+        np.random.default_rng(shuffle.get_seed(0)).shuffle(paths)
+    return _read_here(paths, stats_name)
 
 
 def write_tar(path: Path, samples: list[dict[str, bytes]]) -> None:

@@ -57,7 +57,7 @@ def held_out_loss_of(cfg: ExperimentDocument, model, source: dict, task, stats_n
     loss = create_loss(name or default_loss(model_name(source["model"])), **params)
     loss.load_state_dict(load_file(str(source["loss"])))
     ds = read_shards(task_paths(task), model.img_size, model.context_length, seed=0, stats_name=stats_name,
-                     ordered=True, stats_sync=True)
+                     stats_sync=True)
     return held_out_loss(Objective(model, loss), ds.iter_torch_batches(batch_size=cfg.eval.batch_size, drop_last=False))
 
 

@@ -45,14 +45,14 @@ def build_datasets(cfg: TrainDocument, context_length: int, run_id: str = "") ->
                             captions=CaptionSampler(mid=cfg.data.mid_caption_prob, general=cfg.data.general_caption_prob,
                                                     instance=cfg.data.instance_caption_prob),
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
-                            ordered=cfg.data.deterministic, **train_options(cfg)),
+                            **train_options(cfg)),
     }
     for task in cfg.resolved_tasks():
         name = eval_dataset_name(task)
         if task.kind == "loss":
             # the reader's training-style batches (tokens, a caption drawn per sample), seeded: the same every eval
             datasets[name] = read_shards(task_paths(task), size, context_length, seed=0,
-                                         stats_name=run_stats_name(run_id, name), ordered=True, stats_sync=True)
+                                         stats_name=run_stats_name(run_id, name), stats_sync=True)
         else:
             datasets[name] = read_eval_shards(task_paths(task), size, stats_name=run_stats_name(run_id, name),
                                               require=REQUIRES[task.kind])
