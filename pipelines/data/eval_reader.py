@@ -139,6 +139,7 @@ def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None =
     streams. require: see EvalDecode (REQUIRES[task.kind] for a task)."""
     if total_bytes(paths) <= cache_max_mb * 2**20:
         ds = cached_tar_shards(paths, stats_name)
+        ds.context.execution_options.preserve_order = True  # the decoded batches too, in file order
     else:
         ds = read_tar_shards(paths, stats_name)
     stats = stats_actor() if stats_name else None

@@ -200,9 +200,9 @@ def _read_here(paths: list[str], stats_name: str | None):
 
 
 def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None):
-    """The raw samples of tar files small enough to keep (`read_tar_shards`; at most SHIP_MAX_MB), read once, in
-    this process, into Ray's object store, in file order (`shuffle`: the order Ray Data's first read would draw).
-    One block per file of up to CHUNK_ROWS rows whatever cluster reads them, so that the same files give the same
+    """The raw samples of tar files small enough to keep (the readers' cache_max_mb, 512 MB by default), read once,
+    in this process, into Ray's object store, in file order (`shuffle`: the order Ray Data's first read would draw).
+    Each file's blocks of CHUNK_ROWS rows whatever cluster reads them, so that the same files give the same
     batches on one machine and from object storage (a Ray Data read splits its blocks by the cluster's size); and no
     Ray Data execution on a job's driver before its training starts (its actors and read tasks cost seconds, for
     files read here in well under one)."""
