@@ -117,6 +117,62 @@ def timing(batch: int, micro: int, repeats: int, quick: bool) -> dict:
     return times
 
 
+def gpu_rows(batch: int, micro: int, device: str, size_name: str, names: list[str]) -> list[str]:
+    """``--gpu``: per method at the given backbone, bf16 autocast: the cached step over `batch` (micro-batches of
+    `micro`) against one pass over `micro`: peak memory (``max_memory_allocated``, AdamW state included) and time
+    per sample. One timed step each after a warm-up (a cached step of two micro-batches: the same shapes)."""
+    from benchmarks.train_step import SIZES, sync
+
+    rows = []
+    for label in names:
+        overrides = dataclasses.asdict(SIZES[size_name])
+        if METHODS[label] in MIXTURE:
+            overrides["mixture_tokens"] = 16
+        torch.manual_seed(0)
+        objective = build_objective(TrainDocument(model=ModelConfig(name=METHODS[label], overrides=overrides)))
+        objective = objective.to(device).train()
+        optimizer = adamw(param_groups(objective, 0.2), lr=1e-4, betas=(0.9, 0.95))
+        model = objective.model
+        g = torch.Generator().manual_seed(0)
+        images = torch.randn(batch, 3, model.img_size, model.img_size, generator=g).to(device)
+        tokens = tokenize(captions("full", batch), model.context_length).to(device)
+
+        def timed(n: int, k: int) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+                step(objective, optimizer, images[:n], tokens[:n], k)
+            sync(device)
+            return time.perf_counter() - t0
+
+        timed(micro, 1), timed(2 * micro, 2)  # warm-up: AdamW state, both code paths
+        cuda = device.startswith("cuda")
+
+        def peak_of(n: int, k: int) -> tuple[float, float]:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            seconds = timed(n, k)
+            return seconds, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+
+        one = statistics.median(timed(micro, 1) for _ in range(3))
+        one_peak = peak_of(micro, 1)[1]
+        try:
+            cached, peak = peak_of(batch, batch // micro)
+        except torch.OutOfMemoryError as err:
+            rows.append(f"| {label} | {1e3 * one / micro:.3f} | OOM | - | {one_peak:.1f} | OOM: {str(err)[:80]} | - |")
+            print(rows[-1], flush=True)
+            continue
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+        rows.append(f"| {label} | {1e3 * one / micro:.3f} | {1e3 * cached / batch:.3f} | {cached / batch / (one / micro):.2f}x "
+                    f"| {one_peak:.1f} | {peak:.1f} | {cached:.1f} |")
+        print(rows[-1], flush=True)
+        del objective, optimizer, images, tokens
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -125,7 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true", help="the GPU part: ViT-B/16, bf16, --batch 16384 --micro 256")
+    parser.add_argument("--device", default="cuda", help="--gpu: the device (cpu runs its code path at --size tiny)")
+    parser.add_argument("--size", default="b16", help="--gpu: the backbone (benchmarks.train_step.SIZES)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="--gpu: comma-separated methods")
     args = parser.parse_args(argv)
+    if args.gpu:
+        return gpu_main(args, argv)
     if args.memory:
         print(json.dumps(measure_memory(args.memory, args.batch, args.k, args.quick)))
         return
@@ -162,6 +224,30 @@ the floor accumulation can reach); feature cache: the cached features of the who
     print(section)
     if not args.quick:
         write_section("accumulation", section)
+
+
+def gpu_main(args: argparse.Namespace, argv: list[str] | None) -> None:
+    batch = args.batch if args.batch != 256 else 16384
+    micro = args.micro if args.micro != 32 else 256
+    names = [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    card = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({machine()})"
+    head = [f"| method | one pass of {micro}, ms/sample | {micro} x {batch // micro} cached, ms/sample | time ratio "
+            f"| peak GiB, one pass of {micro} | peak GiB, {batch} cached | cached step (s) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = gpu_rows(batch, micro, args.device, args.size, names)
+    section = (f"## Feature-cache accumulation on a GPU: {card}\n\n"
+               f"`python -m benchmarks.accumulation {' '.join(argv if argv is not None else sys.argv[1:])}` "
+               f"(torch {torch.__version__}; {load()}). Backbone `{args.size}`, bf16 autocast, full captions: one "
+               f"optimizer step over a contrastive batch of {batch} on one card by {batch // micro} micro-batches of "
+               f"{micro} (`train.grad_accum: {batch // micro}`), against one pass over {micro}. One timed step after "
+               f"a warm-up; peak: `torch.cuda.max_memory_allocated` over the step, AdamW state included.\n\n"
+               + "\n".join(head + rows) + "\n")
+    print(section)
+    if args.device.startswith("cuda") and len(rows) == len(METHODS):
+        write_section("accumulation_gpu", section)
 
 
 if __name__ == "__main__":

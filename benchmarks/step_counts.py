@@ -89,7 +89,11 @@ def data_dependent(func, args) -> bool:
 
 
 def where() -> str:
-    """The innermost project frame (file:line) of the Python stack at an op, else the innermost torch one."""
+    """The innermost project frame (file:line) of the Python stack at an op, else the innermost torch one; in the
+    backward, the autograd node that runs it (backward:NodeName)."""
+    node = torch._C._current_autograd_node()
+    if node is not None:  # the backward: its Python stack is only the caller of .backward()
+        return f"backward:{node.name()}"
     frames = traceback.extract_stack()[:-3]
     fallback = None
     for f in reversed(frames):

@@ -316,9 +316,63 @@ def compile_rows(names: list[str], size: TowerConfig, mixture_tokens: int, batch
                 else:
                     times[which].append(dt)
         out[name] = (first["compiled"] - first["eager"], times["eager"], times["compiled"])
+        print(f"compile {LABEL[name]}: {out[name][0]:.0f} s, compiled / eager {round_ratio(times['compiled'], times['eager']):.3f}x",
+              flush=True)
         del eager, compiled
         torch._dynamo.reset()
     return out
+
+
+def trace_rows(names: list[str], size: TowerConfig, mixture_tokens: int, batch: int, device: str,
+               dtype: torch.dtype, out_dir: str) -> str:
+    """A CUDA trace of one step per model after three warm-up steps (``torch.profiler``): the step's wall time, its
+    kernels' summed time and count (the GPU's busy share of the step), the host's synchronising calls, and the top
+    kernels by time, written to ``out_dir/trace_<model>.txt`` with a Chrome trace beside it (gzipped)."""
+    import gzip
+    import os
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    lines = ["| model | step (ms, traced) | kernels | kernel time (ms) | GPU busy share | host syncs "
+             "(cudaStreamSynchronize / cudaDeviceSynchronize / item, nonzero) |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        run = build(name, size, mixture_tokens, device)
+        images, tokens = batch_inputs(size, batch, device, ["full"])
+        for _ in range(3):
+            step(*run, images, tokens["full"], dtype)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            step(*run, images, tokens["full"], dtype)
+            sync(device)
+            wall = time.perf_counter() - t0
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e3  # microseconds -> ms
+        syncs = {k: sum(1 for e in events if e.name == k) for k in
+                 ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense",
+                  "aten::item", "aten::nonzero")}
+        label = LABEL[name].replace("+", "p")
+        with open(os.path.join(out_dir, f"trace_{label}.txt"), "w") as f:
+            f.write(f"{LABEL[name]}: step {1e3 * wall:.1f} ms, {len(kernels)} kernels, {busy:.1f} ms of kernels; "
+                    f"{syncs}\n\n")
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=45))
+            f.write("\n\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+        raw = os.path.join(out_dir, f"trace_{label}.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
+        host = f"{syncs['cudaStreamSynchronize']} / {syncs['cudaDeviceSynchronize']} / {syncs['aten::_local_scalar_dense']} item, {syncs['aten::nonzero']} nonzero"
+        lines.append(f"| {LABEL[name]} | {1e3 * wall:.1f} | {len(kernels)} | {busy:.1f} | {busy / (1e3 * wall):.0%} | {host} |")
+        print(lines[-1], flush=True)
+        del run
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return "\n".join(lines)
 
 
 def compile_table(rows: dict) -> str:
@@ -355,13 +409,19 @@ def gpu_main(args: argparse.Namespace, argv: list[str] | None, pairs: list[tuple
         comp = compile_rows([n for n in LABEL if LABEL[n] in wanted], size, args.mixture_tokens, args.batch,
                             max(2, args.repeats // 2), 2, args.device, dtype)
         text.append(f"### `train.compile` (torch.compile of every block), batch {args.batch}\n\n" + compile_table(comp))
+    if "trace" in parts:
+        wanted = {w.strip() for w in args.trace_models.split(",")}
+        text.append(f"### One traced step (`torch.profiler`, CUDA), batch {args.batch}\n\n"
+                    + trace_rows([n for n in LABEL if LABEL[n] in wanted], size, args.mixture_tokens, args.batch,
+                                 args.device, dtype, args.trace_dir))
     body = "\n\n".join(text)
     print(body)
     if not args.device.startswith("cuda"):
         print("\n(not written: docs/BENCHMARKS.md's GPU section is refreshed from a CUDA device)")
         return
     command = " ".join(argv if argv is not None else sys.argv[1:])
-    write_section("train_step_gpu",
+    # The step table's run owns the section; a run of other parts alone (say compile, a long one) writes its own.
+    write_section("train_step_gpu" if "time" in parts else "train_step_gpu_" + "_".join(sorted(parts)),
                   f"## Training step on a GPU: {name} (`benchmarks/train_step.py --gpu`)\n\n"
                   f"Backbone `{args.size}`, per-GPU batch {args.batch}, {'bf16 autocast' if args.bf16 else 'fp32'}, full "
                   f"captions, Llip mixture tokens {args.mixture_tokens}; {args.repeats} round-robin repeats after "
@@ -411,9 +471,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", default=",".join(LABEL[m] for m, _ in PAIRS),
                         help="comma-separated methods to compare with their baselines, e.g. ProLIP,Llip")
     parser.add_argument("--quick", action="store_true", help="tiny size, few repeats, print only")
-    parser.add_argument("--parts", default="time,memory,compile", help="--gpu: a subset of time,memory,compile")
+    parser.add_argument("--parts", default="time,memory,compile", help="--gpu: a subset of time,memory,compile,trace")
     parser.add_argument("--memory-batches", default="256,512", help="--gpu: per-GPU batches of the memory table")
     parser.add_argument("--compile-models", default="CLIP,ProLIP", help="--gpu: models whose compile is measured")
+    parser.add_argument("--trace-models", default="CLIP,PCME++,ProLIP-Llip", help="--gpu: models of the trace part")
+    parser.add_argument("--trace-dir", default="gpu-out", help="--gpu: where the trace part writes its files")
     parser.add_argument("--peak-tflops", type=float, help="--gpu: the card's dense bf16 peak, if not in the table")
     args = fill_defaults(parser.parse_args(argv))
     args.batch = args.batch or 64
