@@ -75,12 +75,11 @@ class GPO(nn.Module):
         tokens (``every_length``), or (1, max_len) for max_len tokens alone. Index it by ``max_len - lengths``."""
         return gpo_tables([(self, max_len, every_length)], device)[0]
 
-    def weights_from(self, forward: torch.Tensor, backward: torch.Tensor, max_len: int,
-                     score_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def weights_from(self, forward: torch.Tensor, backward: torch.Tensor, max_len: int) -> torch.Tensor:
         """The weights of rows of lengths max_len, max_len - 1, ... from their GRU outputs in each direction
-        (rows, max_len, d_hidden); ``score_weight``: the scoring layer's weight where it lives elsewhere (a host copy)."""
+        (rows, max_len, d_hidden)."""
         out = (forward + backward) / 2  # average of both directions
-        scores = (self.score(out) if score_weight is None else F.linear(out, score_weight)).squeeze(-1)  # (rows, max_len)
+        scores = self.score(out).squeeze(-1)  # (rows, max_len)
         pos = torch.arange(max_len, device=scores.device)
         valid = pos[None, :] + torch.arange(scores.shape[0], device=scores.device)[:, None] < max_len  # t < length
         # at least float32 (float64 stays: a float32 round trip would put float64 runs ~1e-7 off)
@@ -121,46 +120,28 @@ class GPO(nn.Module):
         return (ordered * w.unsqueeze(-1)).sum(dim=1)
 
 
-def gpo_parameters(gpos: list[GPO]) -> list[list[torch.Tensor]]:
-    """Each GPO's GRU weights (``GPO.gru_weight_names``) and its scoring weight: what its table depends on."""
-    return [[g.gru_parameter(n) for n in GPO.gru_weight_names] + [g.score.weight] for g in gpos]
-
-
-def host_copies(groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """The tensors on the host by ONE device-to-host copy, differentiable (their gradients go back the same way).
-    The copy waits for the device's queue: take it where the host reads the device anyway."""
-    flat = [t for group in groups for t in group]
-    host = torch.cat([t.reshape(-1) for t in flat]).to("cpu").split([t.numel() for t in flat])
-    parts = iter(h.view_as(t) for h, t in zip(host, flat))
-    return [[next(parts) for _ in group] for group in groups]
-
-
-def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None,
-               params: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
+def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None) -> list[torch.Tensor]:
     """``gpo.table(max_len, every_length)`` for each (gpo, max_len, every_length), from ONE bidirectional GRU pass.
 
     The GRU is sequential over time steps (a GPU launches kernels per step), so several GPOs (PCME++'s four) share
     one pass: their GRUs side by side as one GRU with block-diagonal
     recurrent weights (each unit's gates read its own GPO's hidden state only, so every block evolves exactly as its
     own GRU would), over the union of the sequence lengths they need, packed longest first (lengths known on the
-    host: no sort, no copy between host and device). ``params``: ``gpo_parameters`` of the GPOs to compute with
-    instead of their own (their ``host_copies``: the tables are then computed on the host, on ``device``="cpu")."""
+    host: no sort, no copy between host and device)."""
     gpos = [g for g, _, _ in specs]
-    params = params if params is not None else gpo_parameters(gpos)
     first = gpos[0]
     if any((g.d_pe, g.d_hidden) != (first.d_pe, first.d_hidden) for g in gpos):
         raise ValueError("gpo_tables: the GPOs must share d_pe and d_hidden")
     h, k = first.d_hidden, len(gpos)
     lengths = sorted({n for _, m, every in specs for n in (range(1, m + 1) if every else (m,))}, reverse=True)
     slot = {n: i for i, n in enumerate(lengths)}
-    pe = sinusoid(lengths[0], first.d_pe, device).to(params[0][-1].dtype).unsqueeze(0).expand(len(lengths), -1, -1)
-    named = [dict(zip(GPO.gru_weight_names, p)) for p in params]
+    pe = sinusoid(lengths[0], first.d_pe, device).to(first.score.weight.dtype).unsqueeze(0).expand(len(lengths), -1, -1)
     if k == 1:
-        weights = params[0][:-1]
+        weights = [first.gru_parameter(n) for n in GPO.gru_weight_names]
     else:
         weights = []
         for sfx in ("", "_reverse"):
-            w_ih, w_hh, b_ih, b_hh = ([n[f"{p}_l0{sfx}"] for n in named]
+            w_ih, w_hh, b_ih, b_hh = ([g.gru_parameter(f"{p}_l0{sfx}") for g in gpos]
                                       for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
             gates = lambda ws: torch.cat([w[i * h : (i + 1) * h] for i in range(3) for w in ws])  # noqa: E731 (r, z, n)
             w_hh = torch.cat([torch.block_diag(*(w[i * h : (i + 1) * h] for w in w_hh)) for i in range(3)])
@@ -177,8 +158,7 @@ def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None,
     tables = []
     for i, (gpo, m, every) in enumerate(specs):
         rows = out[slot[m] : slot[m] + (m if every else 1), :m]
-        tables.append(gpo.weights_from(rows[..., i * h : (i + 1) * h], rows[..., (k + i) * h : (k + i + 1) * h], m,
-                                       params[i][-1]))
+        tables.append(gpo.weights_from(rows[..., i * h : (i + 1) * h], rows[..., (k + i) * h : (k + i + 1) * h], m))
     return tables
 
 

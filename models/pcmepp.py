@@ -11,16 +11,14 @@ and returns the soft-label information ``mix_lambda`` / ``mix_partner`` for the 
 from __future__ import annotations
 
 import copy
-import functools
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, Sequence, Union
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.accumulate import SplitForward
-from models.heads import GPO, Float32Linear, gpo_parameters, gpo_tables, host_copies
+from models.heads import GPO, Float32Linear, gpo_tables
 from models.prolip import negative_csd, prompt_ensemble
 from models.towers import TowerConfig, reset_linear_and_norm
 
@@ -87,43 +85,6 @@ def mixed_sample(images: torch.Tensor, fraction: float, beta: float, selection: 
     return images, lam, partners
 
 
-# GPO weight tables, or what returns them once they are needed (``host_tables``).
-Tables = Union[Sequence[Union[torch.Tensor, None]], Callable[[], Sequence[torch.Tensor]], None]
-_HOST: ThreadPoolExecutor | None = None  # the one host thread that makes GPO tables beside the device's work
-
-
-def resolve(tables: Tables) -> Sequence:
-    if tables is None:
-        return (None, None)
-    return tables() if callable(tables) else tables
-
-
-def host_tables(specs: list[tuple[GPO, int, bool]], device: torch.device) -> Callable[[], list[torch.Tensor]]:
-    """``gpo_tables(specs)`` made on the host while the caller queues device work: their weights copied over now
-    (one copy, which waits for the device's queue), the pass on a host thread; the returned function waits for
-    it and moves the tables to `device` without waiting for the device (once, however often it is called)."""
-    global _HOST
-    params = host_copies(gpo_parameters([g for g, _, _ in specs]))
-    grad = torch.is_grad_enabled()  # thread-local: the host thread records a graph only where the caller does
-
-    def make() -> list[torch.Tensor]:
-        with torch.set_grad_enabled(grad):
-            return gpo_tables(specs, "cpu", params)
-
-    if _HOST is None:
-        _HOST = ThreadPoolExecutor(1, thread_name_prefix="gpo-tables")
-    pending = _HOST.submit(make)
-
-    @functools.cache
-    def on_device() -> list[torch.Tensor]:
-        # one copy each way: the backward brings the tables' gradients back in one (blocking) copy, not four
-        tables = pending.result()
-        flat = torch.cat([t.reshape(-1) for t in tables]).to(device, non_blocking=True)
-        return [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tables]), tables)]
-
-    return on_device
-
-
 class PCMEPP(SplitForward, nn.Module):
     # encode_* return log sigma^2 ("logvar") beside mu: scored by CSD, calibrated in evaluation
     probabilistic = True
@@ -159,27 +120,25 @@ class PCMEPP(SplitForward, nn.Module):
         self.context_length, self.img_size = towers.context_length, towers.img_size
         self.msda_fraction, self.msda_beta = msda_fraction, msda_beta
 
-    def encode_image(self, images: torch.Tensor, tables: Tables = None) -> dict[str, torch.Tensor]:
-        """``tables``: the mean and variance GPOs' weight tables, or what returns them (``features`` makes all four
-        GPOs' in one pass); read only once the tower's work is queued."""
+    def encode_image(self, images: torch.Tensor, tables: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """``tables``: the mean and variance GPOs' weight tables (``features`` makes all four GPOs' in one pass)."""
+        mu_table, var_table = tables or (None, None)
         vit, run = self.visual.vit, self.visual.run  # run: the tower's block loop (checkpointed if set)
         h = run(self.visual.embed(images), vit.blocks[:-1])
-        mu_tokens = self.image_proj(vit.norm(run(h, vit.blocks[-1:])))
-        var_tokens = self.image_var_proj(self.image_var_norm(run(h, [self.image_var_block])))
-        mu_table, var_table = resolve(tables)
-        mu = self.image_gpo(mu_tokens, table=mu_table)
-        logvar = self.image_var_gpo(var_tokens, table=var_table)
+        mu = self.image_gpo(self.image_proj(vit.norm(run(h, vit.blocks[-1:]))), table=mu_table)
+        logvar = self.image_var_gpo(self.image_var_proj(self.image_var_norm(run(h, [self.image_var_block]))),
+                                    table=var_table)
         return {"mu": F.normalize(mu, dim=-1), "logvar": logvar}
 
-    def encode_text(self, tokens: torch.Tensor, tables: Tables = None,
+    def encode_text(self, tokens: torch.Tensor, tables: list[torch.Tensor] | None = None,
                     embedded: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         """``embedded``: ``self.text.embed(tokens)`` where the caller has it; ``tables`` as ``encode_image``'s."""
+        mu_table, var_table = tables or (None, None)
         x, attn = self.text.embed(tokens) if embedded is None else embedded
         h = self.text.run(x, self.text.blocks[:-1], attn)
         lengths = self.text.eot_index(tokens) + 1  # tokens up to and including EOT
         mu_tokens = self.text.ln_final(self.text.run(h, self.text.blocks[-1:], attn))
         var_tokens = self.text_var_norm(self.text.run(h, [self.text_var_block], attn))
-        mu_table, var_table = resolve(tables)
         mu = self.text_gpo(self.text_proj(mu_tokens), lengths, mu_table)
         logvar = self.text_var_gpo(self.text_var_proj(var_tokens), lengths, var_table)
         return {"mu": F.normalize(mu, dim=-1), "logvar": logvar}
@@ -195,23 +154,15 @@ class PCMEPP(SplitForward, nn.Module):
     def features(self, images: torch.Tensor, tokens: torch.Tensor, draws: dict) -> dict[str, torch.Tensor]:
         embedded = self.text.embed(tokens)  # first: its padding trim reads the batch's length on the host
         # (on a GPU, before the towers' work is queued). Off the CPU the four GPOs take their weights from one GRU
-        # pass. On a GPU that pass is ~1,000 tiny kernels forward and as many backward (a GRU steps sequentially),
-        # which left the card idle ~40 ms of a 200 ms ViT-B/16 step (H200 trace, docs/BENCHMARKS.md): so it runs
-        # on the host, beside the towers. Its weights come over in one copy while the queue is empty (just after
-        # the read above), the tables are made on a host thread while the image tower is queued, and autograd runs
-        # their backward on its CPU thread beside the device's. On a CPU the per-GPO passes are as fast, and
-        # autograd would keep the 4x-wide joint recurrent weight at every step.
-        tables: list = [None] * 4
+        # pass: a GPU launches kernels per sequential step, 2 x 197 + 2 x 64 of them at ViT-B/16 one by one, 197
+        # together. On a CPU that saves little, and autograd would keep the 4x-wide recurrent weight at every step.
+        tables = [None] * 4
         if images.device.type != "cpu":
             n_image, n_text = self.visual.num_prefix + self.visual.num_patches, embedded[0].shape[1]
-            specs = [(self.image_gpo, n_image, False), (self.image_var_gpo, n_image, False),
-                     (self.text_gpo, n_text, True), (self.text_var_gpo, n_text, True)]
-            if torch.compiler.is_compiling():  # traced step by step on the device (models.heads._gru_steps)
-                tables = gpo_tables(specs, images.device)
-            else:
-                tables = host_tables(specs, images.device)
-        img = self.encode_image(images, tables[:2] if isinstance(tables, list) else lambda: tables()[:2])
-        txt = self.encode_text(tokens, tables[2:] if isinstance(tables, list) else lambda: tables()[2:], embedded)
+            tables = gpo_tables([(self.image_gpo, n_image, False), (self.image_var_gpo, n_image, False),
+                                 (self.text_gpo, n_text, True), (self.text_var_gpo, n_text, True)], images.device)
+        txt = self.encode_text(tokens, tables[2:], embedded)
+        img = self.encode_image(images, tables[:2])
         return {"image_mu": img["mu"], "image_logvar": img["logvar"], "text_mu": txt["mu"],
                 "text_logvar": txt["logvar"]}
 
