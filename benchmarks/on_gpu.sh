@@ -3,11 +3,12 @@
 # in .gpu-carry, built here by ../shared/gpu/build-carry.sh). Its logs, traces and refreshed docs/BENCHMARKS.md come
 # back in $OUT (or ./gpu-out): gpu.tgz (everything), BENCHMARKS.md, summary.txt. Parts, in this order:
 #   bench   benchmarks.train_step --gpu: step table, memory at 512, a CUDA trace of CLIP / PCME++ / ProLIP-Llip (TS s),
-#           then the compile part for the methods of COMPILE (TC s)                    (~5 min on an H200)
+#           then the compile part for the methods of COMPILE (TC s)  (3 min 15 s on an H200, imports included)
 #   ingest  benchmarks.ingest on cuda, ProLIP ViT-B/16, the device path (TI s)
 #   test    make test-gpu (TT s); with `accum` too, benchmarks.accumulation --gpu runs beside it (its memory exact,
-#           its times under the tests' load)                                         (~6 min on an H200)
-#   accum   benchmarks.accumulation --gpu: a 16k contrastive batch by 64 micro-batches of 256 (TA s)
+#           its times under the tests' load)                    (test ~6 min on an H200, 2026-11-26)
+#   accum   benchmarks.accumulation --gpu: a 16k contrastive batch by 64 micro-batches of 256 (TA s; four
+#           methods took ~280 s on an H200, so six need ~7 min)
 # e.g. `bash benchmarks/on_gpu.sh bench`, then `bash benchmarks/on_gpu.sh test accum`.
 cd "$(dirname "$0")/.." || exit 2
 out=${OUT:-gpu-out}; work=/tmp/gpu-work; rm -rf "$work"; mkdir -p "$work" "$out"
@@ -29,7 +30,7 @@ if has bench; then
   timeout "${TS:-200}" python3 -m benchmarks.train_step --gpu --parts time,memory,trace --memory-batches 512 \
     --trace-dir "$work" > "$work/train_step.log" 2>&1; say "train_step rc $?"
   timeout "${TC:-150}" python3 -m benchmarks.train_step --gpu --parts compile --repeats 6 \
-    --compile-models "${COMPILE:-ProLIP,PCME++,ProLIP-Llip}" > "$work/compile.log" 2>&1; say "compile rc $?"
+    --compile-models "${COMPILE:-CLIP,SigLIP,ProLIP,PCME++,Llip,ProLIP-Llip}" > "$work/compile.log" 2>&1; say "compile rc $?"
   quiet "$work/train_step.log" "$work/compile.log" | grep "^|\|^compile\|rror" | tee -a "$work/summary.txt" | tail -40
 fi
 if has ingest; then
@@ -38,7 +39,7 @@ if has ingest; then
   quiet "$work/ingest.log" | grep "^|\|rror" | tee -a "$work/summary.txt" | tail -20
 fi
 if has accum && has test; then
-  (timeout "${TA:-200}" python3 -m benchmarks.accumulation --gpu > "$work/accumulation.log" 2>&1; say "accumulation rc $?") &
+  (timeout "${TA:-420}" python3 -m benchmarks.accumulation --gpu > "$work/accumulation.log" 2>&1; say "accumulation rc $?") &
 fi
 if has test; then
   timeout "${TT:-420}" python3 -m pytest -q -m gpu --durations=0 -p no:cacheprovider -s tests/test_gpu.py \
@@ -47,6 +48,6 @@ if has test; then
     | tee -a "$work/summary.txt" | tail -50
   wait
 elif has accum; then
-  timeout "${TA:-200}" python3 -m benchmarks.accumulation --gpu > "$work/accumulation.log" 2>&1; say "accumulation rc $?"
+  timeout "${TA:-420}" python3 -m benchmarks.accumulation --gpu > "$work/accumulation.log" 2>&1; say "accumulation rc $?"
 fi
 has accum && grep "^|" "$work/accumulation.log" | tee -a "$work/summary.txt"

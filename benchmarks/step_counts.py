@@ -433,8 +433,9 @@ half the float32 counts) at ~3 TB/s, reproduces Llip's measured 1.103x (1.073x a
 ratios: ProLIP ~1.15x (244 fewer kernels, one sync fewer), PCME++ ~1.5x (cuDNN runs the GRU per time step, ~5
 kernels per step and direction forward + backward: ~3,200 fewer kernels, 10 syncs fewer), Llip ~1.10x (unchanged),
 ProLIP-Llip ~1.28x. PCME++ stays far from 1.15x: the same model puts its remaining GRU chain at ~10 ms and leaves
-~0.25x of its H100 step unexplained by the counts (only a GPU trace can say what it is). Only a GPU run can confirm
-any of these (`benchmarks/on_gpu.sh`)."""
+~0.25x of its H100 step unexplained by the counts (only a GPU trace can say what it is). One H200 run (2026-11-28, `train_step_gpu`) measured
+ProLIP 1.106x, PCME++ 1.457x, Llip 1.089x, ProLIP-Llip 1.225x, and its trace puts PCME++'s rest in the GRU pass (the reading
+under that section)."""
 
 
 def write(label: str, body: str, argv: list[str] | None) -> None:
