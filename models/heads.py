@@ -139,12 +139,19 @@ def gpo_tables(specs: list[tuple[GPO, int, bool]], device=None) -> list[torch.Te
     if k == 1:
         weights = [first.gru_parameter(n) for n in GPO.gru_weight_names]
     else:
+        # Each joint weight from one stack of the GPOs' own, not from per-gate slices: a slice's backward is a zeroed
+        # copy of the whole weight, ~190 small kernels at the end of a GPU step for the four GPOs' 96 slices.
         weights = []
+        eye = torch.eye(k, dtype=first.score.weight.dtype, device=first.score.weight.device)
         for sfx in ("", "_reverse"):
-            w_ih, w_hh, b_ih, b_hh = ([g.gru_parameter(f"{p}_l0{sfx}") for g in gpos]
+            w_ih, w_hh, b_ih, b_hh = (torch.stack([g.gru_parameter(f"{p}_l0{sfx}") for g in gpos])
                                       for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-            gates = lambda ws: torch.cat([w[i * h : (i + 1) * h] for i in range(3) for w in ws])  # noqa: E731 (r, z, n)
-            w_hh = torch.cat([torch.block_diag(*(w[i * h : (i + 1) * h] for w in w_hh)) for i in range(3)])
+
+            def gates(w: torch.Tensor) -> torch.Tensor:  # (k, 3h, ...) -> (3kh, ...): gate-major (r, z, n), GPO-minor
+                return w.unflatten(1, (3, h)).transpose(0, 1).flatten(0, 2)
+
+            # per gate the block-diagonal (kh, kh) of the GPOs' (h, h) recurrent weights
+            w_hh = torch.einsum("ij,igab->giajb", eye, w_hh.unflatten(1, (3, h))).reshape(3 * k * h, k * h)
             weights += [gates(w_ih), w_hh, gates(b_ih), gates(b_hh)]
     if torch.compiler.is_compiling():  # dynamo traces no RNN module or op: the same recurrence step by step
         out = _gru_steps(pe[0], lengths, weights)
