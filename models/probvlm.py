@@ -23,6 +23,10 @@ only a per-dimension Gaussian variance is learned (loss ``pfe_mls``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 
 import torch
 import torch.nn as nn
@@ -94,8 +98,6 @@ class GGDHead(nn.Module):
 class ProbVLMAdapter(nn.Module):
     """Image and text GGD heads; ``forward`` gives `ProbVLMLoss` its inputs, ``variance`` the total uncertainty."""
 
-    loss_name = "probvlm"
-
     def __init__(self, dim: int, hidden: int = 256, dropout: float = 0.1, mc_samples: int = 16, mc_seed: int = 0):
         super().__init__()
         if not 0.0 <= dropout < 1.0 or mc_samples < 0 or (mc_samples > 0 and dropout == 0):
@@ -141,8 +143,6 @@ class ProbVLMAdapter(nn.Module):
 class PFEAdapter(nn.Module):
     """Baseline: per modality an MLP z -> log sigma^2 (the same trunk, no dropout); the mean is z itself."""
 
-    loss_name = "pfe_mls"
-
     def __init__(self, dim: int, hidden: int = 256, logvar_init: float = -5.0):
         super().__init__()
         for side in SIDES:
@@ -163,16 +163,61 @@ class PFEAdapter(nn.Module):
         return self.logvar(side, z).exp()
 
 
-ADAPTERS = {"probvlm": ProbVLMAdapter, "pfe": PFEAdapter}
+@dataclass(frozen=True)
+class AdapterKind:
+    """An adapter head as the adapt stage builds, trains, tags and saves it.
+
+    module: built as ``module(dim, **options)`` (dim: the source's embedding width); loss: the registry loss it trains
+    with (models.losses); options: the ``adapter`` config fields its constructor takes (a saved model records them);
+    loss_section: the config's ``loss`` section sets that loss's parameters (ProbVLM's); method: the MLflow tag."""
+
+    module: type[nn.Module]
+    loss: str
+    options: tuple[str, ...] = ("hidden",)
+    loss_section: bool = False
+    method: str = ""
 
 
-def build_adapter(head: str, dim: int, hidden: int = 256, dropout: float = 0.1, mc_samples: int = 16,
-                  mc_seed: int = 0) -> nn.Module:
-    if head == "probvlm":
-        return ProbVLMAdapter(dim, hidden, dropout, mc_samples, mc_seed)
-    if head == "pfe":
-        return PFEAdapter(dim, hidden)
-    raise ValueError(f"unknown adapter head {head!r}; known: {', '.join(ADAPTERS)}")
+ADAPTERS: dict[str, AdapterKind] = {}
+
+
+def register_adapter(head: str, kind: AdapterKind) -> None:
+    """A new adapter head: its module and loss classes plus this one call. It becomes ``adapter.head`` /
+    ``adapter.baseline`` in the adapt config and the registry model ``{head}_adapter``."""
+    if head in ADAPTERS:
+        raise ValueError(f"adapter head {head!r} registered twice")
+    ADAPTERS[head] = kind
+
+
+register_adapter("probvlm", AdapterKind(ProbVLMAdapter, "probvlm", ("hidden", "dropout", "mc_samples", "mc_seed"),
+                                        loss_section=True, method="probvlm"))
+register_adapter("pfe", AdapterKind(PFEAdapter, "pfe_mls", ("hidden",), method="pfe_mls"))
+
+
+def adapter_kind(head: str) -> AdapterKind:
+    if head not in ADAPTERS:
+        raise ValueError(f"unknown adapter head {head!r}; known: {', '.join(ADAPTERS)}")
+    return ADAPTERS[head]
+
+
+def adapter_model_name(head: str) -> str:
+    """The registry name of a source model with this adapter head (models.registry registers one per head)."""
+    adapter_kind(head)
+    return f"{head}_adapter"
+
+
+def adapter_options(head: str, config: Any) -> dict[str, Any]:
+    """The constructor options of `head` read from `config` (the adapt config's ``adapter`` section, or a mapping)."""
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k)
+    return {k: get(k) for k in adapter_kind(head).options}
+
+
+def build_adapter(head: str, dim: int, **options: Any) -> nn.Module:
+    kind = adapter_kind(head)
+    unknown = sorted(set(options) - set(kind.options))
+    if unknown:
+        raise ValueError(f"adapter head {head!r} takes {', '.join(kind.options)}; not {', '.join(unknown)}")
+    return kind.module(dim, **options)
 
 
 def source_problem(model: nn.Module, name: str) -> str | None:
@@ -198,10 +243,10 @@ class AdaptedModel(nn.Module):
     probabilistic = True
 
     def __init__(self, source_model: nn.Module, *, source: str, source_overrides: dict | None = None,
-                 head: str = "probvlm", hidden: int = 256, dropout: float = 0.1, mc_samples: int = 16, mc_seed: int = 0,
-                 scoring: str = "cosine"):
+                 head: str = "probvlm", scoring: str = "cosine", **adapter: Any):
         """`source_model`: the registry model `source` built with `source_overrides` (the registry builds it);
-        the keywords are what a model file records to rebuild this model."""
+        `adapter`: the head's options (``AdapterKind.options``); the keywords are what a model file records to
+        rebuild this model."""
         super().__init__()
         if scoring not in ("cosine", "csd"):
             raise ValueError(f"scoring must be 'cosine' or 'csd', got {scoring!r}")
@@ -212,7 +257,7 @@ class AdaptedModel(nn.Module):
             raise ValueError(problem)
         self.source.requires_grad_(False)
         self.source.eval()
-        self.adapter = build_adapter(head, embedding_width(self.source), hidden, dropout, mc_samples, mc_seed)
+        self.adapter = build_adapter(head, embedding_width(self.source), **adapter)
         self.context_length, self.img_size = self.source.context_length, self.source.img_size
 
     def train(self, mode: bool = True) -> "AdaptedModel":

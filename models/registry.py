@@ -20,7 +20,7 @@ from models.clip import CLIP
 from models.llip import Llip
 from models.pcmepp import PCMEPP
 from models.prob_llip import ProbLlip
-from models.probvlm import AdaptedModel
+from models.probvlm import ADAPTERS, AdaptedModel, adapter_kind, adapter_model_name
 from models.prolip import ProLIP
 from models.towers import TowerConfig
 
@@ -66,7 +66,7 @@ class ModelEntry:
     default_loss: str
 
     def build(self, **overrides) -> nn.Module:
-        unknown = sorted(set(overrides) - set(override_types_of(self.arch)))
+        unknown = sorted(set(overrides) - set(override_types_of(self.arch, self.defaults)))
         if unknown:
             raise TypeError(f"{self.arch.__name__}: unknown overrides {', '.join(unknown)}")
         if self.towers is None:  # an adapter: the registry builds the model it adapts
@@ -94,15 +94,17 @@ for _method, _row in METHODS.items():
         register_model(f"{_method}{_row.tags.get(_size, '')}_{_size}",
                        ModelEntry(_row.arch, _towers, _row.extras.get(_size, {}), _row.default_loss))
 
-# Post-hoc adapters over a frozen registry model (ProbVLM, arXiv:2307.00398 Sec. 3): the source names the size.
-register_model("probvlm_adapter", ModelEntry(AdaptedModel, None, {"head": "probvlm"}, "probvlm"))
-register_model("pfe_adapter", ModelEntry(AdaptedModel, None, {"head": "pfe"}, "pfe_mls"))
+# Post-hoc adapters over a frozen registry model (ProbVLM, arXiv:2307.00398 Sec. 3) are `{head}_adapter` for every
+# head of models.probvlm.ADAPTERS (`_entry`); the override `source` names the model and so the size.
 
 
 def _entry(name: str) -> ModelEntry:
-    if name not in _MODELS:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(_MODELS))}")
-    return _MODELS[name]
+    if name in _MODELS:
+        return _MODELS[name]
+    head = name.removesuffix("_adapter")
+    if name.endswith("_adapter") and head in ADAPTERS:  # a head of models.probvlm.register_adapter, whenever added
+        return ModelEntry(AdaptedModel, None, {"head": head}, ADAPTERS[head].loss)
+    raise KeyError(f"unknown model {name!r}; known: {', '.join(list_models())}")
 
 
 def create_model(name: str, **overrides) -> nn.Module:
@@ -119,9 +121,9 @@ def model_arch(name: str) -> type[nn.Module]:
     return _entry(name).arch
 
 
-def override_types_of(arch: type[nn.Module]) -> dict[str, Any]:
+def override_types_of(arch: type[nn.Module], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every override a model class takes and its annotated type: the TowerConfig fields (models built on
-    towers), then its own keywords."""
+    towers), then its own keywords; for an adapter entry (``defaults`` names its head) the head's options too."""
     params = inspect.signature(arch.__init__).parameters
     out: dict[str, Any] = {}
     if "towers" in params:
@@ -131,13 +133,18 @@ def override_types_of(arch: type[nn.Module]) -> dict[str, Any]:
     for pname, param in params.items():
         if pname not in ("self", "towers") and param.kind == param.KEYWORD_ONLY:
             out[pname] = own.get(pname, Any)
+    if defaults and "head" in defaults:
+        kind = adapter_kind(defaults["head"])
+        hints = typing.get_type_hints(kind.module.__init__)
+        out.update({o: hints.get(o, Any) for o in kind.options})
     return out
 
 
 def override_types(name: str) -> dict[str, Any]:
     """The valid `model.overrides` keys of a registered model and their types."""
-    return override_types_of(_entry(name).arch)
+    entry = _entry(name)
+    return override_types_of(entry.arch, entry.defaults)
 
 
 def list_models() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *(adapter_model_name(h) for h in ADAPTERS)])

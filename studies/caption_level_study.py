@@ -33,6 +33,8 @@ from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
+from pipelines.train.in_process import InProcessFit
+from pipelines.train.loop import run_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "prolip_demo.yaml"
@@ -117,21 +119,18 @@ def train(cfg, seed: int, multi_positive: bool):
     objective = build_objective(cfg)
     if multi_positive:
         objective = Objective(objective.model, MultiPositiveProLIP(**cfg.loss.params))
-    objective.train()
-    opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            weight_decay=t.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)))
+    fit = InProcessFit(objective.train(), cfg)
     batch = t.batch_size * t.num_workers
-    for _ in range(t.steps):
-        rows = rng.choice(len(images), batch, replace=False)
-        captions = [sampler.draw(metas[i], "", rng) for i in rows]
-        if multi_positive:
-            objective.loss.labels = fit_labels([fits[i] for i in rows], captions)
-        opt.zero_grad(set_to_none=True)
-        objective(images[rows], tokenize(captions, objective.model.context_length))["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(objective.parameters(), t.grad_clip)
-        opt.step()
-        sched.step()
+
+    def batches():
+        while True:
+            rows = rng.choice(len(images), batch, replace=False)
+            captions = [sampler.draw(metas[i], "", rng) for i in rows]
+            if multi_positive:  # read by the loss of the step this batch goes to
+                objective.loss.labels = fit_labels([fits[i] for i in rows], captions)
+            yield images[rows], tokenize(captions, objective.model.context_length)
+
+    run_steps(fit, batches(), t.steps)
     return objective.model.eval()
 
 

@@ -114,6 +114,53 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     assert all(torch.equal(v, resumed.state()[k]) for k, v in straight.state().items())
 
 
+def test_a_new_adapter_head_is_a_module_a_loss_and_one_register_call(tmp_path):
+    """An adapter head added the way README says (its module and loss classes, one `register_adapter` call, nothing
+    else edited) is a config value, trains in the adapt stage's fit beside the PFE baseline, and is a registry model
+    that saves and reloads; unknown heads fail in one line naming the known ones."""
+    import torch.nn as nn
+
+    from models.losses import _LOSSES, register_loss
+    from models.probvlm import ADAPTERS, AdapterKind, register_adapter
+    from pipelines.adapt.loop import AdapterFit, build_adapter_set
+    from pipelines.train.loop import run_steps
+
+    class Isotropic(nn.Module):  # one learned log variance per input, the mean the frozen embedding
+        def __init__(self, dim: int, hidden: int = 8):
+            super().__init__()
+            self.image, self.text = nn.Linear(dim, 1), nn.Linear(dim, 1)
+
+        def forward(self, image_z, text_z):
+            return {"image_mu": image_z, "image_logvar": self.image(image_z).expand_as(image_z),
+                    "text_mu": text_z, "text_logvar": self.text(text_z).expand_as(text_z)}
+
+        def variance(self, side, z):
+            return getattr(self, side)(z).exp().expand_as(z)
+
+    class IsotropicMLS(nn.Module):
+        def forward(self, out, world=None):
+            return {"loss": negative_mls(out["image_mu"], out["image_logvar"], out["text_mu"], out["text_logvar"]).mean()}
+
+    register_loss("isotropic_mls")(IsotropicMLS)
+    register_adapter("isotropic", AdapterKind(Isotropic, "isotropic_mls", ("hidden",), method="isotropic_mls"))
+    try:
+        cfg = load_adapt_config(CONFIG, ["adapter.head=isotropic", "adapter.hidden=4", "adapter.baseline=pfe"])
+        fit = AdapterFit(build_adapter_set(cfg, 6), lr=1e-2, weight_decay=0.0, steps=4)
+        g = torch.Generator().manual_seed(0)
+        before = {k: v.clone() for k, v in fit.net.adapters["adapter"].state_dict().items()}
+        run_steps(fit, [torch.nn.functional.normalize(torch.randn(8, 2, 6, generator=g), dim=-1) for _ in range(4)], 4)
+        assert any(not torch.equal(v, before[k]) for k, v in fit.net.adapters["adapter"].state_dict().items())
+        model = create_model("isotropic_adapter", source="clip_tiny", hidden=4).eval()
+        save_model(model.state_dict(), tmp_path / "m.safetensors", "isotropic_adapter", {"source": "clip_tiny", "hidden": 4})
+        again = load_model(tmp_path / "m.safetensors")
+        assert isinstance(again.adapter, Isotropic)
+        assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+    finally:
+        ADAPTERS.pop("isotropic"), _LOSSES.pop("isotropic_mls")
+    with pytest.raises(ConfigError, match=r"adapter.head: .*unknown head 'isotropic'; known: probvlm, pfe"):
+        load_adapt_config(CONFIG, ["adapter.head=isotropic"])
+
+
 def test_adapted_model_saves_and_reloads_without_pickle(tmp_path):
     torch.manual_seed(0)
     model = create_model("probvlm_adapter", source="clip_tiny", hidden=32, mc_samples=4).eval()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, format_validation_error,
                               local_path, read_config_file)
@@ -42,15 +42,26 @@ class AdaptDataConfig(Section):
 
 
 class AdapterConfig(Section):
-    # probvlm: the GGD adapter; pfe: the PFE-style baseline (frozen mean, learned Gaussian variance).
-    head: Literal["probvlm", "pfe"] = "probvlm"
+    # A registered adapter head (models.probvlm.register_adapter): probvlm, the GGD adapter; pfe, the PFE-style
+    # baseline (frozen mean, learned Gaussian variance).
+    head: str = "probvlm"
     hidden: int = Field(256, ge=1)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     # MC-dropout passes for the epistemic variance (0: aleatoric only).
     mc_samples: int = Field(16, ge=0)
     mc_seed: int = 0
-    # Also train the PFE-style baseline on the same batches and report its calibration beside the adapter's.
-    baseline: Literal["pfe", "none"] = "none"
+    # Also train a baseline head (say pfe) on the same batches and report its calibration beside the adapter's.
+    baseline: str = "none"
+
+    @field_validator("head", "baseline")
+    @classmethod
+    def _registered(cls, value: str, info) -> str:
+        from models.probvlm import ADAPTERS  # the model code only where a config names a head
+
+        if value not in ADAPTERS and not (info.field_name == "baseline" and value == "none"):
+            known = ", ".join([*ADAPTERS, *(["none"] if info.field_name == "baseline" else [])])
+            raise ValueError(f"unknown head {value!r}; known: {known}")
+        return value
 
     @model_validator(mode="after")
     def _mc_needs_dropout(self) -> "AdapterConfig":

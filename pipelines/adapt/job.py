@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.model_file import save_model
-from models.probvlm import embedding_width
+from models.probvlm import adapter_kind, adapter_model_name, adapter_options, embedding_width
 from models.registry import create_model
 from pipelines.adapt.config import AdaptDocument
 from pipelines.adapt.pairs import Pairs, compute_embeddings, has_embeddings, load_pairs
@@ -38,7 +38,6 @@ from pipelines.inputs import check_eval_tasks
 from pipelines.tracking import LOCAL_DIR, TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
 from pipelines.train.trainer import run_exists, torch_trainer
 
-REGISTRY_NAMES = {"probvlm": "probvlm_adapter", "pfe": "pfe_adapter"}
 EXAMPLE_CAPTION = "a photo of a dog"
 
 
@@ -70,14 +69,12 @@ def pair_shards(cfg: AdaptDocument) -> list[str]:
 
 
 def adapter_overrides(cfg: AdaptDocument, source: Source, head: str) -> dict[str, Any]:
-    a = cfg.adapter
-    extra = {"dropout": a.dropout, "mc_samples": a.mc_samples, "mc_seed": a.mc_seed} if head == "probvlm" else {}
-    return {"source": source.name, "source_overrides": source.overrides, "hidden": a.hidden, **extra}
+    return {"source": source.name, "source_overrides": source.overrides, **adapter_options(head, cfg.adapter)}
 
 
 def build_adapted(cfg: AdaptDocument, source: Source, head: str, adapter_state: dict):
     """The adapted model: the source's exact weights + the trained adapter."""
-    model = create_model(REGISTRY_NAMES[head], **adapter_overrides(cfg, source, head))
+    model = create_model(adapter_model_name(head), **adapter_overrides(cfg, source, head))
     model.source.load_state_dict(source.model.state_dict())
     model.adapter.load_state_dict(adapter_state)
     return model.eval()
@@ -137,8 +134,8 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
         pairs = load_pairs(folder, width)
     seconds["embed_pairs"], clock = time.perf_counter() - clock, time.perf_counter()
 
-    tags = {"probvlp.kind": "adapt", "probvlp.run_name": cfg.run.name, "probvlp.model": REGISTRY_NAMES[cfg.adapter.head],
-            "probvlp.method": "probvlm" if cfg.adapter.head == "probvlm" else "pfe_mls",
+    tags = {"probvlp.kind": "adapt", "probvlp.run_name": cfg.run.name, "probvlp.model": adapter_model_name(cfg.adapter.head),
+            "probvlp.method": adapter_kind(cfg.adapter.head).method,
             "probvlp.source_model": source.name, "probvlp.source_run": source.run_id or "",
             "mlflow.source.git.commit": git_commit() or ""}
     params = {**cfg.flat(), "source.file": str(source.path), "source.sha256": source.sha256, "data.pairs": len(pairs.image),
@@ -192,7 +189,7 @@ def save_models(cfg: AdaptDocument, source: Source, heads: dict[str, str], model
     files = {}
     for name, model in models.items():
         files[name] = out / ("model.safetensors" if name == "adapter" else f"{name}.safetensors")
-        save_model(model.state_dict(), files[name], REGISTRY_NAMES[heads[name]], adapter_overrides(cfg, source, heads[name]))
+        save_model(model.state_dict(), files[name], adapter_model_name(heads[name]), adapter_overrides(cfg, source, heads[name]))
     return files
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from models.gather import World
 from models.losses import create_loss
-from models.probvlm import build_adapter
+from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
 from pipelines.tracking import StepLogger
 from pipelines.train.loop import epoch_batches, run_steps
@@ -57,11 +57,10 @@ class AdapterSet(nn.Module):
 def build_adapter_set(cfg, dim: int) -> AdapterSet:
     """The configured adapter ("adapter") and, with adapter.baseline: pfe, the PFE-style baseline ("baseline")."""
     a = cfg.adapter
-    adapters = {"adapter": build_adapter(a.head, dim, a.hidden, a.dropout, a.mc_samples, a.mc_seed)}
-    if a.baseline != "none":
-        adapters["baseline"] = build_adapter(a.baseline, dim, a.hidden)
-    loss_params = {"probvlm": cfg.loss.model_dump(), "pfe_mls": {}}
-    losses = {k: create_loss(m.loss_name, **loss_params[m.loss_name]) for k, m in adapters.items()}
+    heads = {"adapter": a.head, **({"baseline": a.baseline} if a.baseline != "none" else {})}
+    adapters = {k: build_adapter(h, dim, **adapter_options(h, a)) for k, h in heads.items()}
+    losses = {k: create_loss(adapter_kind(h).loss, **(cfg.loss.model_dump() if adapter_kind(h).loss_section else {}))
+              for k, h in heads.items()}
     return AdapterSet(adapters, losses)
 
 
