@@ -88,6 +88,10 @@ class DataConfig(Section):
     decode_size: int | None = Field(None, ge=8, le=4096)
     # Batches each training worker's iterator prepares ahead of the step (Ray Data prefetch_batches).
     prefetch_batches: int = Field(4, ge=0, le=64)
+    # Who reads a set small enough to keep still encoded (the readers' 512 MB: the digits, a test set, a few shards):
+    # "auto", the training workers themselves from Ray's object store (pipelines.data.local: no Ray Data process,
+    # seconds sooner to the first step); "ray_data", Ray Data as for larger sets.
+    reader: Literal["auto", "ray_data"] = "auto"
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.
     deterministic: bool = False
     # The largest share of the training samples read that may be skipped (undecodable, no caption, ...; see

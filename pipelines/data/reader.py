@@ -42,7 +42,8 @@ from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_ui
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.storage import fs_path, total_bytes, uri
 from pipelines.data.stats import SkippedSample, stats_actor
-from pipelines.data.tars import cached_tar_shards, read_tar_shards
+from pipelines.data.local import local_shards
+from pipelines.data.tars import blocks_here, cached_tar_shards, read_tar_shards, shuffled_paths
 from pipelines.data.tokens import tokenize_cached
 
 IMAGE_COLUMNS = ("jpg", "jpeg", "png", "webp")
@@ -217,33 +218,36 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
                 captions: CaptionSampler = CaptionSampler(), augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
                 cache_max_mb: float = 512.0, uint8: bool = False, augment_on: str = "reader",
-                decode_size: int | None = None, flip_p: float = 0.0, stats_sync: bool = False):
+                decode_size: int | None = None, flip_p: float = 0.0, stats_sync: bool = False, local: bool = False,
+                split: bool = True):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
     cache: keep the raw (still encoded) samples in Ray's object store after one read, so later
     epochs only decode and augment; None: when the shards total at most cache_max_mb (re-reading a
     handful of small tar files each epoch costs more than preprocessing them).
     uint8, augment_on, decode_size, flip_p: see `Preprocess`. stats_sync: each batch's counts reach the stats
-    before the batch goes on (evaluation reads; training sends them without waiting).
+    before the batch goes on (evaluation reads; training sends them without waiting). local: a cached set comes back
+    as `pipelines.data.local.LocalShards` for Ray Train workers to read themselves (`split`: each worker its share of
+    the rows, else all of them).
     """
     # File-order shuffling at read time (reseeded every epoch) streams; randomize_block_order would be a
     # barrier that reads the whole dataset before the first batch.
     file_shuffle = ray.data.FileShuffleConfig(seed=seed) if shuffle else None
     if cache is None:
         cache = total_bytes(paths) <= cache_max_mb * 2**20
+    stats = stats_actor() if stats_name else None
+    kwargs = dict(image_size=image_size, context_length=context_length, captions=captions, seed=seed, augment=augment,
+                  stats=stats, stats_name=stats_name, uint8=uint8, augment_on=augment_on, decode_size=decode_size,
+                  flip_p=flip_p, stats_sync=stats_sync)
+    if cache and local:
+        return local_shards(blocks_here(shuffled_paths(paths, file_shuffle), stats_name), _preprocess, kwargs,
+                            batch_size, split)
     if cache:
         ds = cached_tar_shards(paths, stats_name, shuffle=file_shuffle)
     else:
         ds = read_tar_shards(paths, stats_name, shuffle=file_shuffle)
-    stats = stats_actor() if stats_name else None
     # Tasks rather than an actor pool: each epoch re-executes the pipeline, and tasks start cheaply.
-    return ds.map_batches(
-        _preprocess, fn_kwargs=dict(image_size=image_size, context_length=context_length, captions=captions,
-                                    seed=seed, augment=augment, stats=stats, stats_name=stats_name, uint8=uint8,
-                                    augment_on=augment_on, decode_size=decode_size, flip_p=flip_p,
-                                    stats_sync=stats_sync),
-        batch_size=batch_size, batch_format="numpy",
-    )
+    return ds.map_batches(_preprocess, fn_kwargs=kwargs, batch_size=batch_size, batch_format="numpy")
 
 
 def read_split(root: str, split: str, image_size: int, context_length: int, seed: int | None = None, *,

@@ -195,8 +195,13 @@ def read_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=Non
 def _read_here(paths: list[str], stats_name: str | None):
     """The samples of local tar files read in this process, as a dataset already in Ray's object store (block
     metadata computed here: no Ray task)."""
+    return ray.data.from_blocks(blocks_here(paths, stats_name) or [_block([])])
+
+
+def blocks_here(paths: list[str], stats_name: str | None = None) -> list:
+    """The raw samples of tar files read in this process: each file's blocks of CHUNK_ROWS rows, in file order."""
     source = TarShards(paths, stats_actor() if stats_name else None, stats_name)
-    return ray.data.from_blocks([block for path in paths for block in source.blocks(path)] or [_block([])])
+    return [block for path in paths for block in source.blocks(path)]
 
 
 def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=None):
@@ -206,10 +211,16 @@ def cached_tar_shards(paths: list[str], stats_name: str | None = None, shuffle=N
     batches on one machine and from object storage (a Ray Data read splits its blocks by the cluster's size); and no
     Ray Data execution on a job's driver before its training starts (its actors and read tasks cost seconds, for
     files read here in well under one)."""
-    if shuffle is not None:
-        paths = list(paths)
-        np.random.default_rng(shuffle.get_seed(0)).shuffle(paths)
-    return _read_here(paths, stats_name)
+    return _read_here(shuffled_paths(paths, shuffle), stats_name)
+
+
+def shuffled_paths(paths: list[str], shuffle=None) -> list[str]:
+    """The files in the order Ray Data's first read would draw with `shuffle` (a FileShuffleConfig; None: as given)."""
+    if shuffle is None:
+        return list(paths)
+    paths = list(paths)
+    np.random.default_rng(shuffle.get_seed(0)).shuffle(paths)
+    return paths
 
 
 def write_tar(path: Path, samples: list[dict[str, bytes]]) -> None:

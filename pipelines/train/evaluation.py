@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ray.train
 import torch
 
 from models.objective import build_objective
@@ -17,13 +16,14 @@ from pipelines.train.config import TrainDocument
 from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.in_process import embed_task_locally, model_device
 from pipelines.evaluate.names import metric_names
+from pipelines.data.local import dataset_shard
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.train.model_card import summary_table
 from pipelines.train.trainer import eval_dataset_name
 
 
 def eval_batches(task: EvalTask, batch_size: int):
-    shard = ray.train.get_dataset_shard(eval_dataset_name(task))
+    shard = dataset_shard(eval_dataset_name(task))
     if task.kind == "loss":
         return shard.iter_torch_batches(batch_size=batch_size, drop_last=False)
     return shard.iter_batches(batch_size=batch_size, batch_format="numpy")

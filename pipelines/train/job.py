@@ -20,6 +20,7 @@ from pipelines.evaluate import EvaluationError
 from pipelines.inputs import prepare_inputs
 from pipelines.data.stats import BadDataError
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
+from pipelines.data.local import LocalShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
@@ -38,24 +39,26 @@ class PretrainResult:
 
 
 def build_datasets(cfg: TrainDocument, context_length: int, run_id: str = "") -> dict[str, Any]:
-    """The run's Ray datasets; their reader counts kept under `run_stats_name(run_id, name)`."""
-    size = cfg.data.image_size
+    """The run's datasets: Ray datasets, or (data.reader auto, sets small enough to keep) `LocalShards` that the
+    workers read themselves; their reader counts kept under `run_stats_name(run_id, name)`."""
+    size, local = cfg.data.image_size, cfg.data.reader == "auto"
     datasets = {
         "train": read_split(cfg.data.root, "train", size, context_length, stats_name=run_stats_name(run_id, "train"),
                             captions=CaptionSampler(mid=cfg.data.mid_caption_prob, general=cfg.data.general_caption_prob,
                                                     instance=cfg.data.instance_caption_prob),
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
-                            **train_options(cfg)),
+                            local=local, **train_options(cfg)),
     }
     for task in cfg.resolved_tasks():
         name = eval_dataset_name(task)
         if task.kind == "loss":
             # the reader's training-style batches (tokens, a caption drawn per sample), seeded: the same every eval
             datasets[name] = read_shards(task_paths(task), size, context_length, seed=0,
-                                         stats_name=run_stats_name(run_id, name), stats_sync=True)
+                                         stats_name=run_stats_name(run_id, name), stats_sync=True, local=local,
+                                         split=False)
         else:
             datasets[name] = read_eval_shards(task_paths(task), size, stats_name=run_stats_name(run_id, name),
-                                              require=REQUIRES[task.kind])
+                                              require=REQUIRES[task.kind], local=local)
     return datasets
 
 
@@ -98,15 +101,17 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     with tracked_run(uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=cfg.flat(),
                      config_yaml=cfg.to_yaml(), tags=run_tags(cfg, extra_tags),
                      register_as=cfg.tracking.register_as) as run:
+        datasets = build_datasets(cfg, context_length, run.run_id)
+        local = {k: v for k, v in datasets.items() if isinstance(v, LocalShards)}
         trainer = torch_trainer(
             train_loop,
-            {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri,
+            {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri, "local_datasets": local,
              "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
              "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done"),
              "job_started_at": started_at},
-            cfg, build_datasets(cfg, context_length, run.run_id), callbacks,
-            ray.train.DataConfig(datasets_to_split=["train"],
+            cfg, {k: v for k, v in datasets.items() if k not in local}, callbacks,
+            ray.train.DataConfig(datasets_to_split=[] if "train" in local else ["train"],
                                  execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
                                  enable_shard_locality=not cfg.data.deterministic))
         result = trainer.fit()

@@ -27,6 +27,7 @@ from models.gather import World
 from pipelines.train.config import TrainDocument
 from pipelines.data.device_augment import model_images
 from pipelines.data.eval_tasks import use_texts
+from pipelines.data.local import dataset_shard, use_local_datasets
 from pipelines.data.stats import report_metrics
 from pipelines.progress import ProgressLine
 from pipelines.train import export, state as train_state
@@ -173,7 +174,7 @@ class TrainWorker:
 
     def batches(self):
         """This worker's micro-batches from the current position on (skips what the epoch already consumed)."""
-        shard = ray.train.get_dataset_shard("train")
+        shard = dataset_shard("train")
 
         def stream(epoch: int):
             return shard.iter_torch_batches(
@@ -410,6 +411,7 @@ class TrainWorker:
 def train_loop(config: dict[str, Any]) -> None:
     cfg = TrainDocument.from_dict(config["config"])
     use_texts(config.get("texts", {}))
+    use_local_datasets(config.get("local_datasets", {}))
     worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
                          config.get("job_started_at"))
     failed = True
