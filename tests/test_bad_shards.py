@@ -128,15 +128,17 @@ def test_training_on_faulty_shards_finishes_and_counts_every_fault(faulty, train
 
 
 def test_past_max_bad_frac_the_run_stops_with_one_line(ray_local, faulty, tmp_path, capsys):
-    root, _, _ = faulty
+    root, expected, _ = faulty
     rc = jobs.pretrain.main(["--config", DEMO, *overrides(root, tmp_path, "too-bad", "data.max_bad_frac=0.004",
                                                           "train.steps=40", "train.log_every=2")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert rc == 2
     assert len(err) == 1, err  # one line (beside Ray's own start-up lines)
-    assert re.fullmatch(r"error: training data: [\d.]+% of the samples read were skipped, over data\.max_bad_frac "
-                        r"0\.004; mostly undecodable image \(\d+\), e\.g\. \S+/train/0000\d\.tar \(sample 90000\d\) "
-                        r"\(MLflow run \w+ FAILED\)", err[0]), err[0]
+    line = re.fullmatch(r"error: training data: [\d.]+% of the samples read were skipped, over data\.max_bad_frac "
+                        r"0\.004; mostly ([a-z][a-z0-9 -]*) \(\d+\), e\.g\. \S+/train/0000\d\.tar \(sample 90000\d\) "
+                        r"\(MLflow run \w+ FAILED\)", err[0])
+    # the commonest reason among the samples read by then: which one depends on how far the readers got
+    assert line and line.group(1) in set(expected["train"].skipped("caption")), err[0]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("bad-shards").experiment_id])[0]
     assert run.info.status == "FAILED" and "data.max_bad_frac" in run.data.tags["probvlp.failure"]

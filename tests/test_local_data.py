@@ -27,7 +27,7 @@ def test_workers_split_the_rows_equally_and_reshuffle_them_by_epoch(ray_local, d
     local = read_split(digits_root, "train", SIZE, CONTEXT, seed=0, stats_name="local-split", local=True)
     assert isinstance(local, LocalShards)
     shards = [local.shard(rank, 2) for rank in range(2)]
-    n = len(shards[0].table())
+    n = shards[0].n
     rows = [s.rows(None) for s in shards]
     assert len(rows[0]) == len(rows[1]) == n // 2 and not set(rows[0]) & set(rows[1])
     epoch0 = [s.rows(100) for s in shards]
@@ -40,7 +40,8 @@ def test_workers_split_the_rows_equally_and_reshuffle_them_by_epoch(ray_local, d
     assert tuple(batches[0]["image"].shape) == (64, 3, SIZE, SIZE) and batches[0]["text"].shape[1] == CONTEXT
     # every row once over the two workers (eval: each reads all of them)
     whole = LocalShards(local.blocks, local.fn, local.fn_kwargs, local.map_batch_size, split=False).shard(0, 2)
-    assert len(whole.rows(None)) == n
+    assert len(whole.rows(None)) == n == len(whole.table())
+    assert len(shards[0].table()) < n  # a training worker fetches the blocks of its own rows only
     left = ids(shards[0].iter_batches(batch_size=100)) + ids(shards[1].iter_batches(batch_size=100))
     assert len(left) == len(set(left)) == 2 * (n // 2)
     assert set(left) <= set(ids(whole.iter_batches(batch_size=100)))

@@ -6,8 +6,9 @@ autoscaling actors: ~10 CPU-s and ~5 s of a 2-core machine's start-up, docs/BENC
 for sets that stream. A set small enough to cache still encoded (the readers' cache_max_mb, 512 MB by default: the
 bundled digits, a test set, a user's few shards) needs none of that: it is read once on the driver into the object
 store, as the cached Ray Data path reads it, and handed to the workers as object references. Each worker takes its
-rows (training: every world-th row of the file order, the same count on every worker, the remainder dropped, as Ray
-Data's equal split does; evaluation: every row), shuffles them per epoch with the epoch's seed, and runs the same map
+rows (training: a contiguous share of the file order, the same count on every worker, the remainder dropped, as Ray
+Data's equal split does, fetching only the blocks that hold them; evaluation: every row), shuffles them per epoch
+with the epoch's seed, and runs the same map
 function (the reader's `Preprocess`, the evaluator's `EvalDecode`) on a thread ahead of the step. What the workers
 iterate has Ray Data's iterator methods (`iter_torch_batches`, `iter_batches`), so the training loop and the
 evaluation read either the same way (`dataset_shard`). `data.reader: ray_data` keeps Ray Data for every set.
@@ -36,6 +37,7 @@ class LocalShards:
     fn_kwargs: dict[str, Any]
     map_batch_size: int
     split: bool = True
+    lengths: list[int] | None = None  # rows per block (a training worker fetches only the blocks of its rows)
 
     def shard(self, rank: int, world: int) -> "LocalShard":
         return LocalShard(self, rank, world)
@@ -44,7 +46,8 @@ class LocalShards:
 def local_shards(blocks: list[pd.DataFrame], fn: Callable[..., dict[str, np.ndarray]], fn_kwargs: dict[str, Any],
                  map_batch_size: int, split: bool = True) -> LocalShards:
     """The blocks put in Ray's object store (one object each), to be read by the workers."""
-    return LocalShards([ray.put(b) for b in blocks if len(b)], fn, fn_kwargs, map_batch_size, split)
+    blocks = [b for b in blocks if len(b)]
+    return LocalShards([ray.put(b) for b in blocks], fn, fn_kwargs, map_batch_size, split, [len(b) for b in blocks])
 
 
 class LocalShard:
@@ -52,20 +55,27 @@ class LocalShard:
 
     def __init__(self, shards: LocalShards, rank: int, world: int):
         self.shards, self.rank, self.world = shards, rank, world
+        lengths = shards.lengths if shards.lengths is not None else [len(b) for b in ray.get(shards.blocks)]
+        self.n = sum(lengths)
+        self.span = (0, self.n)
+        if shards.split:  # a contiguous equal share of the file order; the remainder dropped, as Ray Data's split
+            share = self.n // world
+            self.span = (rank * share, (rank + 1) * share)
+        starts = np.cumsum([0, *lengths])
+        self._blocks = [i for i in range(len(lengths)) if starts[i] < self.span[1] and starts[i + 1] > self.span[0]]
+        self._offset = int(starts[self._blocks[0]]) if self._blocks else 0
         self._table: pd.DataFrame | None = None
 
     def table(self) -> pd.DataFrame:
+        """The blocks that hold this worker's rows, joined (row i of the set is row i - offset here)."""
         if self._table is None:
-            blocks = ray.get(self.shards.blocks) if self.shards.blocks else []
+            blocks = ray.get([self.shards.blocks[i] for i in self._blocks])
             self._table = pd.concat(blocks, ignore_index=True) if blocks else pd.DataFrame()
         return self._table
 
     def rows(self, seed: int | None) -> np.ndarray:
-        """This worker's row indices, in file order or (seed) shuffled."""
-        n = len(self.table())
-        idx = np.arange(n)
-        if self.shards.split:
-            idx = idx[self.rank::self.world][: n // self.world]
+        """This worker's row indices in the set, in file order or (seed) shuffled."""
+        idx = np.arange(*self.span)
         if seed is not None:
             np.random.default_rng(seed).shuffle(idx)
         return idx
@@ -75,7 +85,7 @@ class LocalShard:
         table, size = self.table(), self.shards.map_batch_size
         idx = self.rows(seed)
         for start in range(0, len(idx), size):
-            part = table.iloc[idx[start:start + size]]
+            part = table.iloc[idx[start:start + size] - self._offset]
             batch = {c: part[c].to_numpy() for c in part.columns}
             out = self.shards.fn(batch, **self.shards.fn_kwargs)
             if len(next(iter(out.values()), ())):
