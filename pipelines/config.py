@@ -79,7 +79,8 @@ class DataConfig(Section):
     # Train-split augmentation (RandomResizedCrop 0.8-1.0, colour jitter, grayscale); never on evaluation.
     augment: bool = True
     # Where it runs: "device" (the training worker's GPU, as batched tensor ops on the uint8 images), "reader"
-    # (Ray Data's CPUs, OpenCV on uint8), "auto" (device with train.use_gpu, else reader).
+    # (the reader's CPUs, OpenCV on uint8: Ray Data's tasks, or a small set's training workers, see data.reader),
+    # "auto" (device with train.use_gpu, else reader).
     augment_on: Literal["auto", "device", "reader"] = "auto"
     # Horizontal flip probability (0: captions may say "left" or "right").
     flip_prob: float = Field(0.0, ge=0.0, le=1.0)

@@ -23,7 +23,9 @@
   each worker's stream.
 - Per-worker shards: pass the dataset to ``TorchTrainer(datasets=...)`` with
   ``DataConfig(datasets_to_split=["train"])``; each worker reads ``get_dataset_shard("train")``.
-  Every sample reaches exactly one worker per epoch (tests/test_reader.py).
+  Every sample reaches exactly one worker per epoch (tests/test_reader.py). ``local=True`` (a training run's
+  ``data.reader: auto``): a cached set comes back as `pipelines.data.local.LocalShards`, read by the workers
+  themselves with the same map function (`pipelines.data.local.dataset_shard`), no Ray Data execution.
 
 Output columns: ``image`` (B,3,H,W) float32 (uint8=False; uint8=True: see `Preprocess`), ``text`` (B,L) int64,
 ``label`` (B,) int64 (-1 when the sample has none) and ``sample_id`` (B,) int64 (the webdataset key as a number).
