@@ -77,23 +77,33 @@ def files_by_reason(expected) -> dict[str, int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def trained(ray_local, faulty, tmp_path_factory):
-    root, _, _ = faulty
-    tmp = tmp_path_factory.mktemp("bad_fit")
+def fit(root: Path, tmp: Path, name: str, *extra: str):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = jobs.pretrain.main(["--config", DEMO, *overrides(root, tmp, "bad-fit")])
+        rc = jobs.pretrain.main(["--config", DEMO, *overrides(root, tmp, name, *extra)])
     uri = f"sqlite:///{tmp}/mlflow.db"
     client = MlflowClient(uri)
     run = client.search_runs([client.get_experiment_by_name("bad-shards").experiment_id],
-                             filter_string="tags.`probvlp.run_name` = 'bad-fit'")[0]
+                             filter_string=f"tags.`probvlp.run_name` = '{name}'")[0]
     return rc, out.getvalue(), run, uri, tmp
 
 
-def test_training_on_faulty_shards_finishes_and_counts_every_fault(faulty, trained):
+@pytest.fixture(scope="module")
+def trained(ray_local, faulty, tmp_path_factory):
+    """The demo on the faulty shards, read as a small set is by default (by the training workers themselves)."""
+    return fit(faulty[0], tmp_path_factory.mktemp("bad_fit"), "bad-fit")
+
+
+@pytest.fixture(scope="module")
+def trained_by_ray_data(ray_local, faulty, tmp_path_factory):
+    """The same through Ray Data's read and map tasks (data.reader: ray_data, what a set past 512 MB takes)."""
+    return fit(faulty[0], tmp_path_factory.mktemp("bad_fit_ray_data"), "bad-fit-ray-data", "data.reader=ray_data")
+
+
+@pytest.mark.parametrize("reader", ["trained", "trained_by_ray_data"])
+def test_training_on_faulty_shards_finishes_and_counts_every_fault(faulty, reader, request):
     _, expected, zs_faults = faulty
-    rc, printed, run, uri, tmp = trained
+    rc, printed, run, uri, tmp = request.getfixturevalue(reader)
     assert rc == 0, printed[-3000:]
     assert run.info.status == "FINISHED"
     metrics = run.data.metrics
