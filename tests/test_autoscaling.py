@@ -112,14 +112,19 @@ def job_args(tmp: Path, digits_root: str, name: str, *extra: str, tracking: str 
             *(a for kv in cfg for a in ("--set", kv))]
 
 
+def ray_data_logs(cluster) -> str:
+    return "".join(p.read_text() for p in Path(cluster.temp_dir).glob("session_*/logs/ray-data/*.log"))
+
+
 def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, s3, digits_on_s3,
                                                                   digits_root, straight_small_run, tmp_path):
     """jobs.pretrain submitted to the 0-CPU head, logging to an `mlflow server`: the autoscaler starts worker nodes
     for Ray Train's workers and Ray Data; after the first checkpoint the raylet of a node running a train worker is
     killed (the node is lost with its processes); Ray Train restarts the workers from that checkpoint on a node the
     autoscaler starts in its place, the run finishes with the weights of an uninterrupted run, and the idle nodes
-    go away. The console shows progress lines and the run summary, not Ray Data's per-epoch execution lines nor Ray
-    Train's per-report lines; every result, the model too, reaches the MLflow server."""
+    go away. The console shows progress lines and the run summary, not Ray Train's per-report lines nor (the evaluation
+    after it, whose batch inference is Ray Data's) Ray Data's execution lines; every result, the model too, reaches the
+    MLflow server."""
     cluster, log = local_cluster, tmp_path / "job.log"
     uri, server_dir = mlflow_server
     # the files on S3 are the reference's, so that the run can end on its weights (one pytest process: `make test-cluster`)
@@ -149,8 +154,8 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     progress = [line for line in out.splitlines() if "[train] step " in line]
     assert all(" | loss " in line and "samples/s" in line and " | ETA " in line for line in progress)
     assert "Starting execution of Dataset" not in out and "Reporting training result" not in out
-    ray_data_logs = "".join(p.read_text() for p in Path(cluster.temp_dir).glob("session_*/logs/ray-data/*.log"))
-    assert "Starting execution of Dataset" in ray_data_logs  # kept in Ray's log files
+    # the training workers read the small set themselves (pipelines.data.local): from S3 too, no Ray Data execution
+    assert "Starting execution of Dataset" not in ray_data_logs(cluster)
     assert "digits_zeroshot: top1" in out  # the per-task headline jobs.pretrain prints
     assert "sample predictions: 4 held-out images of eval task 'digits_zeroshot'" in out
     assert "model: runs:/" in out
@@ -190,6 +195,9 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
 
     # The recipe's last steps: the evaluation's results, and the model loaded from MLflow in a fresh Python.
     assert evaluated.wait(timeout=scaled(600)) == 0, (tmp_path / "evaluate.log").read_text()[-4000:]
+    # its batch inference is Ray Data's: the execution lines stay out of the console, kept in Ray's log files
+    assert "Starting execution of Dataset" not in (tmp_path / "evaluate.log").read_text()
+    assert "Starting execution of Dataset" in ray_data_logs(cluster)
     evals = client.search_runs([client.get_experiment_by_name("test-autoscaling-eval").experiment_id])
     assert evals[0].data.tags["probvlp.source_run"] == run.info.run_id
     assert evals[0].data.metrics["digits_zeroshot/top1"] == pytest.approx(run.data.metrics["digits_zeroshot/top1"], abs=0.02)
