@@ -119,7 +119,7 @@ def ray_data_logs(cluster) -> str:
 def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, mlflow_server, s3, digits_on_s3,
                                                                   digits_root, straight_small_run, tmp_path):
     """jobs.pretrain submitted to the 0-CPU head, logging to an `mlflow server`: the autoscaler starts worker nodes
-    for Ray Train's workers and Ray Data; after the first checkpoint the raylet of a node running a train worker is
+    for Ray Train's workers; after the first checkpoint the raylet of a node running a train worker is
     killed (the node is lost with its processes); Ray Train restarts the workers from that checkpoint on a node the
     autoscaler starts in its place, the run finishes with the weights of an uninterrupted run, and the idle nodes
     go away. The console shows progress lines and the run summary, not Ray Train's per-report lines nor (the evaluation
