@@ -121,21 +121,14 @@ def gpu_rows(batch: int, micro: int, device: str, size_name: str, names: list[st
     """``--gpu``: per method at the given backbone, bf16 autocast: the cached step over `batch` (micro-batches of
     `micro`) against one pass over `micro`: peak memory (``max_memory_allocated``, AdamW state included) and time
     per sample. One timed step each after a warm-up (a cached step of two micro-batches: the same shapes)."""
-    from benchmarks.train_step import SIZES, sync
+    from benchmarks.train_step import SIZES, batch_inputs, sync
+    from benchmarks.train_step import build as build_on
 
     rows = []
     for label in names:
-        overrides = dataclasses.asdict(SIZES[size_name])
-        if METHODS[label] in MIXTURE:
-            overrides["mixture_tokens"] = 16
-        torch.manual_seed(0)
-        objective = build_objective(TrainDocument(model=ModelConfig(name=METHODS[label], overrides=overrides)))
-        objective = objective.to(device).train()
-        optimizer = adamw(param_groups(objective, 0.2), lr=1e-4, betas=(0.9, 0.95))
-        model = objective.model
-        g = torch.Generator().manual_seed(0)
-        images = torch.randn(batch, 3, model.img_size, model.img_size, generator=g).to(device)
-        tokens = tokenize(captions("full", batch), model.context_length).to(device)
+        objective, optimizer = build_on(METHODS[label], SIZES[size_name], 16, device)  # the --gpu step's model
+        images, tokens = batch_inputs(SIZES[size_name], batch, device, ["full"])
+        tokens = tokens["full"]
 
         def timed(n: int, k: int) -> float:
             sync(device)

@@ -2,6 +2,7 @@
 batches, the same decoded samples as Ray Data's read gives, and which datasets a run hands Ray Data."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ def test_workers_split_the_rows_equally_and_reshuffle_them_by_epoch(ray_local, d
     assert [len(b["text"]) for b in batches] == [64] * (n // 2 // 64)
     assert tuple(batches[0]["image"].shape) == (64, 3, SIZE, SIZE) and batches[0]["text"].shape[1] == CONTEXT
     # every row once over the two workers (eval: each reads all of them)
-    whole = LocalShards(local.blocks, local.fn, local.fn_kwargs, local.map_batch_size, split=False).shard(0, 2)
+    whole = dataclasses.replace(local, split=False).shard(0, 2)
     assert len(whole.rows(None)) == n == len(whole.table())
     assert len(shards[0].table()) < n  # a training worker fetches the blocks of its own rows only
     left = ids(shards[0].iter_batches(batch_size=100)) + ids(shards[1].iter_batches(batch_size=100))
@@ -50,7 +51,7 @@ def test_workers_split_the_rows_equally_and_reshuffle_them_by_epoch(ray_local, d
 def test_the_same_samples_as_ray_datas_read(ray_local, digits_root):
     """Unaugmented, in file order: the decoded images, tokens and labels equal Ray Data's, sample by sample."""
     kw = dict(seed=0, augment=False, shuffle=False, stats_name="local-same")
-    ours = LocalShards(**{**read_split(digits_root, "val", SIZE, CONTEXT, local=True, **kw).__dict__, "split": False})
+    ours = dataclasses.replace(read_split(digits_root, "val", SIZE, CONTEXT, local=True, **kw), split=False)
     theirs = read_split(digits_root, "val", SIZE, CONTEXT, **kw).take_all()
     got = {}
     for b in ours.shard(0, 1).iter_batches(batch_size=128):

@@ -36,8 +36,8 @@ class LocalShards:
     fn: Callable[..., dict[str, np.ndarray]]
     fn_kwargs: dict[str, Any]
     map_batch_size: int
-    split: bool = True
-    lengths: list[int] | None = None  # rows per block (a training worker fetches only the blocks of its rows)
+    split: bool
+    lengths: list[int]  # rows per block (a training worker fetches only the blocks of its rows)
 
     def shard(self, rank: int, world: int) -> "LocalShard":
         return LocalShard(self, rank, world)
@@ -55,7 +55,7 @@ class LocalShard:
 
     def __init__(self, shards: LocalShards, rank: int, world: int):
         self.shards, self.rank, self.world = shards, rank, world
-        lengths = shards.lengths if shards.lengths is not None else [len(b) for b in ray.get(shards.blocks)]
+        lengths = shards.lengths
         self.n = sum(lengths)
         self.span = (0, self.n)
         if shards.split:  # a contiguous equal share of the file order; the remainder dropped, as Ray Data's split
