@@ -23,7 +23,6 @@ only a per-dimension Gaussian variance is learned (loss ``pfe_mls``).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,9 +206,8 @@ def adapter_model_name(head: str) -> str:
 
 
 def adapter_options(head: str, config: Any) -> dict[str, Any]:
-    """The constructor options of `head` read from `config` (the adapt config's ``adapter`` section, or a mapping)."""
-    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k)
-    return {k: get(k) for k in adapter_kind(head).options}
+    """The constructor options of `head` read from `config` (the adapt config's ``adapter`` section)."""
+    return {k: getattr(config, k) for k in adapter_kind(head).options}
 
 
 def build_adapter(head: str, dim: int, **options: Any) -> nn.Module:
