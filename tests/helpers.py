@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from pathlib import Path
 
@@ -40,6 +41,27 @@ def files_under(folder: Path) -> dict[str, int]:
 def written_between(before: dict[str, int], after: dict[str, int]) -> list[str]:
     """The paths of `after` (files_under) that `before` lacks, and its files modified since."""
     return sorted(p for p, t in after.items() if p not in before or (t >= 0 and t != before[p]))
+
+
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\([^)]*\)(?:\x1b\[0m)? ?")
+
+
+def tracebacks(log: str) -> list[str]:
+    """The Python tracebacks in a job's console, each as its lines without Ray's `(actor pid=N)` prefix, leaving out
+    the one Ray itself causes at teardown: a finished actor's SIGTERM landing while Python runs a finaliser, printed as
+    `Exception ignored in ...` with Ray's sigterm_handler raising SystemExit (nothing of the run's own is lost)."""
+    lines = [_RAY_PREFIX.sub("", line) for line in log.splitlines()]
+    found = []
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback (most recent call last):"):
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j].startswith(" ")), len(lines) - 1)
+        block = lines[i:end + 1]
+        teardown = (i > 0 and lines[i - 1].startswith("Exception ignored in")
+                    and any("in sigterm_handler" in x for x in block) and block[-1].startswith("SystemExit"))
+        if not teardown:
+            found.append("\n".join(block))
+    return found
 
 
 def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):
