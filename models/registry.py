@@ -65,17 +65,24 @@ class ModelEntry:
     defaults: dict[str, Any]
     default_loss: str
 
-    def build(self, **overrides) -> nn.Module:
+    def arguments(self, overrides: dict[str, Any]) -> tuple[TowerConfig | None, dict[str, Any]]:
+        """The tower sizes and the constructor keywords `overrides` give (an adapter: no towers; the keywords name
+        its source), after checking every override is one the model takes."""
         unknown = sorted(set(overrides) - set(override_types_of(self.arch, self.defaults)))
         if unknown:
             raise TypeError(f"{self.arch.__name__}: unknown overrides {', '.join(unknown)}")
-        if self.towers is None:  # an adapter: the registry builds the model it adapts
+        if self.towers is None:
             kwargs = {**self.defaults, **overrides}
             if "source" not in kwargs:
                 raise TypeError(f"{self.arch.__name__}: the override `source` (the registry model it adapts) is required")
-            return self.arch(create_model(kwargs["source"], **(kwargs.get("source_overrides") or {})), **kwargs)
+            return None, kwargs
         towers = dataclasses.replace(self.towers, **{k: v for k, v in overrides.items() if k in TOWER_FIELDS})
-        kwargs = {**self.defaults, **{k: v for k, v in overrides.items() if k not in TOWER_FIELDS}}
+        return towers, {**self.defaults, **{k: v for k, v in overrides.items() if k not in TOWER_FIELDS}}
+
+    def build(self, **overrides) -> nn.Module:
+        towers, kwargs = self.arguments(overrides)
+        if towers is None:  # an adapter: the registry builds the model it adapts
+            return self.arch(create_model(kwargs["source"], **(kwargs.get("source_overrides") or {})), **kwargs)
         return self.arch(towers, **kwargs)
 
 
@@ -110,6 +117,43 @@ def _entry(name: str) -> ModelEntry:
 def create_model(name: str, **overrides) -> nn.Module:
     """Build a registered model; `overrides` replace the entry's tower sizes and constructor defaults."""
     return _entry(name).build(**overrides)
+
+
+def tower_config(name: str, **overrides) -> TowerConfig:
+    """The tower sizes `create_model(name, **overrides)` would build (an adapter: its source model's), read from the
+    table without building anything: what a job's driver needs (the text context its readers tokenize to)."""
+    towers, kwargs = _entry(name).arguments(overrides)
+    return towers or tower_config(kwargs["source"], **(kwargs.get("source_overrides") or {}))
+
+
+class _OptionsChecked(Exception):
+    """Raised by `_CheckOnly`'s first tower: the model's own option checks, which come before its towers, passed."""
+
+
+class _CheckOnly(TowerConfig):
+    """Tower sizes that build nothing: a model constructed on them runs its option checks and stops at its first
+    tower (see check_overrides)."""
+
+    def image_tower(self, *args, **kwargs):
+        raise _OptionsChecked
+
+    text_tower = projections = image_tower
+
+
+def check_overrides(name: str, **overrides) -> None:
+    """Run the option checks of the model `create_model(name, **overrides)` would build (its constructor's
+    ValueErrors: `mixture_tokens >= 1`, a mask ratio below 1, ...) without building it or importing timm, as a
+    config is checked before any process starts. Every model class checks its options before its first tower
+    (tests/test_models.py). An adapter's own options are checked where pipelines.adapt builds it."""
+    entry = _entry(name)
+    towers, kwargs = entry.arguments(overrides)
+    if towers is None:
+        return check_overrides(kwargs["source"], **(kwargs.get("source_overrides") or {}))
+    try:
+        entry.arch(_CheckOnly(**dataclasses.asdict(towers)), **kwargs)
+    except _OptionsChecked:
+        return
+    raise RuntimeError(f"{entry.arch.__name__} was built without a tower: its options cannot be checked this way")
 
 
 def default_loss(name: str) -> str:

@@ -26,10 +26,15 @@ from torch.utils.checkpoint import checkpoint
 from models._imports import without
 from models.tokenizer import VOCAB_SIZE
 
-# timm tries wandb (its training scripts' logger) as it loads, and img2dataset installs it: 0.2 CPU-s and a
-# network-minded package in every process that builds a model, for nothing this library calls.
-with without("wandb"):
-    from timm.models.vision_transformer import Block, VisionTransformer
+
+def _timm():
+    """timm's ViT and its Block, imported where a tower is built: timm pulls in torchvision and torch._dynamo (~2
+    CPU-s), which a process that only reads the model table (a job's driver, for the text context) never needs.
+    timm tries wandb (its training scripts' logger) as it loads, and img2dataset installs it: 0.2 CPU-s and a
+    network-minded package in every process that builds a model, for nothing this library calls."""
+    with without("wandb"):
+        from timm.models.vision_transformer import Block, VisionTransformer
+    return Block, VisionTransformer
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-5)  # CLIP's LayerNorm eps
 
@@ -56,8 +61,9 @@ def set_grad_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:
 def compile_blocks(model: nn.Module) -> nn.Module:
     """torch.compile every transformer block of `model`, in place (``train.compile``): parameter names and the
     state dict stay as they are, and every method's own block loops (PCME++'s, the masked copies) use them."""
+    block = _timm()[0]
     for m in model.modules():
-        if isinstance(m, Block):
+        if isinstance(m, block):
             m.compile()
     return model
 
@@ -116,7 +122,7 @@ class ImageTower(nn.Module):
     def __init__(self, img_size: int, patch_size: int, width: int, depth: int, heads: int, extra_tokens: int = 0,
                  class_token: bool = True, pre_norm: bool = True):
         super().__init__()
-        self.vit = VisionTransformer(
+        self.vit = _timm()[1](
             img_size=img_size, patch_size=patch_size, embed_dim=width, depth=depth, num_heads=heads,
             num_classes=0, global_pool="", class_token=class_token, reg_tokens=extra_tokens,
             no_embed_class=True, pre_norm=pre_norm, norm_layer=LayerNorm,
@@ -214,7 +220,8 @@ class TextTower(nn.Module):
         self.grad_checkpointing = False  # set_grad_checkpointing
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.randn(context_length, width) * 0.01)
-        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio=4.0, qkv_bias=True, norm_layer=LayerNorm)
+        block = _timm()[0]
+        self.blocks = nn.ModuleList(block(width, heads, mlp_ratio=4.0, qkv_bias=True, norm_layer=LayerNorm)
                                     for _ in range(depth))
         self.ln_final = LayerNorm(width)
         self.num_appended = append_tokens

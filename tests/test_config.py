@@ -99,6 +99,9 @@ def test_missing_file_and_bad_yaml(tmp_path):
         (["--config", "{tmp}/wrongtype.yaml"], "config error: train.batch_size:"),
         (["--config", "{tmp}/absent.yaml"], "config error: config file not found"),
         (["--config", "configs/demo.yaml", "--set", "train.zero_stage=9"], "config error: train.zero_stage:"),
+        # a model option its class refuses: checked by the class itself without building the model
+        (["--config", "configs/prolip_demo.yaml", "--set", "model.overrides.mask_ratio=1.0"],
+         "config error: model.overrides: prolip_tiny: mask_fraction must be in [0, 1], mask_ratio and"),
     ],
 )
 def test_cli_fails_fast_with_one_line(tmp_path, args, expected):

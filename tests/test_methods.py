@@ -7,6 +7,7 @@ method learns with short in-process fits (tests/test_learning.py).
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -177,6 +178,10 @@ def test_prolip_uncertainty_analyses_are_in_its_mlflow_run(fits):
     for level in ("instance", "specific", "mid", "general"):
         assert [level, f"{logged[f'heldout/unc_level_{level}_sigma2']:.4g}"] in [line.split()[:2] for line in lines]
     assert any(line.strip() == "heldout_analyses.png" for line in lines)
+    # and a few held-out images with their predicted class and sigma^2, worked out by rank 0 (the driver loads no model)
+    shown = lines.index("sample predictions: 4 held-out images of eval task 'digits_zeroshot' (zeroshot)")
+    row = re.compile(r"  image \S+ \(true: '\w+'\) -> '\w+' \| sigma\^2 image ")
+    assert len([x for x in lines[shown + 2 : shown + 6] if row.match(x)]) == 4
     print("\nProLIP analyses:", {k: round(v, 3) for k, v in heldout["metrics"].items()})
     # ProLIP Sec. 4.3 on the digits: captions wider than their images (the image-in-text inclusion loss)
     assert heldout["metrics"]["unc_caption_wider_frac"] > 0.5

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from models import create_model, default_loss, list_models
 from models.heads import GPO
 from models.losses import create_loss
 from models.objective import Objective
+from models.registry import check_overrides, tower_config
 from models.pcmepp import mixed_sample
 from models.prolip import masked_rows
 from models.tokenizer import tokenize
@@ -85,6 +89,44 @@ def test_paper_size_builds_on_meta(name):
         assert model.mixture_tokens == 64 and model.mixer.heads == 8
     n_params = sum(p.numel() for p in model.parameters())
     assert 140e6 < n_params < 170e6  # ViT-B/16 (86M) + 12-layer 512-wide text transformer (~63M incl. embeddings)
+
+
+# One option out of its range per model class, and the start of the class's message
+BAD_OPTIONS = [("llip_tiny", {"mixture_tokens": 0}, "mixture_tokens must be >= 1"),
+               ("llip_tiny", {"query_from": "hidden"}, "query_from 'hidden' needs zeroshot_query"),
+               ("prolip_tiny", {"mask_ratio": 1.0}, "mask_fraction must be in [0, 1]"),
+               ("prolip_llip_tiny", {"mixture_tokens": 0}, "mixture_tokens must be >= 1"),
+               ("pcmepp_tiny", {"msda_beta": 0.0}, "msda_fraction must be in [0, 1] and msda_beta > 0")]
+
+
+@pytest.mark.parametrize("name, options, message", BAD_OPTIONS, ids=[f"{n}-{next(iter(o))}" for n, o, _ in BAD_OPTIONS])
+def test_options_are_checked_without_building_the_model(name, options, message):
+    """registry.check_overrides runs a model class's own option checks (what a config load calls, before any
+    process starts) and raises what building it raises; the tower sizes come from the table as built."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_model(name, **options)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_overrides(name, **options)
+    with pytest.raises(TypeError, match="unknown overrides nonsense"):
+        check_overrides(name, nonsense=1)
+    for valid in list_models():  # every class checks its options before its first tower
+        check_overrides(valid, **({"source": name} if valid.endswith("_adapter") else {}))
+    sizes = {"context_length": 12, "embed_dim": 32}
+    model = create_model(name, **sizes)
+    towers = tower_config(name, **sizes)
+    assert (model.context_length, model.img_size, towers.embed_dim) == (towers.context_length, towers.img_size, 32)
+    assert tower_config("pfe_adapter", source=name, source_overrides=sizes) == towers
+
+
+def test_the_model_table_is_read_without_timm():
+    """A job's driver reads the model table (names, option checks, the text context) but never builds a model: timm,
+    which brings torchvision and torch._dynamo (~2 CPU-s), stays out of it."""
+    code = ("import sys; from models.registry import check_overrides, tower_config; "
+            "check_overrides('llip_tiny', mixture_tokens=4); tower_config('prolip_vit_b16'); "
+            "from pipelines.train.config import load_train_config; load_train_config('configs/prolip_demo.yaml'); "
+            "import pipelines.train.job, pipelines.train.run_summary; print('timm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*_tiny.yaml")) + sorted((ROOT / "configs").glob("*_vit_b16.yaml")),

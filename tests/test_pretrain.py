@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,36 @@ def test_saved_model_reloads_with_same_embeddings(trained):
     assert torch.allclose(image_mu, probe["image_mu"], atol=1e-6)
     assert torch.allclose(text_mu, probe["text_mu"], atol=1e-6)
     assert not torch.allclose(image_mu[0], image_mu[1], atol=1e-3)  # real, distinct embeddings
+
+
+def test_the_summary_shows_the_saved_models_predictions(trained):
+    """jobs.pretrain's closing lines: four held-out images of the zero-shot task with the class the trained model picks,
+    worked out by rank 0 beside its final evaluation (the driver loads no model); the saved model, reloaded here,
+    picks the same classes for those images, and each image's true class is its label in the data."""
+    from pipelines.data.eval_reader import REQUIRES, iter_local_batches
+    from pipelines.data.eval_tasks import task_paths
+    from pipelines.evaluate.in_process import embed_texts, task_texts
+    from pipelines.evaluate.tasks import classes_from_prompts
+    from pipelines.train.run_summary import run_summary
+
+    cfg, result, tmp = trained
+    lines = run_summary(cfg, result)
+    start = lines.index("sample predictions: 4 held-out images of eval task 'digits_zeroshot' (zeroshot)")
+    assert lines[start + 5] == "  (no sigma^2: CLIP is a deterministic model)"
+    shown = [re.fullmatch(r"  image (\S+) \(true: '(\w+)'\) -> '(\w+)'", x) for x in lines[start + 1 : start + 5]]
+    assert all(shown), lines[start : start + 6]
+    task = next(t for t in cfg.resolved_tasks() if t.name == "digits_zeroshot")
+    batch = next(b for b in iter_local_batches(task_paths(task), cfg.data.image_size, 64, REQUIRES[task.kind]))
+    rows = {str(k): i for i, k in enumerate(batch["key"])}
+    folder = Path(download_artifacts(run_id=result.mlflow_run_id, artifact_path="model",
+                                     dst_path=str(tmp / "dl_model_summary"), tracking_uri=result.mlflow_uri))
+    model = load_model(model_file(Path(folder)))
+    texts, counts, classnames = task_texts(task, [])
+    with torch.no_grad():
+        image = model.encode_image(torch.as_tensor(batch["image"][[rows[m[1]] for m in shown]]))
+        best = model.class_scores(image, classes_from_prompts(model, embed_texts(model, texts), counts)).argmax(1)
+    assert [m[3] for m in shown] == [classnames[j] for j in best.tolist()]
+    assert [m[2] for m in shown] == [classnames[int(batch["cls"][rows[m[1]]])] for m in shown]
 
 
 PYFUNC_SCRIPT = """

@@ -31,6 +31,10 @@ _LOCAL_ENV = {
     # Its actor polls Ray for the node draining of a cloud cluster's preemption notices: a one-machine Ray has none
     # (a SIGTERM to a training worker and the notice file still reach the run: pipelines.train.preemption).
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Ray starts a worker per CPU for the first driver, ready for its tasks; a training job's processes are actors
+    # with runtime environments of their own (Ray Train's controller and all it starts) or detached ones, which never
+    # take those workers: two idle processes importing Ray at start-up for nothing. Tasks start theirs when they come.
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 

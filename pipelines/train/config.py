@@ -105,7 +105,7 @@ class TrainDocument(ExperimentDocument):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainDocument":
-        from models.registry import list_models  # deferred: the registry imports timm and every model class
+        from models.registry import list_models  # deferred: the registry imports torch and every model class
 
         if self.model.name not in list_models():
             raise ValueError(f"model.name: unknown model {self.model.name!r}; known: {', '.join(list_models())}")
@@ -139,13 +139,17 @@ def _check_loss(cfg: TrainDocument) -> None:
     """Validate loss params and model overrides against what their constructors take."""
     from models.losses import list_losses, loss_class  # deferred, as in TrainDocument._cross_checks
     from models.objective import loss_name
-    from models.registry import override_types
+    from models.registry import check_overrides, override_types
 
     name = loss_name(cfg)
     if name not in list_losses():
         raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
     _check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), cfg.loss.params)
     _check_kwargs("model.overrides", f"model {cfg.model.name!r}", override_types(cfg.model.name), cfg.model.overrides)
+    try:
+        check_overrides(cfg.model.name, **cfg.model.overrides)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.overrides: {cfg.model.name}: {err}") from None
     _check_openclip_init(cfg)
 
 

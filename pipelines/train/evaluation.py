@@ -16,6 +16,7 @@ from pipelines.train.config import TrainDocument
 from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.in_process import embed_task_locally, model_device
 from pipelines.evaluate.names import metric_names
+from pipelines.evaluate.samples import sample_predictions, showcase_task
 from pipelines.data.local import dataset_shard
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.train.model_card import summary_table
@@ -112,6 +113,18 @@ class Evaluation:
             print(f"[probvlp] {reason}; the trained model is saved: runs:/{self.logger.run_id}/model", flush=True)
             self.logger.tag("probvlp.failure", reason)
             return {}, {}, reason
+
+    def samples(self, model: torch.nn.Module, n: int = 4) -> list[str]:
+        """The summary's sample predictions (pipelines.evaluate.samples) on the first images of the showcase task's
+        data; none where the tasks have nothing to show, one line saying why where its data fails them (the run is
+        done and logged: a sample that cannot be shown must not turn it into a failure)."""
+        task = showcase_task(self.tasks)
+        if task is None:
+            return []
+        try:
+            return sample_predictions(model, task, next(iter(eval_batches(task, n))), n)
+        except Exception as err:  # noqa: BLE001
+            return [f"(no sample predictions: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"]
 
     def save_results(self, metrics: dict[str, float], results: dict[str, TaskResult], folder: Path) -> None:
         """The final metrics (eval/metrics.json, eval/summary.md) and the tasks' plots (plots/) as run artifacts."""

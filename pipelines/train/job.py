@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray.train
-import torch
 from ray.data import ExecutionOptions
 
-from models.objective import build_objective, loss_name
+from models.objective import loss_name
+from models.registry import tower_config
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.train.config import TrainDocument
@@ -95,8 +95,7 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
 
     if not inputs_ready:
         prepare_inputs(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
-    with torch.device("meta"):  # the sizes only: the workers build the weights
-        context_length = build_objective(cfg).model.context_length
+    context_length = tower_config(cfg.model.name, **cfg.model.overrides).context_length  # the workers build the model
     uri = tracking_uri(cfg.tracking.uri)
     with tracked_run(uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=cfg.flat(),
                      config_yaml=cfg.to_yaml(), tags=run_tags(cfg, extra_tags),

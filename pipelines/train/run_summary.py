@@ -1,58 +1,16 @@
 """What a finished run prints about its model: its eval tasks' numbers, for probabilistic models the uncertainty
 the final evaluation measured (sigma^2 by caption level, where the plots are), and a few held-out images with what the
-model predicts for them and their sigma^2. Everything but the sample predictions comes from the run's final metrics."""
+model predicts for them and their sigma^2 (worked out by rank 0 beside the final evaluation), all from the run's final
+metrics: the driver neither loads the model nor imports its code."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
-import torch
-
-from models.model_file import load_model
 from pipelines.config import EvalTask
-from pipelines.data.eval_reader import REQUIRES, iter_local_batches
-from pipelines.data.eval_tasks import task_paths
 from pipelines.data.stats import reports_summary
 from pipelines.evaluate.headline import headline
-from pipelines.evaluate.in_process import embed_texts, split_captions, task_texts
-from pipelines.evaluate.tasks import classes_from_prompts, sigma2
-from pipelines.tracking import resolve_model, sqlite_artifact_root
-
-
-def showcase_task(tasks: list[EvalTask]) -> EvalTask | None:
-    """The first zero-shot task, else the first retrieval task (a loss task has nothing to show)."""
-    return next((t for t in tasks if t.kind == "zeroshot"), next((t for t in tasks if t.kind == "retrieval"), None))
-
-
-@torch.no_grad()
-def sample_predictions(model: torch.nn.Module, task: EvalTask, n: int = 4) -> list[str]:
-    batch = next(iter_local_batches(task_paths(task), model.img_size, batch_size=n, require=REQUIRES[task.kind]))
-    image = {k: v.float() for k, v in model.encode_image(torch.as_tensor(batch["image"])).items()}
-    captions = split_captions(batch["captions"])
-    texts, counts, classnames = task_texts(task, captions)
-    counts = counts or [1] * len(texts)
-    labels = classnames or texts
-    text = embed_texts(model, texts)
-    scores = model.class_scores(image, classes_from_prompts(model, text, counts))
-    best = scores.argmax(dim=1).tolist()
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    lines = [f"sample predictions: {len(best)} held-out images of eval task {task.name!r} ({task.kind})"]
-    if model.probabilistic:
-        lines.append("  sigma^2: mean per-dimension variance; larger = less certain")
-    image_s2 = sigma2(image) if model.probabilistic else None
-    text_s2 = sigma2(text) if model.probabilistic else None
-    for i, j in enumerate(best):
-        truth = (classnames[int(batch["cls"][i])] if classnames and 0 <= int(batch["cls"][i]) < len(classnames)
-                 else (captions[i][0] if captions[i] else "?"))
-        line = f"  image {batch['key'][i]} (true: {truth!r}) -> {labels[j]!r}"
-        if image_s2 is not None:
-            prompts_s2 = text_s2[starts[j] : starts[j] + counts[j]].mean()
-            line += f" | sigma^2 image {image_s2[i]:.4g}, its class prompts {prompts_s2:.4g}"
-        lines.append(line)
-    if not model.probabilistic:
-        lines.append(f"  (no sigma^2: {type(model).__name__} is a deterministic model)")
-    return lines
+from pipelines.tracking import sqlite_artifact_root
 
 
 def run_summary(cfg, result) -> list[str]:
@@ -72,14 +30,7 @@ def run_summary(cfg, result) -> list[str]:
     if result.registered_version:
         lines.append(f"  registered as models:/{cfg.tracking.register_as}/{result.registered_version}")
     lines += plot_lines(result)
-    task = showcase_task(cfg.resolved_tasks())
-    if task is not None:
-        try:  # the run is done and logged: a sample that cannot be shown must not turn it into a failure
-            with tempfile.TemporaryDirectory() as tmp:
-                model = load_model(resolve_model(model_uri, result.mlflow_uri, tmp)["model"])
-            lines += sample_predictions(model, task)
-        except Exception as err:  # noqa: BLE001
-            lines.append(f"(no sample predictions: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+    lines += json.loads(result.metrics.get("sample_predictions", "[]"))  # rank 0's, beside the final evaluation
     return lines
 
 

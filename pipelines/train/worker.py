@@ -405,7 +405,8 @@ class TrainWorker:
             if error:
                 return {"eval_error": error}
             self.evaluation.save_results(metrics, results, tmp)
-        return metrics
+        # the driver prints them (pipelines.train.run_summary) without loading the model itself
+        return {**metrics, "sample_predictions": json.dumps(self.evaluation.samples(objective.model))}
 
 
 def train_loop(config: dict[str, Any]) -> None:
