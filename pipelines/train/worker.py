@@ -6,9 +6,11 @@ The worker coordinates; its pieces live beside it: one optimizer step (`step`), 
 (`export`), the data's health and wait (`data_health`, `data_wait`)."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,8 @@ class TrainWorker:
         self.wait = DataWait()
         self.tasks = cfg.resolved_tasks()
         self.world = World.current()
+        if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
+            threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.notice = Notice(cfg.run.sigterm_grace_s)
