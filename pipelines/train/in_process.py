@@ -1,6 +1,6 @@
-"""A tiny model trained in this process on the bundled digits (no Ray, no DeepSpeed): the same model and
-loss as a Ray Train fit of the config, single process, AdamW, for tests and studies that need trained embeddings
-fast."""
+"""A tiny model trained in this process on the bundled digits (no Ray, no DeepSpeed): the same model, loss,
+optimizer and schedule as a Ray Train fit of the config (pipelines.train.optim), on the same loop
+(pipelines.train.loop.run_steps), single process, for tests and studies that need trained embeddings fast."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,17 +12,19 @@ from models.tokenizer import tokenize
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.train.config import TrainDocument
 from pipelines.train.loop import run_steps
+from pipelines.train.optim import adamw, param_groups, warmup_cosine
 from pipelines.train.state import Progress
 
 
 def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
                    accum: int = 1, dtype: torch.dtype = torch.float32):
-    """cfg's model and loss trained `steps` AdamW steps (cfg.train lr, betas, weight decay, linear warm-up)
-    on the train split with cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw);
-    returns the model in eval mode. loss_sign -1 climbs the objective instead: the broken loss that
-    tests/test_learning.py's targets must reject. The model comes back in float32. accum > 1: each step's `batch` rows run as `accum` micro-batches
-    by feature-cache accumulation (models.accumulate, as train.grad_accum), the same samples and draws. dtype: of
-    the weights and images (float64: two fits that differ by rounding only stay together much longer)."""
+    """cfg's model and loss trained `steps` steps (InProcessFit: the pretraining worker's AdamW and its warm-up +
+    cosine schedule over cfg.train.steps, of which a shorter fit runs the first `steps`) on the train split with
+    cfg.data's caption mix (or `sampler`'s: anything with CaptionSampler's draw); returns the model in eval mode.
+    loss_sign -1 climbs the objective instead: the broken loss that tests/test_learning.py's targets must reject. The
+    model comes back in float32. accum > 1: each step's `batch` rows run as `accum` micro-batches by feature-cache
+    accumulation (models.accumulate, as train.grad_accum), the same samples and draws. dtype: of the weights and
+    images (float64: two fits that differ by rounding only stay together much longer)."""
     if accum > 1 and loss_sign != 1.0:
         raise ValueError("loss_sign applies to one-pass fits only")
     torch.manual_seed(seed)
@@ -43,16 +45,16 @@ def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int =
 
 
 class InProcessFit:
-    """cfg's objective under AdamW (every parameter decayed) and a linear warm-up, one `step` per batch for
-    `pipelines.train.loop.run_steps`; every loss is applied (`loss_sign` -1: climbed)."""
+    """cfg's objective under the pretraining worker's optimizer (pipelines.train.optim: AdamW, no weight decay on
+    gains, biases and vectors; linear warm-up, then cosine to 0 at cfg.train.steps: the config's run, of which a
+    shorter fit takes the first steps), one `step` per batch for `pipelines.train.loop.run_steps`; every loss is applied
+    (`loss_sign` -1: climbed)."""
 
     def __init__(self, objective, cfg: TrainDocument, accum: int = 1, loss_sign: float = 1.0):
         t = cfg.train
         self.objective, self.accum, self.loss_sign, self.grad_clip = objective, accum, loss_sign, t.grad_clip
-        self.optimizer = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                           weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)))
+        self.optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.steps)
         self.progress = Progress()
 
     def step(self, batch) -> dict[str, torch.Tensor]:
