@@ -1,6 +1,7 @@
 """Evaluation inside a training run, on rank 0 (the evaluate stage's tasks over the trained weights): every
-`train.eval_every` steps and once at the end, with its artifacts (metrics, summary, plots) and the embedding probe
-saved with the model. The collective part (gathering the weights, sharing the metrics) is the worker's."""
+`train.eval_every` steps and once at the end, with its artifacts (metrics, summary, plots), the embedding probe
+saved with the model and the sample predictions the job's summary prints. The collective part (gathering the
+weights, sharing the metrics) is the worker's."""
 from __future__ import annotations
 
 import json
