@@ -68,7 +68,13 @@ class RunConfig(Section):
     # terminationGracePeriodSeconds, `docker stop -t`, a SLURM KillWait): the run saves at the next step and Ray
     # Train restarts it once the time is up. None: SIGTERM ends the worker at once, as in Ray.
     sigterm_grace_s: float | None = Field(30.0, ge=0)
+    # A run saved on this many notices of preemption in a row without a step trained between them stops with one line
+    # (a notice source that never clears), instead of restarting for ever.
+    max_notices_without_progress: int = Field(3, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
+    # A file on rank 0's node to which every attempt appends the optimizer steps it applies ("ATTEMPT STEP" a line):
+    # what each attempt really ran, for an audit of restarts (tests count steps trained twice with it). None: off.
+    audit_steps_to: str | None = None
 
 
 class DataConfig(Section):
@@ -278,8 +284,9 @@ class TrackingConfig(Section):
     uri: str | None = None
     # Register the final MLflow model under this name in the Model Registry (a new version per run).
     register_as: str | None = Field(None, min_length=1)
-    # At the end of training, how long rank 0 waits for the tracking store to take what it could not deliver yet
-    # (an outage); then it is kept on rank 0's node (pipelines.tracking_outbox.Outbox) and the run ends anyway.
+    # At the end of a run, how long the driver delivers what the store has not taken yet (an outage: rank 0 hands it
+    # over in the run's storage and its workers are released); what is still left stays there, with the one command
+    # that delivers it later (pipelines.tracking_outbox), and the job ends well.
     flush_timeout_s: float = Field(600.0, gt=0)
 
     def with_absolute_store(self) -> "TrackingConfig":

@@ -20,7 +20,7 @@ from mlflow.exceptions import MlflowException
 import models
 from pipelines.config import LOCAL_DIR, PROJECT_ROOT
 from pipelines.mlflow_store import prepare_sqlite_store
-from pipelines.tracking_outbox import BATCH, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox, OutboxReport
+from pipelines.tracking_outbox import BATCH, COMMAND, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox, OutboxReport
 
 
 # Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
@@ -144,54 +144,58 @@ def worker_client(uri: str, run_id: str):
     return MlflowClient(uri)
 
 
-OUTBOX_DIR = LOCAL_DIR / "tracking_outbox"  # rank 0's outboxes (pipelines.tracking_outbox), one folder a run
+OUTBOX_DIR = LOCAL_DIR / "tracking_outbox"  # rank 0's outbox queue past its memory bound, and its artifact copies
 
 
 class StepLogger:
-    """Buffers per-step metrics and writes them in batches (one MLflow call per flush). Each flush records the
-    last step written (tag probvlp.logged_through). A restart from the checkpoint of step `resumed_from` replays
-    the steps after it, and a worker can have written some of them before a failure kept their checkpoint from
-    being registered (a node lost between the ranks' report and Ray Train's registration): those steps, after
-    `resumed_from` up to the recorded one, are not written again.
+    """Per-step metrics, tags and artifacts of a run.
 
-    `background=True` (rank 0 of a training run): flushes, tags and artifacts go through an `Outbox`, so the loop
-    never waits for the store and an outage of any length costs nothing; `close()` waits for them at the end (up to
-    `flush_timeout_s`) and says how long the store was unreachable. Otherwise every call is made at once."""
+    `background=True` (rank 0 of a training run): every call goes through an `Outbox` at once: a thread delivers it
+    within seconds while the store answers, the loop never waits for the store, and what is not delivered yet travels
+    with the run (`persist` at checkpoints, `carried` into the next attempt). A restart's replayed steps (after
+    `resumed_from`) that an earlier attempt delivered are not delivered again; the store is never read on the way.
+
+    Otherwise (the adapter's fit, tests) metrics are buffered and written in batches of `flush_every` (one MLflow call
+    per flush), each flush recording the last step written (tag probvlp.logged_through); a restart from
+    `resumed_from` reads it once and skips the steps up to it."""
 
     def __init__(self, uri: str, run_id: str, flush_every: int | None = 500, resumed_from: int = 0, *,
-                 background: bool = False, flush_timeout_s: float = 600.0):
+                 background: bool = False, flush_timeout_s: float = 600.0, carried: tuple[dict, list[dict]] | None = None):
         self.client, self.run_id, self.flush_every = worker_client(uri, run_id), run_id, flush_every
         self.buffer: list = []
         self.logged_through, self.resumed_from = -1, resumed_from
         self.last_step = resumed_from
-        if resumed_from > 0:
-            self.logged_through = int(self.client.get_run(run_id).data.tags.get(LOGGED_THROUGH_TAG, -1))
-        self.outbox = Outbox(self.client, run_id, hide_credentials(uri), OUTBOX_DIR / run_id) if background else None
         self.flush_timeout_s = flush_timeout_s
         self.report: OutboxReport | None = None
+        self.outbox = None
+        if background:
+            head, ops = carried or ({}, [])
+            self.outbox = Outbox(self.client, run_id, hide_credentials(uri), OUTBOX_DIR / f"{run_id}-{os.getpid()}",
+                                 replay_from=resumed_from, carried=ops, unreachable_s=head.get("unreachable_s", 0.0))
+        elif resumed_from > 0:
+            self.logged_through = int(self.client.get_run(run_id).data.tags.get(LOGGED_THROUGH_TAG, -1))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.last_step = max(self.last_step, step)
+        if self.outbox:
+            self.outbox.put_metrics([Metric(k, float(v), now, step) for k, v in metrics.items()])
+            return
         if self.resumed_from < step <= self.logged_through:
             return  # a replayed step that MLflow has from before the restart
-        now = int(time.time() * 1000)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.last_step = max(self.last_step, step)
         if self.flush_every is not None and len(self.buffer) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
+        """Write the buffered metrics (a background logger buffers nothing)."""
         if not self.buffer:
             return
         self.logged_through = max(self.logged_through, max(m.step for m in self.buffer))
         for i in range(0, len(self.buffer), BATCH):
             last = i + BATCH >= len(self.buffer)  # the tag goes with the last batch: one call, no extra request
-            chunk = self.buffer[i : i + BATCH]
-            if self.outbox:
-                self.outbox.put({"metrics": [[m.key, m.value, m.timestamp, m.step] for m in chunk],
-                                 "through": self.logged_through if last else None})
-            else:
-                self.client.log_batch(self.run_id, metrics=chunk,
-                                      tags=[RunTag(LOGGED_THROUGH_TAG, str(self.logged_through))] if last else [])
+            self.client.log_batch(self.run_id, metrics=self.buffer[i : i + BATCH],
+                                  tags=[RunTag(LOGGED_THROUGH_TAG, str(self.logged_through))] if last else [])
         self.buffer = []
 
     def tag(self, key: str, value: str) -> None:
@@ -212,28 +216,32 @@ class StepLogger:
         else:
             self.client.log_artifacts(self.run_id, str(folder), artifact_path)
 
-    def close(self, drop_unflushed: bool = False) -> OutboxReport | None:
-        """The end of the run's logging (again: nothing): flush (or, `drop_unflushed`, drop what no flush has taken
-        yet: a failed attempt's steps after its last checkpoint), then with an outbox wait for delivery and print how
-        long the store was unreachable (MLflow metric tracking_unreachable_s at the last step logged) and, if it
-        never answered again, what it did not get and where that is kept."""
-        if drop_unflushed:
-            self.buffer = []
+    def persist(self, target: str) -> int:
+        """What is not delivered yet, written to `target` (the run's storage) for the next attempt or the driver."""
+        return self.outbox.persist(target) if self.outbox else 0
+
+    def close(self, keep_to: str | None = None) -> OutboxReport | None:
+        """The end of the run's logging (again: nothing). With an outbox: wait for delivery while the store answers
+        (up to `flush_timeout_s`), then what is left goes to `keep_to` (the run's storage, where the driver delivers
+        it) or, without one, waits the whole `flush_timeout_s` and is kept in this node's folder."""
         self.flush()
         if self.outbox is None or self.report is not None:
             return self.report
         start = time.monotonic()
-        self.report = report = self.outbox.close(self.flush_timeout_s, self.last_step)
+        self.report = report = self.outbox.close(self.last_step, self.flush_timeout_s, keep_to=keep_to,
+                                                 while_reachable=keep_to is not None)
         uri = self.outbox.uri
-        if report.kept_in is not None:
+        if report.kept_in is not None and keep_to is not None:
+            print(f"[tracking] {uri} is not answering at the end of training: {report.pending} calls handed over "
+                  f"in {report.kept_in}", flush=True)
+        elif report.kept_in is not None:
             what = ", ".join(f"{n} {kind}" for kind, n in report.undelivered.items() if n)
             print(f"[tracking] {uri} did not answer for the last {report.unreachable_s:.0f} s of the run (waited "
                   f"{time.monotonic() - start:.0f} s, tracking.flush_timeout_s): NOT delivered to run {self.run_id}: "
-                  f"{what}. Kept in {report.kept_in}; deliver them with: "
-                  f"python -m pipelines.tracking_outbox {report.kept_in}", flush=True)
+                  f"{what}. Kept in {report.kept_in}; deliver them with: {COMMAND} {report.kept_in}", flush=True)
         elif report.unreachable_s > 0:
-            print(f"[tracking] {uri} was unreachable for {report.unreachable_s:.1f} s in {report.outages} outage(s); "
-                  f"everything logged meanwhile was delivered (MLflow metric {UNREACHABLE_METRIC})", flush=True)
+            print(f"[tracking] {uri} was unreachable for {report.unreachable_s:.1f} s over the run; everything logged "
+                  f"meanwhile was delivered (MLflow metric {UNREACHABLE_METRIC})", flush=True)
         return report
 
 
@@ -303,9 +311,43 @@ class TrackedRun:
     end_status: str = "FINISHED"  # KILLED: stopped before its last step (resumable)
     register_as: str | None = None  # a Model Registry name: the run's model becomes a new version on FINISHED
     registered_version: str | None = None
+    # The run's storage folder where rank 0 leaves what it could not deliver (pipelines.tracking_outbox): the driver
+    # delivers it, then the run's end, for up to `flush_timeout_s`; what the store still did not take stays there.
+    pending_in: str | None = None
+    flush_timeout_s: float = 600.0
+    kept: OutboxReport | None = None
 
     def logger(self, flush_every: int | None = None) -> StepLogger:
         return StepLogger(self.uri, self.run_id, flush_every)
+
+    def end(self) -> None:
+        """The run's end (status, then the model's registration) after what rank 0 left, off the workers: delivered
+        for up to `flush_timeout_s`, or kept in `pending_in` with one line saying how to deliver it later."""
+        register = self.register_as if self.end_status == "FINISHED" else None
+        if self.pending_in is None:
+            finish_run(self.uri, self.run_id, self.end_status)
+            if register:
+                self.registered_version = register_model_version(self.uri, self.run_id, register)
+            return
+        from pipelines.tracking_outbox import deliver_kept
+
+        final = [{"status": self.end_status}, *([{"register": register}] if register else [])]
+        self.kept = report = deliver_kept(self.pending_in, self.uri, self.flush_timeout_s, extra=final,
+                                          run_id=self.run_id, shown_uri=hide_credentials(self.uri))
+        if report.kept_in is not None:
+            what = ", ".join(f"{n} {kind}" for kind, n in report.undelivered.items() if n)
+            print(f"[tracking] {hide_credentials(self.uri)} did not answer within tracking.flush_timeout_s "
+                  f"({self.flush_timeout_s:g} s) after training: {report.pending} calls of run {self.run_id} are pending "
+                  f"({what}; the run's status {self.end_status} last) in {report.kept_in}; deliver them with: "
+                  f"{COMMAND} {report.kept_in}", flush=True)
+            return
+        if report.unreachable_s > 0:
+            print(f"[tracking] {hide_credentials(self.uri)} was unreachable for {report.unreachable_s:.1f} s over the "
+                  f"run; everything logged meanwhile was delivered (MLflow metric {UNREACHABLE_METRIC})", flush=True)
+        if register:
+            versions = MlflowClient(self.uri, registry_uri=self.uri).search_model_versions(
+                f"name='{register}' and run_id='{self.run_id}'")
+            self.registered_version = max((v.version for v in versions), key=int, default=None)
 
 
 @contextmanager
@@ -313,7 +355,7 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
                 config_yaml: str, tags: dict[str, str], register_as: str | None = None) -> Iterator[TrackedRun]:
     """The MLflow run of a training job (pretraining, the adapter): a resumed job reopens the run it started
     before (its step history goes on), any other starts one. On exit the run ends with `end_status` (and its
-    model is registered under `register_as` when FINISHED); an exception ends it FAILED."""
+    model is registered under `register_as` when FINISHED; `TrackedRun.end`); an exception ends it FAILED."""
     existing = find_run(uri, experiment, run_name) if resumed else None
     if existing:
         reopen_run(uri, existing, config_yaml)
@@ -333,14 +375,16 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
             relay = start_relay(uri, run.run_id)
         yield run
     except BaseException:
-        finish_run(uri, run.run_id, "FAILED")
+        try:
+            finish_run(uri, run.run_id, "FAILED")
+        except Exception as err:  # noqa: BLE001 - the store away too: the job's own error is the one to show
+            print(f"[tracking] could not mark run {run.run_id} FAILED ({type(err).__name__}); the job's error "
+                  "follows", flush=True)
         raise
     finally:
         if relay is not None:
             ray.kill(relay)
-    finish_run(uri, run.run_id, run.end_status)
-    if run.register_as and run.end_status == "FINISHED":
-        run.registered_version = register_model_version(uri, run.run_id, run.register_as)
+    run.end()
 
 
 def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipelines.data.stats import BadDataError
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.local import LocalShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
+from pipelines.train.attempts import load_json, outbox_folder, run_folder
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
@@ -100,6 +102,9 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     with tracked_run(uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=cfg.flat(),
                      config_yaml=cfg.to_yaml(), tags=run_tags(cfg, extra_tags),
                      register_as=cfg.tracking.register_as) as run:
+        # what rank 0 leaves undelivered at the end: delivered by this driver once the workers are released
+        run.pending_in, run.flush_timeout_s = outbox_folder(cfg.run.storage_path, cfg.run.name), cfg.tracking.flush_timeout_s
+        job = uuid.uuid4().hex  # tells a restart within this job from a later command on the same run
         datasets = build_datasets(cfg, context_length, run.run_id)
         local = {k: v for k, v in datasets.items() if isinstance(v, LocalShards)}
         trainer = torch_trainer(
@@ -108,13 +113,17 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
              "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
              "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done"),
-             "job_started_at": started_at},
+             "job_started_at": started_at, "job": job},
             cfg, {k: v for k, v in datasets.items() if k not in local}, callbacks,
             ray.train.DataConfig(datasets_to_split=[] if "train" in local else ["train"],
                                  execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
                                  enable_shard_locality=not cfg.data.deterministic))
         result = trainer.fit()
         metrics = dict(result.metrics or {})
+        # the final report comes after the final checkpoint, whose metrics are Ray Train's result
+        final = load_json(f"{run_folder(cfg.run.storage_path, cfg.run.name)}/final_report.json") or {}
+        if final.pop("job", None) == job:
+            metrics.update(final)
         if metrics.get("data_error"):
             raise BadDataError(f"{metrics['data_error']} (MLflow run {run.run_id} FAILED)")
         if metrics.get("eval_error"):

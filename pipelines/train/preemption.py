@@ -97,6 +97,25 @@ def install_sigterm_handler(grace_s: float) -> bool:
         return False
 
 
+def _restore_in_main_thread() -> bool:
+    if _RAY_SIGTERM[0] is not None and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, _RAY_SIGTERM[0])
+    return True
+
+
+def restore_ray_sigterm() -> None:
+    """Ray's own SIGTERM handler back (the training function is over: Ray's teardown of the worker is no notice)."""
+    if threading.current_thread() is threading.main_thread():
+        _restore_in_main_thread()
+        return
+    import ray
+
+    try:
+        ray.get(ray.get_runtime_context().current_actor.execute.remote(_restore_in_main_thread), timeout=10)
+    except Exception as err:  # noqa: BLE001 - not in a Ray actor, or the actor is going away: said once
+        log.warning("Ray's SIGTERM handler is not restored: %s", err)
+
+
 def _ray_notice():
     """Ray Train's PreemptionInfo for this worker (set by its watcher on a drain), or None. Read from the worker's
     train context (what `ray.train.get_preemption_info()` reads before it broadcasts rank 0's, a collective of its
@@ -109,11 +128,14 @@ def _ray_notice():
         return None
 
 
-def _file_notice(path: str) -> float | None | bool:
-    """False without a notice file; else its deadline (epoch seconds) or None."""
+def _file_notice(path: str, taken_mtime: float = 0.0) -> float | None | bool:
+    """False without a notice file (or with one no newer than the last one taken); else its deadline (epoch
+    seconds) or None."""
     try:
         st = os.stat(path)
     except OSError:
+        return False
+    if st.st_mtime <= taken_mtime:
         return False
     try:
         with open(path) as f:
@@ -126,17 +148,19 @@ class Notice:
     """One training worker's view of notices of preemption. `pending()` once a step (a dictionary look-up and, with
     the hook's file named, one stat); `take()` when the ranks agreed, for what to log and how long to hold."""
 
-    def __init__(self, sigterm_grace_s: float | None):
+    def __init__(self, sigterm_grace_s: float | None, taken_file_mtime: float = 0.0):
+        """`taken_file_mtime`: the time of the last notice file a save consumed (from the checkpoint): a file no newer
+        is not a notice, should removing it have failed."""
         self.file = os.environ.get(NOTICE_FILE_ENV) or None
+        self.taken_file_mtime = taken_file_mtime
         self.handed_to_ray = False
         self.dismissed = None  # Ray's notice of a false alarm (hold), no longer one
-        if sigterm_grace_s is not None:
-            install_sigterm_handler(sigterm_grace_s)
+        self.installed = sigterm_grace_s is not None and install_sigterm_handler(sigterm_grace_s)
 
     def _sources(self) -> dict[str, float | None]:
         sources = dict(_LOCAL.sources)
         if self.file and "file" not in sources:
-            deadline = _file_notice(self.file)
+            deadline = _file_notice(self.file, self.taken_file_mtime)
             if deadline is not False:
                 notify("file", None if deadline is None else deadline - time.time())
                 sources["file"] = deadline
@@ -167,6 +191,31 @@ class Notice:
                 deadlines.append(info.deadline_ms / 1000)
         deadline = min(deadlines, default=None)
         return {"sources": sorted(sources), "deadline_in_s": None if deadline is None else deadline - time.time()}
+
+    def restore_ray_handler(self) -> None:
+        if self.installed:
+            restore_ray_sigterm()
+            self.installed = False
+
+    def file_mtime(self) -> float:
+        """The time of this node's notice file (0: none)."""
+        try:
+            return os.stat(self.file).st_mtime if self.file else 0.0
+        except OSError:
+            return 0.0
+
+    def consume_file(self, mtime: float) -> None:
+        """The save a notice file caused is done: the file is taken away (renamed to FILE.taken, where a person can
+        still read it), so no attempt reads it again; a file that cannot be moved is ignored up to `mtime` (the
+        checkpoint keeps it) and said once."""
+        self.taken_file_mtime = max(self.taken_file_mtime, mtime)
+        if not self.file or not os.path.exists(self.file):
+            return
+        try:
+            os.replace(self.file, f"{self.file}.taken")
+        except OSError as err:
+            log.warning("the notice file %s stays (%s): notices written before %s are ignored", self.file, err,
+                        time.ctime(mtime))
 
     def hold(self, deadline_in_s: float | None) -> None:
         """After the agreed save: wait for Ray Train to restart the run (at the deadline, a preemption). Every step

@@ -32,20 +32,20 @@ from pipelines.data.eval_tasks import use_texts
 from pipelines.data.local import dataset_shard, use_local_datasets
 from pipelines.data.stats import report_metrics
 from pipelines.progress import ProgressLine
-from pipelines.train import export, state as train_state
+from pipelines.train import attempts, export, state as train_state
 from pipelines.train.data_health import DataHealth
 from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
 from pipelines.train.loop import EmptyEpoch, epoch_batches, run_steps
 from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
-from pipelines.train.preemption import Notice
+from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
 from pipelines.train.state import Progress
 from pipelines.train.step import train_step
 from pipelines.train.trainer import eval_dataset_name
 
 
-# The step of the latest notice of preemption, tagged as the save begins (the restart compares its own step with it).
-NOTICE_STEP_TAG = "probvlp.preemption_notice_step"
+class NoticeLoop(RuntimeError):
+    """Notices of preemption in a row without a step trained between them (run.max_notices_without_progress)."""
 
 
 def skip_inference_comm_op() -> None:
@@ -102,8 +102,10 @@ class TrainWorker:
     """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
 
     def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, failure_marker: str | None,
-                 job_started_at: float | None = None):
+                 job_started_at: float | None = None, job: str = ""):
         self.cfg, self.t = cfg, cfg.train
+        # first: a SIGTERM from here on is a notice (before the engine is built and the checkpoint restored)
+        self.notice = Notice(cfg.run.sigterm_grace_s)
         self.job_started_at = job_started_at
         self.rank = ray.train.get_context().get_world_rank()
         self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
@@ -115,19 +117,31 @@ class TrainWorker:
         self.wait = DataWait()
         self.tasks = cfg.resolved_tasks()
         self.world = World.current()
+        self.folder = attempts.run_folder(cfg.run.storage_path, cfg.run.name)
+        self.outbox_folder = attempts.outbox_folder(cfg.run.storage_path, cfg.run.name)
         if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
-        self.notice = Notice(cfg.run.sigterm_grace_s)
-        # With checkpoints, metrics wait for the checkpoint that covers them (see checkpoint()).
-        flush_every = None if self.t.checkpoint_every else 500
-        self.logger = None
-        if self.rank == 0:  # a restart's replayed steps are not written twice (StepLogger)
+        self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
+        self.notice.taken_file_mtime = self.progress.notice_file_mtime
+        self.noticed = False
+        self.audit = open(cfg.run.audit_steps_to, "a") if cfg.run.audit_steps_to and self.rank == 0 else None
+        self.logger = self.journal = self.heartbeat = None
+        self.attempt = 0
+        if self.rank == 0:
             from pipelines.tracking import StepLogger  # deferred: MLflow in rank 0's process only
+            from pipelines.tracking_outbox import load
 
-            self.logger = StepLogger(mlflow_uri, run_id, flush_every, resumed_from=self.progress.step,
-                                     background=True, flush_timeout_s=cfg.tracking.flush_timeout_s)
+            self.journal = attempts.Journal.open(self.folder, job)
+            checkpoint = ray.train.get_checkpoint()
+            self.attempt = self.journal.begin(self.progress.step, checkpoint.path if checkpoint else None)["attempt"]
+            self.heartbeat = attempts.Heartbeat(self.journal)
+            # what an earlier attempt had not delivered, first; its steps after this checkpoint come again
+            self.logger = StepLogger(mlflow_uri, run_id, None, resumed_from=self.progress.step, background=True,
+                                     flush_timeout_s=cfg.tracking.flush_timeout_s,
+                                     carried=load(self.outbox_folder, self._outbox_files(run_id), self.progress.step,
+                                                  drop_ends=True))
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
         # what the readers skip (rank 0 polls it at log steps); a run past data.max_bad_frac stops with data_error
         self.data_health = DataHealth(run_id, ["train", *map(eval_dataset_name, self.tasks)],
@@ -139,11 +153,43 @@ class TrainWorker:
             self.logger.tag("probvlp.master_addr", os.environ.get("MASTER_ADDR", ""))
             self.logger.tag("probvlp.world_size", str(self.world.size))
             self.logger.tag("probvlp.device", device_name(self.device))
-            if self.progress.step:
+            if self.restored_step is not None:
                 self.logger.tag("probvlp.resumed_from_step", str(self.progress.step))
-                self._log_steps_lost()
+                self._say_resumed()
             if resharded:  # a resize's universal conversion (world sizes, seconds, bytes), one tag per resize
                 self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
+
+    def _outbox_files(self, run_id: str) -> Path:
+        from pipelines.tracking import OUTBOX_DIR
+
+        return OUTBOX_DIR / f"{run_id}-{os.getpid()}" / "files"
+
+    def _say_resumed(self) -> None:
+        """Rank 0 of an attempt that did not start at step 0: one line (and tag probvlp.attempt.K) saying what it
+        resumed and why: a restart within the job (after a notice, a failure, a lost node; the steps it runs again),
+        or a new command on an earlier run's storage (and whether anything is left to train)."""
+        p, journal = self.progress, self.journal
+        prev = journal.previous
+        checkpoint = journal.current["checkpoint"]
+        record: dict[str, Any] = {"attempt": self.attempt, "resumed_from_step": p.step, "checkpoint": checkpoint}
+        if prev is not None and prev["job"] == journal.job:
+            why, reached = attempts.why_restarted(journal, journal.failures(prev))
+            again = None if reached is None else max(0, reached - p.step)
+            record.update(why=why, reached=reached, steps_again=again)
+            print(f"[restart] attempt {self.attempt} of run {self.cfg.run.name}, after {why}: resumed from the "
+                  f"checkpoint of step {p.step} ({checkpoint}); "
+                  + (f"{again} step(s) to run again" if again is not None else "the steps it runs again are unknown"),
+                  flush=True)
+            if prev.get("notice"):  # the steps between the notice and the checkpoint resumed from
+                self.logger.log({"preemption_steps_lost": again}, p.step)
+        else:
+            left = self.last_step - p.step
+            record.update(why="a new command on the run's storage", steps_left=max(0, left))
+            print(f"[resume] resumed run {self.cfg.run.name} from step {p.step} of its storage "
+                  f"({self.cfg.run.storage_path}): " + (f"{left} step(s) left to train" if left > 0 else
+                                                        f"nothing left to train (train.steps {self.t.steps}); the "
+                                                        "final evaluation and model again"), flush=True)
+        self.logger.tag(f"probvlp.attempt.{self.attempt}", json.dumps(record))
 
     def _build_engine(self):
         cfg, t = self.cfg, self.t
@@ -229,6 +275,11 @@ class TrainWorker:
         return batch[1].shape[0] * self.world.size
 
     def _on_step(self, step: int) -> None:
+        if self.audit:  # what this attempt really applied (the engine's own count)
+            self.audit.write(f"{self.attempt} {self.engine.global_steps}\n")
+            self.audit.flush()
+        if self.heartbeat:
+            self.heartbeat.step = step
         if self.job_started_at is not None:
             self._first_step()
 
@@ -248,17 +299,14 @@ class TrainWorker:
             return True
         due_eval = bool(t.eval_every) and step % t.eval_every == 0
         due_checkpoint = bool(t.checkpoint_every) and step % t.checkpoint_every == 0
+        if self.noticed:  # save first: the evaluation may take the whole deadline
+            self.save_on_notice({"step": step}, evaluate=due_eval)
+            return False
         metrics = {"step": step, **(self.validate() if due_eval else {})}
-        if self.noticed:
-            self.save_on_notice(metrics)
-        elif due_checkpoint:
+        if due_checkpoint:
             self.checkpoint(metrics)
         elif due_eval:
             ray.train.report(metrics)
-            if self.logger and not t.checkpoint_every:
-                # No checkpoint will ever cover these steps, and a scheduler (ASHA) may stop
-                # this run right after the report: write what we have now.
-                self.logger.flush()
         return False
 
     def _log_step(self, out: dict[str, torch.Tensor], rows: int, rate: float) -> None:
@@ -303,42 +351,80 @@ class TrainWorker:
         raise RuntimeError(f"injected failure at step {step} (train.fail_once_at_step)")
 
     def checkpoint(self, metrics: dict[str, Any]) -> None:
-        train_state.save(self.engine, self.progress, metrics)
+        """Every rank: the checkpoint, with what rank 0 has not delivered to MLflow yet beside it in the run's
+        storage (the next attempt delivers it first, from any node)."""
         if self.logger:
-            # Metrics are written only once their step is covered by a checkpoint: a restart
-            # replays steps after the last checkpoint, and MLflow must not see them twice.
-            self.logger.flush()
+            self.logger.persist(self.outbox_folder)
+        train_state.save(self.engine, self.progress, metrics)
+        if self.journal:
+            self.journal.update(reached=self.progress.step, checkpoint_step=self.progress.step)
 
-    def save_on_notice(self, metrics: dict[str, Any]) -> None:
+    def save_on_notice(self, metrics: dict[str, Any], evaluate: bool = False) -> None:
         """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
         checkpoint at once (registered only once every rank's part is in, so a save that the machine's end cuts
-        short is never resumed from), then wait for Ray Train's restart. Logged: `preemptions` (notices saved on
-        so far), `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds)."""
+        short is never resumed from), the notice's file taken, the evaluation due at this step after it, what rank 0
+        has not delivered into the run's storage, then wait for Ray Train's restart. Logged: `preemptions`,
+        `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds). Past
+        run.max_notices_without_progress notices in a row at one step, the run stops (NoticeLoop)."""
         p = self.progress
         notice = self.notice.take()
-        if self.logger:  # before the save: a restart that finds it past its checkpoint knows the steps lost
-            self.logger.tag(NOTICE_STEP_TAG, str(p.step))
+        # the newest notice file of any rank's node, kept in the checkpoint: never a notice again
+        mtime = torch.tensor([self.notice.file_mtime()], dtype=torch.float64)
+        if self.world.size > 1:
+            torch.distributed.all_reduce(mtime, op=torch.distributed.ReduceOp.MAX)
+        p.notice_file_mtime = max(p.notice_file_mtime, float(mtime.item()))
+        # a notice acted on at an attempt's first step follows the last one without progress (the step before a save
+        # is always trained: the notice rides on its all-reduce)
+        first_step = self.restored_step is not None and p.step - self.restored_step <= 1
+        p.notice_streak = p.notice_streak + 1 if first_step and p.notice_streak else 1
+        if p.notice_streak > self.cfg.run.max_notices_without_progress:
+            raise NoticeLoop(f"{p.notice_streak} notices of preemption in a row at step {p.step} without a step trained "
+                             f"between them (run.max_notices_without_progress {self.cfg.run.max_notices_without_progress}"
+                             f"; sources: {', '.join(notice['sources']) or 'another rank'}): a notice that never clears "
+                             f"(check ${NOTICE_FILE_ENV} and the nodes' drains); the checkpoint of step {p.step} is saved")
+        if self.journal:  # before the save: a restart that finds it past its checkpoint knows the steps lost
+            self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
         p.preemptions += 1
         start = time.perf_counter()
         train_state.save(self.engine, p, metrics)
         save_s = time.perf_counter() - start
-        if self.logger:  # with the steps the checkpoint covers (checkpoint(): a flush makes the step's later logs replays)
+        self.notice.consume_file(p.notice_file_mtime)
+        if self.logger:
             self.logger.log({"preemptions": p.preemptions, "preemption_save_s": save_s}, p.step)
             self.logger.tag(f"probvlp.preemption.step_{p.step}", json.dumps({**notice, "save_s": round(save_s, 3)}))
-            self.logger.flush()
             left = notice["deadline_in_s"]
             print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
                   f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
                   f"{save_s:.1f} s", flush=True)
+        if evaluate:
+            ray.train.report({"step": p.step, **self.validate()})
+        if self.logger:
+            self.logger.persist(self.outbox_folder)
         self.notice.hold(notice["deadline_in_s"])
+        self.restored_step = None  # a false alarm: training goes on from here
 
-    def _log_steps_lost(self) -> None:
-        """Rank 0 of a restart after a notice of preemption: the steps between the checkpoint it resumed from and
-        the step of the notice (0 when the notice's save was registered; the save's own steps when the machine went
-        before it was), metric `preemption_steps_lost`."""
-        noticed = self.logger.client.get_run(self.logger.run_id).data.tags.get(NOTICE_STEP_TAG)
-        if noticed is not None and int(noticed) >= self.progress.step:
-            self.logger.log({"preemption_steps_lost": int(noticed) - self.progress.step}, self.progress.step)
+    def abandon(self, err: BaseException) -> None:
+        """This attempt fails (any rank): its one-line error for the next attempt; rank 0 hands over its queue."""
+        try:
+            attempts.record_failure(self.folder, self.attempt or self._attempt_of_rank0(), self.rank, err)
+        except Exception as failure:  # noqa: BLE001 - the run's own error is the one that matters
+            print(f"[probvlp] could not record rank {self.rank}'s failure: {failure}", flush=True)
+        if self.logger:
+            try:
+                self.logger.persist(self.outbox_folder)
+            except Exception as failure:  # noqa: BLE001
+                print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
+
+    def _attempt_of_rank0(self) -> int:
+        entries = attempts.load_json(f"{self.folder}/attempts.json") or []
+        return len(entries) or 1
+
+    def close(self) -> None:
+        self.notice.restore_ray_handler()  # Ray's teardown of a finished or failed worker is no notice
+        if self.heartbeat:
+            self.heartbeat.close()
+        if self.audit:
+            self.audit.close()
 
     def _data_report(self) -> dict[str, Any]:
         """Rank 0: every dataset's skipped samples and files, logged (metrics and data/skipped.json) and returned for
@@ -373,28 +459,41 @@ class TrainWorker:
         return result[0]
 
     def finish(self) -> None:
-        """Final weights, saved model and evaluation (rank 0), final checkpoint and report (all ranks)."""
+        """The final checkpoint (all ranks; before judging: a notice from here on costs no step, and a restart only
+        evaluates and saves the model), then the final weights, saved model and evaluation (rank 0) and the final
+        report. A notice meanwhile is still handed to Ray (a watcher), so that its restart counts as a preemption."""
         p = self.progress
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
         if self.data_error:  # the driver raises BadDataError
             return self.checkpoint({**report, **(self._data_report() if self.data_health else {}),
                                     "data_error": self.data_error})
-        if self.wait.loop_s > 0:
-            report["data_wait_frac_mean"] = self.wait.mean()
-            if self.logger:
-                self.logger.log({"data_wait_frac_mean": report["data_wait_frac_mean"]}, p.step)
-        if p.step >= self.t.steps:
-            weights, loss_weights = self._gathered_weights()
-            if self.rank == 0:
-                report.update(self._final_artifacts(weights, loss_weights))
-            del weights, loss_weights
-        if self.data_health:  # what the readers skipped, the final evaluation's reads included
-            report.update(self._data_report())
-        shared = [report]  # every rank reports the same metrics
-        torch.distributed.broadcast_object_list(shared, src=0)
-        self.checkpoint(shared[0])
-        if self.logger:
-            self.logger.flush()
+        if self.restored_step != p.step:
+            self.checkpoint(dict(report))
+        watcher = threading.Event()
+        threading.Thread(target=self._watch_notices, args=(watcher,), daemon=True, name="probvlp-notices").start()
+        try:
+            if self.wait.loop_s > 0:
+                report["data_wait_frac_mean"] = self.wait.mean()
+                if self.logger:
+                    self.logger.log({"data_wait_frac_mean": report["data_wait_frac_mean"]}, p.step)
+            if p.step >= self.t.steps:
+                weights, loss_weights = self._gathered_weights()
+                if self.rank == 0:
+                    report.update(self._final_artifacts(weights, loss_weights))
+                del weights, loss_weights
+            if self.data_health:  # what the readers skipped, the final evaluation's reads included
+                report.update(self._data_report())
+            shared = [report]  # every rank reports the same metrics
+            torch.distributed.broadcast_object_list(shared, src=0)
+            if self.rank == 0:  # the driver's result (Ray Train's holds the final checkpoint's metrics)
+                attempts.write_json(f"{self.folder}/final_report.json", {"job": self.journal.job, **shared[0]})
+            ray.train.report(shared[0])
+        finally:
+            watcher.set()
+
+    def _watch_notices(self, done: threading.Event) -> None:
+        while not done.wait(1.0):
+            self.notice.pending()  # hands a local notice to Ray the first time
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
@@ -417,15 +516,20 @@ def train_loop(config: dict[str, Any]) -> None:
     cfg = TrainDocument.from_dict(config["config"])
     use_texts(config.get("texts", {}))
     use_local_datasets(config.get("local_datasets", {}))
-    worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
-                         config.get("job_started_at"))
-    failed = True
+    worker = None
     try:
+        worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
+                             config.get("job_started_at"), config.get("job", ""))
         worker.fit()
         worker.finish()
-        failed = False
-    finally:  # what the outbox still holds reaches the store before the driver ends the run
-        if worker.logger:
-            # A failed attempt's steps after its last checkpoint are not written: the restart runs them again (at
-            # another size, after a lost node) and MLflow keeps the steps of the attempt that went on.
-            worker.logger.close(drop_unflushed=failed)
+    except BaseException as err:
+        # for the next attempt's line; what rank 0 had not delivered goes to the run's storage (its steps after the
+        # last checkpoint come again with the restart)
+        if worker is not None:
+            worker.abandon(err)
+        raise
+    finally:
+        if worker is not None:
+            worker.close()
+    if worker.logger:  # released: the driver delivers what the store has not taken yet
+        worker.logger.close(keep_to=worker.outbox_folder)

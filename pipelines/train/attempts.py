@@ -1,0 +1,130 @@
+"""What a run keeps about its attempts in its own storage (`run.storage_path`/NAME/probvlp/, object storage on a
+cluster), so that any node's next attempt knows it without the tracking store: the journal of attempts (why the last
+one ended, where it got to), the failures' one-line errors, the final report, and where rank 0's undelivered MLflow
+calls wait (pipelines.tracking_outbox)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelines.data.storage import fs_path, read_json, write_bytes_atomic
+
+HEARTBEAT_S = 5.0  # how often rank 0 records the step it reached (off the training thread)
+
+
+def run_folder(storage_path: str, run_name: str) -> str:
+    return f"{storage_path.rstrip('/')}/{run_name}/probvlp"
+
+
+def outbox_folder(storage_path: str, run_name: str) -> str:
+    return f"{run_folder(storage_path, run_name)}/tracking_outbox"
+
+
+def write_json(uri: str, value: Any) -> None:
+    fs, path = fs_path(uri)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    write_bytes_atomic(fs, path, json.dumps(value).encode())
+
+
+def load_json(uri: str) -> Any:
+    fs, path = fs_path(uri)
+    return read_json(fs, path)
+
+
+@dataclass
+class Journal:
+    """Rank 0's record of the run's attempts (attempts.json): one entry each, with the job that started it, the step
+    and checkpoint it resumed from, the step it reached, and how it ended (a notice, finished)."""
+
+    folder: str
+    job: str
+    entries: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, folder: str, job: str) -> "Journal":
+        return cls(folder, job, list(load_json(f"{folder}/attempts.json") or []))
+
+    @property
+    def previous(self) -> dict | None:
+        return self.entries[-2] if len(self.entries) > 1 else None
+
+    @property
+    def current(self) -> dict:
+        return self.entries[-1]
+
+    def begin(self, step: int, checkpoint: str | None) -> dict:
+        self.entries.append({"attempt": len(self.entries) + 1, "job": self.job, "from_step": step,
+                             "checkpoint": checkpoint, "reached": step, "started": time.time()})
+        self.save()
+        return self.current
+
+    def update(self, **values) -> None:
+        self.current.update(values)
+        self.save()
+
+    def save(self) -> None:
+        with self.lock:
+            write_json(f"{self.folder}/attempts.json", self.entries)
+
+    def failures(self, entry: dict) -> list[dict]:
+        """The one-line errors the ranks of attempt `entry` recorded as they failed."""
+        fs, path = fs_path(f"{self.folder}/failures")
+        if not fs.exists(path):
+            return []
+        prefix = f"attempt-{entry['attempt']}-"
+        found = []
+        for name in sorted(fs.ls(path, detail=False)):
+            if name.rsplit("/", 1)[-1].startswith(prefix):
+                found.append(read_json(fs, name))
+        return [f for f in found if f]
+
+
+def record_failure(folder: str, attempt: int, rank: int, error: BaseException) -> None:
+    """A rank's error as its attempt fails, for the next attempt's line (best effort: the run is failing anyway)."""
+    lines = str(error).strip().splitlines()
+    write_json(f"{folder}/failures/attempt-{attempt}-rank-{rank}.json",
+               {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:300] if lines else ''}"})
+
+
+def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | None]:
+    """Why the attempt before this one ended, and the step it had reached (None: unknown)."""
+    prev = journal.previous
+    if prev is None:
+        return "", None
+    notice = prev.get("notice")
+    if notice:
+        sources = ", ".join(notice["sources"]) or "another rank"
+        return f"a notice of preemption ({sources}) at step {notice['step']}", notice["step"]
+    if failures:
+        first = failures[0]
+        return f"rank {first['rank']} failed ({first['error']})", prev.get("reached")
+    return "a worker or its node was lost", prev.get("reached")
+
+
+class Heartbeat:
+    """Rank 0's step, written to the journal at most every HEARTBEAT_S by a thread: the step an attempt reached
+    before it was lost, for the next attempt's line."""
+
+    def __init__(self, journal: Journal):
+        self.journal, self.step, self.written = journal, journal.current["reached"], journal.current["reached"]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="probvlp-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            if self.step != self.written:
+                self.written = self.step
+                try:
+                    self.journal.update(reached=self.step)
+                except Exception as err:  # noqa: BLE001 - a storage hiccup costs the line a few steps, said once
+                    print(f"[probvlp] could not record the step reached in {self.journal.folder}: "
+                          f"{type(err).__name__}: {err}", flush=True)
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
