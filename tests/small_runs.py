@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pipelines.train.config import load_train_config
-from pipelines.train.state import checkpoint_safe_globals
+from pipelines.compat.deepspeed_private import checkpoint_safe_globals
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.overrides.vision_depth=1", "model.overrides.text_depth=1", "train.batch_size=32",

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray.autoscaler._private.util import prepare_config, validate_config
 
+from pipelines.compat.ray_private import node_provider_class, validate_cluster_config
 from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ def load() -> dict:
 
 def test_cluster_yaml_validates():
     config = load()
-    validate_config(prepare_config(copy.deepcopy(config)))
+    validate_cluster_config(copy.deepcopy(config))
     nodes = config["available_node_types"]
     assert nodes[config["head_node_type"]]["resources"] == {"CPU": 0}  # no work on the head
     assert nodes["gpu_worker"]["min_workers"] == 0 and nodes["gpu_worker"]["max_workers"] >= 1
@@ -37,23 +37,22 @@ def test_unknown_key_is_rejected(where):
     else:
         config["available_node_types"]["gpu_worker"]["min_worker"] = 1
     with pytest.raises(Exception, match="Additional properties are not allowed"):
-        validate_config(prepare_config(config))
+        validate_cluster_config(config)
 
 
 def test_local_cluster_config_is_derived_from_the_cloud_one():
     """pipelines.cluster.local's config (Ray's autoscaler over the node provider that starts each node in its own
     mount namespace) passes Ray's schema, names a provider Ray can load, and keeps the cloud config's worker node
     types by name, min_workers and CPU-side resources, scaled to this machine."""
-    from ray.autoscaler._private.providers import _get_node_provider_cls
-
     from pipelines.cluster.isolated import IsolatedNodeProvider
     from pipelines.cluster.local import local_config
 
     cloud = load()
     local = local_config(gcs_port=6379, cpus_per_node=2, max_nodes_per_type=3, idle_timeout_minutes=0.2)
-    validate_config(local)  # the schema (prepare_config needs the provider's example file, absent from the wheel)
+    # the schema (prepare_config needs the provider's example file, absent from the wheel)
+    validate_cluster_config(local, prepare=False)
     assert local["provider"]["type"] == "external" and local["idle_timeout_minutes"] == 0.2
-    assert _get_node_provider_cls(local["provider"]) is IsolatedNodeProvider
+    assert node_provider_class(local["provider"]) is IsolatedNodeProvider
     for name, node in cloud["available_node_types"].items():
         if name == cloud["head_node_type"]:
             continue

@@ -11,8 +11,9 @@ from pathlib import Path
 from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = ("import sys, ray; from pipelines.cluster.runtime import init_ray; init_ray(num_cpus=1, dashboard_port={port}); "
-        "print(ray._private.worker.get_dashboard_url(), flush=True); sys.stdin.read()")
+HOLD = ("import sys; from pipelines.cluster.runtime import init_ray; from pipelines.compat.ray_private import "
+        "dashboard_url; init_ray(num_cpus=1, dashboard_port={port}); print(dashboard_url(), flush=True); "
+        "sys.stdin.read()")
 
 
 def _free_port() -> int:
@@ -40,9 +41,9 @@ def test_state_api_finds_its_own_instance_beside_others(ray_local):
 
         @ray_local.remote
         def alive(actor_id: str) -> bool:
-            from ray.train.v2._internal.state.util import is_actor_alive
+            from pipelines.compat.ray_private import train_actor_alive
 
-            return is_actor_alive(actor_id, timeout=scaled(30))
+            return train_actor_alive(actor_id, timeout=scaled(30))
 
         probe = Probe.remote()
         ray_local.get(probe.ping.remote())

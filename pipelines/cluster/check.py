@@ -6,8 +6,8 @@ import os
 
 import fsspec
 import ray
-import ray._private.state
 
+from pipelines.compat.ray_private import autoscaler_node_groups
 from pipelines.config import ConfigError
 
 
@@ -24,10 +24,10 @@ def _shape(resources: dict[str, float]) -> str:
 def autoscaler_node_types() -> dict[str, dict[str, float]] | None:
     """The node types the autoscaler may launch, as Ray's GCS knows them (autoscaler v2 reports them);
     None when no autoscaler reported any."""
-    config = ray._private.state.state.get_cluster_config()
-    if not config or not config.node_group_configs:
+    groups = autoscaler_node_groups()
+    if not groups:
         return None
-    return {group.name: dict(group.resources) for group in config.node_group_configs if group.max_count != 0}
+    return {group["name"]: group["resources"] for group in groups if group["max_count"] != 0}
 
 
 def check_cluster_holds_a_worker(need: dict[str, float], joined: bool, log=print) -> None:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cluster.runtime import local_port
-from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+from pipelines.compat.ray_private import fake_multi_node_provider, start_worker_node
 from ray.autoscaler.tags import (NODE_KIND_WORKER, STATUS_UP_TO_DATE, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME,
                                  TAG_RAY_NODE_STATUS, TAG_RAY_USER_NODE_TYPE)
 
@@ -108,11 +108,6 @@ def free_ports(n: int) -> list[int]:
 def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -> None:
     """A worker node's raylet and agents (what `ray start --address` starts, as Ray's fake provider starts them:
     `ray start` would turn a loopback GCS address into this machine's external one), until this process is ended."""
-    import ray._private.node
-    import ray._private.parameter
-    import ray._private.services
-    from ray._private import ray_constants
-
     # The agents' ports are chosen here, not by the agents. Given none, the raylet waits for each agent to write its
     # port to a file, a fixed window in Ray 2.60 (RAY_agent_register_timeout_ms does not reach it), and aborts past it:
     # every node the autoscaler started on a loaded 2-core machine died so. Given ports, the raylet starts at once and
@@ -120,21 +115,10 @@ def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -
     # dashboard agent's listen port it leaves for the raylet to wait on, so that flag is added to the raylet's command.
     ports = dict(zip(("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
                       "runtime_env_agent_port"), free_ports(4)))
-    start_process = ray._private.services.start_ray_process
-
-    def start_raylet_with_ports(command, process_type, *args, **kwargs):
-        if process_type == ray_constants.PROCESS_TYPE_RAYLET:
-            command = [*command, f"--dashboard_agent_listen_port={ports['dashboard_agent_listen_port']}"]
-        return start_process(command, process_type, *args, **kwargs)
-
-    ray._private.services.start_ray_process = start_raylet_with_ports
-    params = ray._private.parameter.RayParams(
-        gcs_address=gcs_address, redis_address=gcs_address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
-        resources=resources, labels=labels, min_worker_port=0, max_worker_port=0, temp_dir="/tmp/ray", **ports)
-    node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+    stop_processes = start_worker_node(gcs_address, num_cpus, resources, labels, ports, temp_dir="/tmp/ray")
 
     def stop(*_):
-        node.kill_all_processes(check_alive=False, allow_graceful=True)
+        stop_processes()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
@@ -142,7 +126,7 @@ def run_node(gcs_address: str, num_cpus: float, resources: dict, labels: dict) -
         signal.pause()
 
 
-class IsolatedNodeProvider(FakeMultiNodeProvider):
+class IsolatedNodeProvider(fake_multi_node_provider()):
     """Ray's fake multi-node provider with every worker node in its own mount namespace (module docstring).
 
     provider config: `gcs_address` (the head's), `hidden_paths` (folders each node gets empty; `/tmp` always) and

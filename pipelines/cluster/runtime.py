@@ -12,6 +12,8 @@ from pathlib import Path
 
 import ray
 
+from pipelines.compat.ray_private import disable_cluster_mode_in_this_process, train_report_logger_name
+
 # Without this, a single-node Ray (as measured on Linux hosts) advertises the machine's
 # external address and torch.distributed's MASTER_ADDR follows it. Local runs only.
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -39,8 +41,6 @@ _LOCAL_ENV = {
 
 
 _RAY_DATA_LOGGING = Path(__file__).with_name("ray_data_logging.yaml")
-# Ray Train V2 logs every ray.train.report at INFO, metrics dict and all, from every rank.
-_TRAIN_REPORT_LOGGER = "ray.train.v2._internal.execution.context"
 # Warnings that every CPU run prints and that say nothing about this run, by logger and message start.
 _HARMLESS = {
     "DeepSpeed": ("Setting accelerator to CPU",),  # no GPU: DeepSpeed's CPU accelerator, as intended
@@ -64,20 +64,14 @@ class DropHarmless(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
-def _module_file(module: str) -> str:
-    """The source file of a module of the installed Ray, e.g. ray.a.b -> .../site-packages/ray/a/b.py."""
-    return str(Path(ray.__file__).parent.joinpath(*module.split(".")[1:])) + ".py"
-
-
 def quiet_logs() -> None:
     """Keep Ray's routine per-epoch and per-report INFO lines and known harmless warnings out of the console
     (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, as Ray's
     worker_process_setup_hook, in every worker process before it imports ray.data."""
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact download
-    # That module's logger is named by its file; found without importing it (its parents import Ray Train, pandas
-    # and Ray Data: seconds in every Ray worker process this hook runs in).
-    logging.getLogger(_module_file(_TRAIN_REPORT_LOGGER)).setLevel(logging.WARNING)
+    # Ray Train V2 logs every ray.train.report at INFO, metrics dict and all, from every rank.
+    logging.getLogger(train_report_logger_name()).setLevel(logging.WARNING)
     data_logger = logging.getLogger("ray.data")
     for handler in data_logger.handlers:  # ray.data already imported here: its console handler as configured
         if not isinstance(handler, logging.FileHandler) and type(handler).__name__ != "SessionFileHandler":
@@ -117,9 +111,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     local_env = {key: os.environ[key] for key in _LOCAL_ENV}  # a value the user set wins
     os.environ.update(_LOOPBACK_ENV)  # for the processes Ray starts (they import ray afresh)
     # This process imported ray before the variable was set; its constant is read at import time.
-    from ray._private import ray_constants  # deferred: the same module re-read after _LOOPBACK_ENV is set
-
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    disable_cluster_mode_in_this_process()
     # The dashboard (on 127.0.0.1) serves the state API, which Ray Train's placement-group cleaner needs:
     # without it, the worker placement group of a run whose controller is killed (a sweep trial that
     # ASHA stops) is never released and later trials wait forever for CPUs.

@@ -18,6 +18,7 @@ import re
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pipelines.compat.ray_private import head_node_ids
 from pipelines.config import InputError
 
 STATS_ACTOR, STATS_NAMESPACE = "probvlp_reader_stats", "probvlp"
@@ -97,7 +98,7 @@ def stats_actor():
     its calls retried: losing a node must not fail the readers with it.
     """
     # Hard affinity: a soft one was seen to land (or restart) the actor on a worker node of the local cluster.
-    heads = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
+    heads = head_node_ids()
     here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(),
                                           soft=not heads)
     return _stats_actor_class().options(name=STATS_ACTOR, namespace=STATS_NAMESPACE, get_if_exists=True,

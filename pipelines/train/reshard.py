@@ -10,14 +10,14 @@ folder without marker, which the next attempt replaces; the checkpoint's own fil
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import json
 import re
 import tempfile
 import time
 from pathlib import Path
+
+from pipelines.compat.deepspeed_private import convert_to_universal, loading_universal_checkpoint
 
 UNIVERSAL = "universal"  # the converted folder, inside the checkpoint folder
 MARKER = "universal.json"  # written last: the conversion is complete
@@ -37,13 +37,7 @@ def convert(tag_dir: Path, out_dir: Path) -> None:
     """The universal form of the ZeRO checkpoint in `tag_dir` into `out_dir`/<tag>/ (ds_to_universal in-process, one
     worker: the training workers' CPUs are the only ones there are). Our model carries no tensor-parallel layout, so
     the checkpoint lacks DeepSpeed's universal_checkpoint_info; inject_missing_state writes its default (no TP)."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out_dir / tag_dir.name),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()):  # its step-by-step prints and progress bars
-        ds_to_universal.main(args)
+    convert_to_universal(tag_dir, out_dir / tag_dir.name)
 
 
 def ensure_universal(fs, base: str, local_dir: Path, tag: str) -> dict:
@@ -98,10 +92,6 @@ def load(engine, fs, base: str, local_dir: Path, tag: str) -> tuple[str | None, 
     if world > 1:  # also the barrier: the others read the folder once rank 0 has written it
         dist.broadcast_object_list(record, src=0)
     with universal_dir(fs, base, local_dir) as folder:
-        # read at load time only (DeepSpeedEngine.load_universal_checkpoint); saving is unchanged
-        engine._config.load_universal_checkpoint = True
-        try:
+        with loading_universal_checkpoint(engine):  # read at load time only; saving is unchanged
             path, client_state = engine.load_checkpoint(str(folder), tag=tag)
-        finally:
-            engine._config.load_universal_checkpoint = False
     return path, client_state, {**record[0], "to_world_size": world}
