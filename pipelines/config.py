@@ -71,6 +71,10 @@ class RunConfig(Section):
     # A run saved on this many notices of preemption in a row without a step trained between them stops with one line
     # (a notice source that never clears), instead of restarting for ever.
     max_notices_without_progress: int = Field(3, ge=1)
+    # The hook for other sources of notices (a SLURM --signal trap, a cloud metadata poller): a file on each training
+    # worker's node whose appearance is a notice (its content, if a number, the seconds left); the save it causes
+    # takes it (renamed FILE.taken). None: $PROBVLP_PREEMPTION_NOTICE_FILE where set.
+    notice_file: str | None = None
     keep_checkpoints: int = Field(2, ge=1)
     # A file on rank 0's node to which every attempt appends the optimizer steps it applies ("ATTEMPT STEP" a line):
     # what each attempt really ran, for an audit of restarts (tests count steps trained twice with it). None: off.

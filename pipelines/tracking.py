@@ -15,12 +15,12 @@ from typing import Any, Iterator
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
 
 import models
 from pipelines.config import LOCAL_DIR, PROJECT_ROOT
 from pipelines.mlflow_store import prepare_sqlite_store
-from pipelines.tracking_outbox import BATCH, COMMAND, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox, OutboxReport
+from pipelines.tracking_outbox import (BATCH, COMMAND, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox, OutboxReport,
+                                       register_model_version)
 
 
 # Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
@@ -284,18 +284,6 @@ def save_mlflow_model(model_file: Path, dst: Path, example_image: bytes, example
 def model_file(folder: Path) -> Path:
     """The probvlp weights file inside a downloaded `model` artifact folder (the MLflow model's data)."""
     return folder / "data" / "model.safetensors"
-
-
-def register_model_version(uri: str, run_id: str, name: str) -> str:
-    """Register the run's MLflow model as a new version of `name`; returns the version."""
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    try:
-        client.create_registered_model(name)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
-    return str(client.create_model_version(name, source=source, run_id=run_id).version)
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:

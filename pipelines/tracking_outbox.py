@@ -6,8 +6,9 @@ back missed stays there for `python -m pipelines.tracking_outbox FOLDER [URI]` (
 
 A restart replays the steps after its checkpoint, some of which an earlier attempt may have delivered already. The
 queue's metrics carry the step the attempt that logged them resumed from (`from`); before its first delivery the
-thread reads the run's `probvlp.logged_through` tag (the highest step delivered, written with every batch of metrics),
-once, and drops the metrics of steps after `from` up to that one (`horizon`). The restart itself never waits for the
+thread reads the run once: its `probvlp.logged_through` tag (the highest step delivered, written with every batch of
+metrics) and each metric's latest step, and drops the metrics of steps after `from` up to that one, and at `from`
+itself those the store has there already (`_kept`). The restart itself never waits for the
 store: the read is the thread's, and it is retried as any delivery is. Redelivering a call is harmless (MLflow keeps one
 copy of a metric with the same key, value, step and time; a tag or an artifact is overwritten), so a copy persisted
 while the call was in flight may go twice."""
@@ -29,7 +30,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
 
-from pipelines.data.storage import fs_path, write_bytes_atomic
+import fsspec
 
 LOGGED_THROUGH_TAG = "probvlp.logged_through"  # the highest step a run's metrics are in MLflow for
 BATCH = 1000  # metrics per log_batch (MLflow's limit)
@@ -64,10 +65,14 @@ def metrics_op(metrics: list[Metric], replay_from: int) -> dict:
     return {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics], "from": replay_from}
 
 
-def _kept(op: dict, horizon: int) -> list[list]:
-    """A metrics op's entries that are not replays of steps the store has (after its `from`, up to the horizon)."""
-    low, high = op.get("from", -1), op.get("horizon", horizon)
-    return [m for m in op["metrics"] if not low < m[3] <= high]
+def _kept(op: dict, state: dict) -> list[list]:
+    """A metrics op's entries that are not replays of what an earlier attempt delivered: steps after the op's `from`
+    up to the run's horizon, and at `from` itself the keys the store already holds at that step or later (a restart
+    at the last step evaluating again). An op filtered by the attempt that knew the horizon keeps its entries."""
+    if op.get("filtered"):
+        return op["metrics"]
+    low, high, latest = op.get("from", -1), state["horizon"], state["latest"]
+    return [m for m in op["metrics"] if not (low < m[3] <= high or (m[3] == low and latest.get(m[0], -1) >= low))]
 
 
 def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s: float, state: dict) -> None:
@@ -75,7 +80,7 @@ def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s:
     delivered (updated only once the call went through)."""
     op = batch[0]
     if "metrics" in op:
-        entries = [m for o in batch for m in _kept(o, state["horizon"])]
+        entries = [m for o in batch for m in _kept(o, state)]
         if not entries:
             return
         through = max(state["through"], max(m[3] for m in entries))
@@ -94,9 +99,31 @@ def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s:
     elif "status" in op:
         client.set_terminated(run_id, status=op["status"])
     elif "register" in op:
-        from pipelines.tracking import register_model_version  # deferred: a circular import otherwise
-
         register_model_version(state["store"], run_id, op["register"])
+
+
+def register_model_version(uri: str, run_id: str, name: str) -> str:
+    """Register the run's MLflow model as a new version of `name`; returns the version."""
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
+    return str(client.create_model_version(name, source=source, run_id=run_id).version)
+
+
+def fs_path(uri: str):
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs, path.rstrip("/")
+
+
+def _write_atomic(fs, path: str, data: bytes) -> None:
+    """Readers see the old file or the whole new one (an object store's put is whole already)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
 
 
 def _count(ops: list[dict]) -> dict[str, int]:
@@ -142,7 +169,7 @@ class Outbox:
         self.in_memory = 0  # metrics in self.queue
         self.spilled = 0  # ops in the spill file not read back yet (queued after everything in self.queue)
         self.spill_offset = 0
-        self.state = {"horizon": None, "through": -1, "store": store}
+        self.state = {"horizon": None, "through": -1, "latest": {}, "store": store}
         self.down_since: float | None = None
         self.unreachable_s, self.outages = unreachable_s, 0
         self.rejected: BaseException | None = None
@@ -228,8 +255,11 @@ class Outbox:
         return batch
 
     def _read_horizon(self) -> None:
-        through = int(self.client.get_run(self.run_id).data.tags.get(LOGGED_THROUGH_TAG, -1))
-        self.state.update(horizon=through, through=through)
+        """What earlier attempts delivered: the highest step, and each key's latest step (the one read of the store)."""
+        data = self.client.get_run(self.run_id).data
+        through = int(data.tags.get(LOGGED_THROUGH_TAG, -1))
+        latest = {m.key: m.step for m in data.to_proto().metrics}
+        self.state.update(horizon=through, through=through, latest=latest)
 
     def _run(self) -> None:
         pause = 1.0
@@ -281,18 +311,18 @@ class Outbox:
 
     # --- what is left, and the end
     def snapshot(self) -> list[dict]:
-        """Every call not delivered yet (the one in flight too), in order; metrics stamped with this attempt's
-        horizon where it is known (a later attempt must not use its own for them)."""
+        """Every call not delivered yet (the one in flight too), in order; metrics filtered by this attempt's horizon
+        where it is known (a later attempt must not use its own for them)."""
         with self.cv:
             ops = list(self.queue)
             if self.spilled:
                 with self.spill.open() as f:
                     f.seek(self.spill_offset)
                     ops += [json.loads(line) for line in f]
-        horizon = self.state["horizon"]
-        if horizon is not None:
-            ops = [{**op, "horizon": op.get("horizon", horizon)} if "metrics" in op else op for op in ops]
-        return ops
+        if self.state["horizon"] is None:
+            return ops
+        filtered = [{**op, "metrics": _kept(op, self.state), "filtered": True} if "metrics" in op else op for op in ops]
+        return [op for op in filtered if op.get("metrics", True)]
 
     def persist(self, target: str) -> int:
         """Write what is not delivered yet to the folder `target` (a local path or an fsspec URI: the run's storage)
@@ -338,7 +368,7 @@ class Outbox:
             clear_pending(keep_to)
         if not ops or keep_to:
             shutil.rmtree(self.folder, ignore_errors=True)
-        return OutboxReport(round(self.total_unreachable_s(), 1), self.outages, _count(ops), kept)
+        return OutboxReport(self.total_unreachable_s(), self.outages, _count(ops), kept)
 
 
 # --- an outbox at rest: a folder (local or object storage) holding pending.jsonl and the files it names
@@ -356,7 +386,7 @@ def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Pa
     head = {"run_id": run_id, "uri": uri, "unreachable_s": round(unreachable_s, 1)}
     text = "".join(json.dumps(line) + "\n" for line in [head, *ops])
     fs.makedirs(root, exist_ok=True)
-    write_bytes_atomic(fs, f"{root}/{PENDING}", text.encode())
+    _write_atomic(fs, f"{root}/{PENDING}", text.encode())
     return len(ops)
 
 

@@ -24,7 +24,7 @@ MODULES = {"ray": ray_private, "deepspeed": deepspeed_private}
 SCANNED = ("pipelines", "models", "jobs", "benchmarks", "studies")
 # Files that still name private names, to move behind pipelines/compat/ (issue 60, item 8). Only shrinks: a file
 # listed here that no longer names one fails too.
-KNOWN: set[str] = {"pipelines/train/preemption.py", "pipelines/train/worker.py", "pipelines/train/state.py"}
+KNOWN: set[str] = set()
 # DeepSpeed's internals without an underscore in their names.
 DEEPSPEED_INTERNAL = ("deepspeed.runtime", "deepspeed.checkpoint", "deepspeed.utils.tensor_fragment",
                       "deepspeed.ops.op_builder", "deepspeed.comm.torch")

@@ -154,3 +154,67 @@ def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpo
     assert result.metrics["step"] == 40 and run.info.status == "FINISHED"
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
     print(f"notice at step {notice}, resumed from {resumed}; registered before the restart: {seen[-1] if seen else []}")
+
+
+def audited(path) -> dict[int, list[int]]:
+    """The optimizer steps each attempt applied (run.audit_steps_to): attempt -> its steps in order."""
+    steps: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        attempt, step, _ = line.split()
+        steps.setdefault(int(attempt), []).append(int(step))
+    return steps
+
+
+def journal(storage, name: str) -> list[dict]:
+    from pipelines.train.attempts import load_json, run_folder
+
+    return load_json(f"{run_folder(str(storage), name)}/attempts.json") or []
+
+
+def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_local, straight_small_run, no_notice,
+                                                                           tmp_path):
+    """The hook's file is there before the run starts (a notice before step 1, at an evaluation step: every step is
+    one here): both ranks save at step 1, then evaluate, then wait for Ray Train's restart, which resumes at step 1;
+    the file is taken by that save (renamed), so the restart trains on instead of saving again. When the final
+    checkpoint is saved the file appears again, during the final evaluation: the restart only evaluates and saves the
+    model. Counted by the steps each attempt applied (run.audit_steps_to): every step exactly once; MLflow holds every
+    step's metrics once, the evaluation's too."""
+    data = straight_small_run["data_root"]
+    notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 8
+    notice.write_text("0\n")  # the seconds left: none
+    cfg = config(tmp_path, data, "edges", f"train.steps={steps}", "train.eval_every=1", "train.checkpoint_every=4",
+                 "train.log_every=1", "run.max_failures=0", f"run.notice_file={notice}", f"run.audit_steps_to={audit}")
+    sent: dict = {}
+
+    def notice_in_the_final_evaluation() -> None:
+        try:
+            wait_for("the final checkpoint", lambda: any(a.get("checkpoint_step") == steps
+                                                         for a in journal(tmp_path / "ray", "edges")), 300, 0.1)
+            notice.write_text("0\n")
+            sent["at"] = time.time()
+        except BaseException as error:  # the test's thread re-raises it
+            sent["error"] = error
+
+    thread = threading.Thread(target=notice_in_the_final_evaluation, daemon=True)
+    thread.start()
+    from pipelines.train.job import run_pretrain
+
+    result = run_pretrain(cfg)
+    thread.join()
+    if "error" in sent:
+        raise sent["error"]
+    ran = audited(audit)
+    assert sorted(s for attempt in ran.values() for s in attempt) == list(range(1, steps + 1)), ran
+    assert ran[1] == [1] and 3 in journal(tmp_path / "ray", "edges")[-1].values() or len(ran) == 2, ran
+    attempts = journal(tmp_path / "ray", "edges")
+    assert [a["from_step"] for a in attempts] == [0, 1, steps], attempts
+    assert attempts[0]["notice"]["step"] == 1 and "file" in attempts[0]["notice"]["sources"]
+    assert not notice.exists() and (tmp_path / "notice.taken").exists()
+    client = MlflowClient(result.mlflow_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED" and result.metrics["step"] == steps
+    for key in ("loss", "digits_zeroshot/top1"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == list(range(1, steps + 1)), key
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "preemption_steps_lost")] == [1]
+    assert json.loads(run.data.tags["probvlp.attempt.3"])["resumed_from_step"] == steps
+    assert "digits_zeroshot/top1" in result.metrics

@@ -17,7 +17,7 @@ import pipelines.tracking as tracking
 import pipelines.tracking_outbox as tracking_outbox
 from pipelines.cluster import services
 from pipelines.tracking import StepLogger
-from pipelines.tracking_outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG, replay_outbox
+from pipelines.tracking_outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG
 from tests.helpers import free_port, wait_for
 from tests.pace import scaled
 from tests.small_runs import SMALL
@@ -113,10 +113,11 @@ def test_training_outlives_a_tracking_server_outage(digits_root, tmp_path, monke
         services.stop(server)
 
 
-def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tmp_path, monkeypatch, capsys):
-    """A store that never answers (a port nothing listens on): the loop's calls return at once, the final flush waits
-    its limit, then says what it could not deliver and where it is; replayed later into the run's store, everything
-    arrives in the order it was logged, the queue that went on in a file (a small memory bound here) included."""
+def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later(tmp_path, monkeypatch, capsys):
+    """A store that never answers (a port nothing listens on): the loop's calls return at once; at the end rank 0
+    hands what it could not deliver to the run's storage and is released at once (not after flush_timeout_s); the
+    driver's delivery there keeps it too; the later command delivers everything in the order it was logged, the
+    queue that went on in a file (a small memory bound here) included, and ends the run FINISHED."""
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
@@ -125,9 +126,8 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tm
     # its artifacts beside the store, as pipelines.tracking makes a run's (MLflow's default: the checkout's ./mlruns)
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("outbox", tracking.sqlite_artifact_root(store))).info.run_id
-    logger = StepLogger(f"http://127.0.0.1:{free_port()}", run_id, flush_every=20, background=True,
-                        flush_timeout_s=2)
-    started = time.monotonic()
+    away = f"http://127.0.0.1:{free_port()}"
+    logger = StepLogger(away, run_id, None, background=True, flush_timeout_s=600)
     for step in range(1, 101):
         logger.log({"loss": float(step), "lr": 1.0 / step}, step)
         if step % 25 == 0:
@@ -135,34 +135,61 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_replayed(tm
     (tmp_path / "card.md").write_text("a model card")
     logger.artifact(tmp_path / "card.md", "model")
     (tmp_path / "card.md").unlink()  # the caller's temporary file goes away: the outbox holds a copy
-    assert time.monotonic() - started < scaled(5), "logging waited for the store"
-    report = logger.close()
-    assert report.kept_in == tmp_path / "outbox" / run_id
-    assert report.undelivered == {"metrics": 200, "tags": 4, "artifacts": 1} and report.unreachable_s > 0
-    out = capsys.readouterr().out
-    assert "NOT delivered" in out and str(report.kept_in) in out and "python -m pipelines.tracking_outbox" in out
+    storage = str(tmp_path / "storage" / "run" / "tracking_outbox")
+    report = logger.close(keep_to=storage)  # returns while the store is away: flush_timeout_s is the driver's
+    assert report.kept_in == storage and report.unreachable_s > 0
+    assert report.undelivered == {"metrics": 200, "tags": 4, "artifacts": 1, "other": 1}  # other: the summary
+    assert "handed over" in capsys.readouterr().out
 
-    replay_outbox(report.kept_in, store)
-    client = MlflowClient(store)
+    run = tracking.TrackedRun(away, run_id, pending_in=storage, flush_timeout_s=2)
+    run.end()
+    out = capsys.readouterr().out
+    assert run.kept is not None and run.kept.pending == 207  # and the run's status last
+    assert f"{tracking_outbox.COMMAND} {storage}" in out and "pending" in out and "FINISHED" in out
+
+    assert tracking_outbox.main([storage, store]) == 0
     losses = client.get_metric_history(run_id, "loss")
     assert [m.step for m in losses] == list(range(1, 101)) and [m.value for m in losses] == list(range(1, 101))
     run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
     assert run.data.tags["probvlp.last_quarter"] == "100"
     assert run.data.tags[tracking.LOGGED_THROUGH_TAG] == "100"
-    assert run.data.metrics[UNREACHABLE_METRIC] == pytest.approx(report.unreachable_s, abs=0.1)
+    assert run.data.metrics[UNREACHABLE_METRIC] >= report.unreachable_s
     assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/card.md"]
+    assert tracking_outbox.load(storage, tmp_path / "files") is None  # delivered: nothing left to deliver twice
 
 
-@pytest.mark.parametrize("failed", [False, True])
-def test_a_failed_attempt_leaves_its_steps_after_the_last_checkpoint_to_the_restart(tmp_path, failed):
-    """Steps not yet flushed (with checkpoints: not covered by one) are written when an attempt ends well and dropped
-    when it fails: the restart runs them again, at another size after a lost node, and MLflow keeps its values."""
+def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monkeypatch):
+    """Attempt 1 delivers steps 1-10 as it logs them (not held for a checkpoint) and dies after step 10; its
+    checkpoint of step 5 carried what it had not delivered then. Attempt 2 resumes from step 5 with the store away:
+    its logger starts without the store (the thread reads what was delivered once the store is back), and MLflow
+    ends with every step once: 1-10 from attempt 1 (its replays 6-10 dropped), 11-12 from attempt 2, and the metric
+    attempt 2 logs at its own resume step."""
+    for key, value in CLIENT_BUDGET.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
     uri = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("attempts")).info.run_id
-    logger = StepLogger(uri, run_id, flush_every=None, background=True)
-    logger.log({"loss": 1.0}, 1)
-    logger.flush()  # a checkpoint's
-    logger.log({"loss": 2.0}, 2)
-    logger.close(drop_unflushed=failed)
-    assert [m.step for m in client.get_metric_history(run_id, "loss")] == ([1] if failed else [1, 2])
+    storage = str(tmp_path / "storage")
+    first = StepLogger(uri, run_id, None, background=True)
+    for step in range(1, 11):
+        first.log({"loss": float(step)}, step)
+        if step == 5:
+            first.persist(storage)  # the checkpoint's
+    wait_for("attempt 1's steps in MLflow", lambda: len(client.get_metric_history(run_id, "loss")) == 10, 60, 0.1)
+    first.outbox.stopped = True  # the node goes: nothing more from attempt 1
+
+    port = free_port()
+    second = StepLogger(f"http://127.0.0.1:{port}", run_id, None, resumed_from=5, background=True,
+                        carried=tracking_outbox.load(storage, tmp_path / "f", 5))
+    second.log({"preemption_steps_lost": 5.0}, 5)
+    for step in range(6, 13):
+        second.log({"loss": 100.0 + step}, step)
+    assert not second.outbox.reachable()
+    second.outbox.client = MlflowClient(uri)  # the store is back (at another address here)
+    assert second.outbox.wait(scaled(30))
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == \
+        [(s, float(s)) for s in range(1, 11)] + [(11, 111.0), (12, 112.0)]
+    assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]
+    assert client.get_run(run_id).data.tags[tracking.LOGGED_THROUGH_TAG] == "12"

@@ -27,15 +27,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pipelines.compat.ray_private import (default_preemption_deadline_s, drain_node_for_preemption, head_node_ids,
+                                          set_worker_preemption_info, worker_preemption_info)
+
 log = logging.getLogger(__name__)
 
 # The hook: a file on the worker's node whose existence is a notice; its content, if a number, the seconds left at
 # the time the file was written (its mtime). A SLURM batch script: `trap 'echo 120 > $PROBVLP_PREEMPTION_NOTICE_FILE'
 # USR1` with `#SBATCH --signal=B:USR1@120`.
 NOTICE_FILE_ENV = "PROBVLP_PREEMPTION_NOTICE_FILE"
-# Ray Train's controller, given a notice without a deadline, restarts the run this long after it saw it
-# (ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S).
-RAY_DEFAULT_DEADLINE_S = 120.0
 # After the deadline the saved workers wait this much longer for Ray Train's restart before they train on: a notice
 # whose machine never went (a drain undone) must not stop the run for good.
 HOLD_SLACK_S = 60.0
@@ -120,12 +120,7 @@ def _ray_notice():
     """Ray Train's PreemptionInfo for this worker (set by its watcher on a drain), or None. Read from the worker's
     train context (what `ray.train.get_preemption_info()` reads before it broadcasts rank 0's, a collective of its
     own that the step's all-reduce makes unneeded)."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context().preemption_context.preemption_info
-    except Exception:  # outside a Ray Train worker
-        return None
+    return worker_preemption_info()
 
 
 def _file_notice(path: str, taken_mtime: float = 0.0) -> float | None | bool:
@@ -148,10 +143,10 @@ class Notice:
     """One training worker's view of notices of preemption. `pending()` once a step (a dictionary look-up and, with
     the hook's file named, one stat); `take()` when the ranks agreed, for what to log and how long to hold."""
 
-    def __init__(self, sigterm_grace_s: float | None, taken_file_mtime: float = 0.0):
+    def __init__(self, sigterm_grace_s: float | None, taken_file_mtime: float = 0.0, file: str | None = None):
         """`taken_file_mtime`: the time of the last notice file a save consumed (from the checkpoint): a file no newer
-        is not a notice, should removing it have failed."""
-        self.file = os.environ.get(NOTICE_FILE_ENV) or None
+        is not a notice, should removing it have failed. `file`: the hook's file (default $PROBVLP_PREEMPTION_NOTICE_FILE)."""
+        self.file = file or os.environ.get(NOTICE_FILE_ENV) or None
         self.taken_file_mtime = taken_file_mtime
         self.handed_to_ray = False
         self.dismissed = None  # Ray's notice of a false alarm (hold), no longer one
@@ -221,7 +216,8 @@ class Notice:
         """After the agreed save: wait for Ray Train to restart the run (at the deadline, a preemption). Every step
         trained past the save would be run again, whichever node goes; past the deadline and HOLD_SLACK_S the notice
         is taken for a false alarm and training goes on."""
-        wait = (RAY_DEFAULT_DEADLINE_S if deadline_in_s is None else max(0.0, deadline_in_s)) + HOLD_SLACK_S
+        # Ray Train's controller, given a notice without a deadline, restarts the run this long after it saw it
+        wait = (default_preemption_deadline_s() if deadline_in_s is None else max(0.0, deadline_in_s)) + HOLD_SLACK_S
         print(f"[preemption] checkpoint saved; waiting up to {wait:.0f} s for the restart", flush=True)
         time.sleep(wait)
         print("[preemption] no restart came: a false alarm, training goes on", flush=True)
@@ -236,26 +232,17 @@ def _hand_to_ray(sources: list[str], deadline: float | None) -> None:
     there again; this node's actors dying count as preempted)."""
     try:
         import ray
-        from ray.core.generated import autoscaler_pb2
-        from ray.train.v2._internal.execution.context import get_train_context
-        from ray.train.v2._internal.execution.preemption import PreemptionInfo, merge_preemption_info
 
         if not ray.is_initialized():  # a process outside Ray (notify() in a test): the save is all there is
             return
         node_id = ray.get_runtime_context().get_node_id()
-        context = get_train_context()
         deadline_ms = None if deadline is None else int(deadline * 1000)
-        info = PreemptionInfo(deadline_ms=deadline_ms,
-                              preempted_node_to_ranks={node_id: [context.get_world_rank()]})
-        known = context.preemption_context.preemption_info
-        context.preemption_context.preemption_info = info if known is None else merge_preemption_info(known, info)
-        head = any(n["NodeID"] == node_id and "node:__internal_head__" in n.get("Resources", {})
-                   for n in ray.nodes())
-        if head:
+        if set_worker_preemption_info(node_id, deadline_ms=deadline_ms) is None:  # not a Ray Train worker
             return
-        accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
-            node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            f"probvlp: notice of preemption from {', '.join(sources)}", deadline_ms or 0)
+        if node_id in head_node_ids():
+            return
+        accepted, why = drain_node_for_preemption(
+            node_id, f"probvlp: notice of preemption from {', '.join(sources)}", deadline_ms)
         if not accepted:
             log.warning("the drain of node %s was refused: %s", node_id, why)
     except Exception:  # the save goes ahead on the all-reduce whatever Ray makes of it

@@ -13,31 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import ray.train
-import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 from fsspec.implementations.arrow import ArrowFSWrapper
 
+from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loading
 from pipelines.train import reshard
 
 TAG = "state"
 
 
-def checkpoint_safe_globals() -> list:
-    """The DeepSpeed classes a checkpoint's pickles name: allowed by torch.load(weights_only=True), nothing else."""
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-    def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-
 def use_weights_only_loading(engine) -> None:
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+    use_weights_only_checkpoint_loading(engine)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from pipelines.train.data_health import DataHealth
 from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
 from pipelines.train.loop import EmptyEpoch, epoch_batches, run_steps
+from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
 from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
 from pipelines.train.state import Progress
@@ -55,9 +56,7 @@ def skip_inference_comm_op() -> None:
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cpu":
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        skip_shm_comm_op_build()
 
 
 def deepspeed_config(cfg: TrainDocument, use_bf16: bool) -> dict[str, Any]:
@@ -105,7 +104,7 @@ class TrainWorker:
                  job_started_at: float | None = None, job: str = ""):
         self.cfg, self.t = cfg, cfg.train
         # first: a SIGTERM from here on is a notice (before the engine is built and the checkpoint restored)
-        self.notice = Notice(cfg.run.sigterm_grace_s)
+        self.notice = Notice(cfg.run.sigterm_grace_s, file=cfg.run.notice_file)
         self.job_started_at = job_started_at
         self.rank = ray.train.get_context().get_world_rank()
         self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
@@ -276,7 +275,7 @@ class TrainWorker:
 
     def _on_step(self, step: int) -> None:
         if self.audit:  # what this attempt really applied (the engine's own count)
-            self.audit.write(f"{self.attempt} {self.engine.global_steps}\n")
+            self.audit.write(f"{self.attempt} {self.engine.global_steps} {time.time():.3f}\n")
             self.audit.flush()
         if self.heartbeat:
             self.heartbeat.step = step
@@ -492,8 +491,11 @@ class TrainWorker:
             watcher.set()
 
     def _watch_notices(self, done: threading.Event) -> None:
+        """A notice after the final checkpoint: handed to Ray (its restart then counts as a preemption and only
+        finishes the evaluation and the model); its file is taken, as the final checkpoint is the save it asks for."""
         while not done.wait(1.0):
-            self.notice.pending()  # hands a local notice to Ray the first time
+            if self.notice.pending():  # hands a local notice to Ray the first time
+                self.notice.consume_file(self.notice.file_mtime())
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
