@@ -6,7 +6,7 @@ import functools
 import sys
 from typing import Callable
 
-from pipelines.config import ConfigError, InputError
+from pipelines.config import ConfigError, InputError, RunStopped
 from pipelines.evaluate import EvaluationError
 
 
@@ -28,7 +28,8 @@ def job_main(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
     """Wrap a job's main: a ConfigError anywhere (loading, or data checked later) prints `config error: ...`
     to stderr and returns exit status 2; an InputError (a model or data named on the command line or in the
     config) prints `error: ...` and returns 2; an EvaluationError (the model trained and saved, a task failed)
-    prints `evaluation error: ...` and returns 1."""
+    prints `evaluation error: ...` and returns 1; a RunStopped (notices that never clear) prints `stopped: ...` and
+    returns 1."""
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
         try:
@@ -41,6 +42,9 @@ def job_main(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
             return 2
         except EvaluationError as err:  # the model is saved; the message says where
             print(f"evaluation error: {err}", file=sys.stderr)
+            return 1
+        except RunStopped as err:
+            print(f"stopped: {err}", file=sys.stderr)
             return 1
 
     return wrapped

@@ -30,7 +30,8 @@ from pipelines.config import PROJECT_ROOT
 from pipelines.train.config import load_train_config
 from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.train.optim import warmup_cosine
-from tests.helpers import BUCKET, wait_for
+from pipelines.cluster import services
+from tests.helpers import BUCKET, free_port, wait_for
 from tests.small_runs import SMALL
 from tests.zero_state import gathered_partitions, universal_state
 from tests.pace import scaled
@@ -221,19 +222,52 @@ DRAIN_DEADLINE_S, SIGTERM_GRACE_S = 12, 10
 TIMES: dict[str, float] = {}  # when the scenario's notices were given (time.time()), for what the test prints
 
 
-def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, going) -> None:
+def journal(s3, storage: str) -> list[dict]:
+    """The run's journal of attempts in its storage on S3 (pipelines.train.attempts), read without the tracking store."""
+    s3.invalidate_cache()
+    try:
+        return json.loads(s3.cat(f"{storage}/elastic/probvlp/attempts.json"))
+    except (OSError, ValueError):
+        return []
+
+
+class Outage:
+    """The tracking server of the preemption scenario, stopped across the drain and started again on the same
+    database and port after the restart trained a step."""
+
+    def __init__(self, tmp_path: Path):
+        self.port, self.folder = free_port(), tmp_path / "mlflow"
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process = self.start()
+
+    def start(self):
+        return services.start_mlflow(self.port, self.folder, str(self.folder / "artifacts"), {})
+
+    def stop(self) -> None:
+        services.stop(self.process)
+
+
+def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, going, outage: Outage, s3,
+                        storage: str) -> None:
     """An idle node (no CPUs: no training worker) drained as the autoscaler scales it down, which the run must not
-    notice; then `node` drained with reason PREEMPTION and a deadline: the run's notice checkpoint must come before
-    the deadline, at which the node is killed."""
+    notice; then, with the tracking server stopped, `node` drained with reason PREEMPTION and a deadline: the run's
+    notice checkpoint must come before the deadline, at which the node is killed; the restart must train (seen in the
+    run's journal on S3, not in MLflow) before the server comes back."""
     idle = cluster.add(cpus=0)
     wait_for("an idle node", lambda: going() and idle.node_id in cluster.alive(), 120, 0.5)
     drain(cluster, idle.node_id, "DRAIN_NODE_REASON_IDLE_TERMINATION")
-    TIMES["drain"] = time.time()
+    outage.stop()
+    TIMES["down"] = TIMES["drain"] = time.time()
     deadline = TIMES["drain"] + scaled(DRAIN_DEADLINE_S)
     drain(cluster, node.node_id, "DRAIN_NODE_REASON_PREEMPTION", deadline - time.time())
-    wait_for("the drain's notice checkpoint", lambda: going() and notices(client), DRAIN_DEADLINE_S, 0.5)
+    noticed = wait_for("the drain's notice checkpoint", lambda: going() and next(
+        (a["notice"]["step"] for a in journal(s3, storage) if "notice" in a), None), DRAIN_DEADLINE_S, 0.5)
     time.sleep(max(0.0, deadline - time.time()))
     cluster.lose(node)
+    wait_for("a step trained by the restart with the tracking server away", lambda: going() and any(
+        a["from_step"] == noticed and a["reached"] > noticed for a in journal(s3, storage)), 300, 1)
+    outage.process = outage.start()
+    TIMES["up"] = time.time()
 
 
 def sigterm_then_killed(cluster: Cluster, client: MlflowClient, going) -> None:
@@ -255,22 +289,24 @@ def sigterm_then_killed(cluster: Cluster, client: MlflowClient, going) -> None:
 
 def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_path: Path, settings: list[str], s3,
                  watch=lambda: None, until=lambda client: True, lose=killed,
-                 then=lambda cluster, client, going: None) -> tuple[MlflowClient, str]:
+                 then=lambda cluster, client, going: None, tracking: str | None = None) -> tuple[MlflowClient, str]:
     """The job on two workers (one a node) until a checkpoint; one node lost (`lose`: killed without notice by
     default); on until a step by one worker is logged; a node added; on until a step by two workers again and
     `until(client)`; `then(...)`; then stopped. `watch()` runs at every poll. `digits`: the digits on S3, and the
-    head's folder they were uploaded from. Returns the MLflow client of the run and its checkpoints' folder on S3
+    head's folder they were uploaded from; `tracking`: the store (default: a sqlite store on the head, which rank 0
+    reaches through the driver's relay). Returns the MLflow client of the run and its checkpoints' folder on S3
     (bucket/path)."""
     first, second = cluster.nodes
     digits, head_digits = digits
     storage = f"{BUCKET}/elastic/{tmp_path.name}"
-    cfg = [f"data.root={digits}", "data.source=shards", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+    tracking = tracking or f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = [f"data.root={digits}", "data.source=shards", f"tracking.uri={tracking}",
            f"run.storage_path=s3://{storage}", "run.name=elastic", "run.experiment=test-elastic", *SMALL, *settings]
     # Ray Train's preemption watcher on (a one-machine Ray started in this process turns it off), polling every second
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": dashboard,
            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
     log = tmp_path / "job.log"
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    client = MlflowClient(tracking)
     with log.open("w") as out:
         job = subprocess.Popen([sys.executable, "-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
                                 *(a for kv in cfg for a in ("--set", kv))], cwd=ROOT, env=env, stdout=out,
@@ -326,9 +362,15 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     (docs/SCALING.md, "Elastic training" and "Preemption"). The job is then stopped: how a run ends is tested on
     fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long; a
     SIGTERM'd run that ends bit for bit as an uninterrupted one in tests/test_preemption.py."""
-    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
-                             [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,
-                             lose=drained_then_killed, then=sigterm_then_killed)
+    outage = Outage(tmp_path)
+    storage = f"{BUCKET}/elastic/{tmp_path.name}"
+    try:
+        client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
+                                 [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,
+                                 lose=lambda *a: drained_then_killed(*a, outage, s3, storage),
+                                 then=sigterm_then_killed, tracking=outage.uri)
+    finally:
+        outage.stop()
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
     # the drain's and the SIGTERM's, and none of the idle drain
@@ -353,9 +395,16 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     # periodic checkpoint of the one worker
     assert [(step, a, b) for step, a, b in changes if (a, b) == (2, 1)] == [(drained + 1, 2, 1),
                                                                           (sigtermed + 1, 2, 1)], (runs, saved)
-    assert any(drained < step <= sigtermed and (a, b) == (1, 2) and step % 10 == 1 for step, a, b in changes), runs
-    assert {step + 1 for step in resized} == {step for step, a, b in changes}, (runs, resized)
+    # the regrowth restarts from the one worker's last periodic checkpoint; the steps it runs again after it are in
+    # MLflow as the one worker ran them first (what is delivered stays: the replays are dropped)
+    [regrowth] = [step for step in resized if step not in (drained, sigtermed)]
+    assert regrowth % 10 == 0 and drained < regrowth < sigtermed, (runs, resized)
+    assert any(regrowth < step <= sigtermed and (a, b) == (1, 2) for step, a, b in changes), runs
     assert history["preemption_steps_lost"] == {drained: 0, sigtermed: 0}
+    # the restart after the drain trained with the tracking server away, and said why in one line
+    restart = next(json.loads(v) for k, v in run.data.tags.items() if k.startswith("probvlp.attempt.")
+                   and json.loads(v)["resumed_from_step"] == drained)
+    assert f"notice of preemption (ray_drain) at step {drained}" in restart["why"] and restart["steps_again"] == 0
     # finite at every size (learning is not judged here: these few dozen steps sit near chance, log(batch), and the
     # batch changes with the size)
     assert all(math.isfinite(history["loss"][s]) for s in steps)
@@ -375,6 +424,7 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
         print(f"{name}: notice saved at step {step} in {saved[step]['save_s']:.2f} s, {stamps[step] - given:.1f} s "
               f"after the notice; step {step + 1} trained {stamps[step + 1] - given:.1f} s after it")
     print(runs)
+    print(f"tracking server away {TIMES['up'] - TIMES['down']:.0f} s, across the drain and the restart")
 
 
 # ZeRO-2 / ZeRO-3 (make test-long: two runs of a few minutes each). The same resizes; every conversion's checkpoint

@@ -1,10 +1,13 @@
-"""The run outlives its tracking server (issue 52, item 5): a real `mlflow server` on 127.0.0.1 stopped in the middle
-of a real training job (jobs.pretrain, 2 Ray Train workers under DeepSpeed) for longer than the MLflow client's retry
-budget, then restarted on the same database and port. Rank 0's outbox (pipelines.tracking_outbox.Outbox) keeps what the
-loop logs meanwhile and delivers it when the server is back."""
+"""The run outlives its tracking server, alone and together with a preemption: a real `mlflow server` on 127.0.0.1
+stopped in the middle of a real training job (jobs.pretrain, 2 Ray Train workers under DeepSpeed) for longer than the
+MLflow client's retry budget, then restarted on the same database and port. Rank 0's outbox
+(pipelines.tracking_outbox.Outbox) keeps what the loop logs meanwhile, hands it to the next attempt through the run's
+storage, and the driver delivers the end's backlog or keeps it for the command it names."""
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,24 +26,63 @@ from tests.pace import scaled
 from tests.small_runs import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 120
+STEPS = 600
+END_STEPS = 200
 EXPERIMENT = "test-tracking-outage"
 # The client's retry budget in the job's processes (every Ray process inherits the job's environment): one retry
 # after ~1-2 s, so a call made while the server is down fails within seconds unless something else retries it.
 CLIENT_BUDGET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-OUTAGE_S = 8  # several times that budget (the restart of the server adds its start-up)
 
 
 def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
 
 
-# In the tier of issue 52's outage tests (`make test-cluster`, run alone): a tracking server stopped and restarted under
-# a job for ~20 s, whose timing the other worker's Ray runs would stretch.
+def audited(path: Path) -> dict[int, list[tuple[int, float]]]:
+    """The optimizer steps each attempt applied (run.audit_steps_to): attempt -> [(step, time)]."""
+    steps: dict[int, list[tuple[int, float]]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        attempt, step, at = line.split()
+        steps.setdefault(int(attempt), []).append((int(step), float(at)))
+    return steps
+
+
+def train_workers() -> list[int]:
+    """The training workers' pids (the cluster tier runs alone: the job's Ray is the only one)."""
+    import psutil
+
+    return sorted(p.pid for p in psutil.process_iter(["cmdline"])
+                  if (p.info["cmdline"] or [""])[0].startswith("ray::RayTrainWorker"))
+
+
+def start_job(tmp_path: Path, overrides: list[str], name: str) -> tuple[subprocess.Popen, Path]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(CLIENT_BUDGET)
+    log = tmp_path / f"{name}.log"
+    job = subprocess.Popen([sys.executable, "-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
+                            *(a for kv in overrides for a in ("--set", kv))],
+                           cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return job, log
+
+
+def run_of(client: MlflowClient, name: str) -> str | None:
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.run_name` = '{name}'") if exp else []
+    return runs[0].info.run_id if runs else None
+
+
+# In the tier of the outage tests (`make test-cluster`, run alone): a tracking server stopped and restarted under a
+# job, whose timing the other worker's Ray runs would stretch.
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_training_outlives_a_tracking_server_outage(digits_root, tmp_path, monkeypatch):
+def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_path, monkeypatch):
+    """The server stops while the job trains; SIGTERM reaches a training worker during the outage (run.max_failures
+    0: only a preemption may restart it); the restart trains on with the server still away (it never reads the
+    store); the server comes back after the restart's first step. Then a second job of the same server: the server
+    stops at ~90% of it and stays away past its end: the job ends rc 0 with one line, the workers released at once,
+    and the one command it names delivers everything and ends the run FINISHED. Counted: the steps every attempt
+    applied (run.audit_steps_to) and every step's metrics as lists (a step logged twice fails)."""
     for key, value in CLIENT_BUDGET.items():  # this process's client too: the test never waits minutes on it
         monkeypatch.setenv(key, value)
     server_dir = tmp_path / "server"
@@ -49,67 +91,91 @@ def test_training_outlives_a_tracking_server_outage(digits_root, tmp_path, monke
     server = services.start_mlflow(port, server_dir, artifacts, {})
     uri = f"http://127.0.0.1:{port}"
     client = MlflowClient(uri)
-    overrides = [f"data.root={digits_root}", f"tracking.uri={uri}", f"run.storage_path={tmp_path / 'ray'}",
-                 "run.name=outage", f"run.experiment={EXPERIMENT}", *SMALL, f"train.steps={STEPS}",
-                 "train.log_every=1", "train.num_workers=2", "run.max_failures=0"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(CLIENT_BUDGET)
-    log = tmp_path / "job.log"
-    job = subprocess.Popen([sys.executable, "-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
-                            *(a for kv in overrides for a in ("--set", kv))],
-                           cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    audit = tmp_path / "steps.txt"
+    common = [f"data.root={digits_root}", f"tracking.uri={uri}", f"run.storage_path={tmp_path / 'ray'}",
+              f"run.experiment={EXPERIMENT}", *SMALL, "train.log_every=1", "train.num_workers=2",
+              "run.max_failures=0"]
+    job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}", "train.checkpoint_every=50",
+                                    "run.sigterm_grace_s=3", f"run.audit_steps_to={audit}"], "outage")
     try:
-        def run_id():
-            exp = client.get_experiment_by_name(EXPERIMENT)
-            runs = client.search_runs([exp.experiment_id]) if exp else []
-            return runs[0].info.run_id if runs else None
-
-        rid = wait_for("the job's MLflow run", run_id, timeout_s=300)
-        # rank 0 has delivered a first flush: training runs, and is far from its last step
+        rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
         wait_for("the first steps' metrics in MLflow", lambda: job.poll() is not None or loss_steps(client, rid),
                  timeout_s=300)
         assert job.poll() is None, log.read_text()[-3000:]
-        delivered_before = loss_steps(client, rid)
-        assert max(delivered_before) < STEPS // 2, "training went too fast to be interrupted"
-
         down_at = time.time()
         services.stop(server)
-        time.sleep(OUTAGE_S)  # the outage itself, not a wait for something
+        reached = max(s for s, _ in audited(audit)[1])
+        wait_for("steps trained with the server away", lambda: max(s for s, _ in audited(audit)[1]) >= reached + 5,
+                 60, 0.1)
+        sigterm_at = time.time()
+        os.kill(train_workers()[-1], signal.SIGTERM)
+        wait_for("the restart's first step", lambda: job.poll() is not None or 2 in audited(audit), 300, 0.2)
         assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
         server = services.start_mlflow(port, server_dir, artifacts, {})  # same database, same port
         up_at = time.time()
-
         rc = job.wait(timeout=scaled(600))
         output = log.read_text()
         assert rc == 0, output[-5000:]
-
-        run = client.get_run(rid)
-        assert run.info.status == "FINISHED"
-        history = client.get_metric_history(rid, "loss")
-        # every metric logged at each step (loss, lr, samples/s, ...; not the one-offs): no step missing, and the
-        # loop's own ones once per step (the data counts are logged again by the end's report)
-        per_step = {key: sorted(m.step for m in client.get_metric_history(rid, key)) for key in run.data.metrics}
-        per_step = {key: steps for key, steps in per_step.items() if len(steps) > 1}
-        for key, steps in per_step.items():
-            assert sorted(set(steps)) == list(range(1, STEPS + 1)), f"{key}: a step is missing"
-        for key in ("loss", "lr", "samples_per_s", "data_wait_frac"):
-            assert per_step[key] == list(range(1, STEPS + 1)), f"{key}: a step is logged twice"
-        # the loop went on during the outage: steps logged while the server was down reached it afterwards (whether
-        # training ended before the server was back, its last flush waiting for it, or went on after)
-        during = [m.step for m in history if down_at * 1000 < m.timestamp < up_at * 1000]
-        assert during, "no step was logged while the server was down"
-        # the run says how long tracking was unreachable: MLflow (metric at the last step, tag) and the console
-        [unreachable] = client.get_metric_history(rid, UNREACHABLE_METRIC)
-        assert unreachable.step == STEPS
-        assert 0 < unreachable.value <= time.time() - down_at
-        assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
-        assert f"was unreachable for {unreachable.value:.1f} s" in output, output[-5000:]
-        # the artifacts of the run's end (after the outage) arrived too
-        assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
     finally:
         if job.poll() is None:
             os.killpg(job.pid, 9)
             job.wait()
+
+    try:
+        run = client.get_run(rid)
+        assert run.info.status == "FINISHED"
+        ran = audited(audit)
+        applied = sorted(s for steps in ran.values() for s, _ in steps)
+        twice = len(applied) - len(set(applied))
+        assert set(applied) == set(range(1, STEPS + 1)) and twice <= 1, ran.keys()
+        # every metric logged at each step exactly once, in order (not the one-offs)
+        per_step = {key: [m.step for m in client.get_metric_history(rid, key)] for key in run.data.metrics}
+        per_step = {key: steps for key, steps in per_step.items() if len(steps) > 1}
+        for key in ("loss", "lr", "samples_per_s", "data_wait_frac"):
+            assert sorted(per_step[key]) == list(range(1, STEPS + 1)), f"{key}: a step missing or logged twice"
+        notices = [k for k in run.data.tags if k.startswith("probvlp.preemption.step_")]
+        assert len(notices) == 1, notices
+        restart = json.loads(run.data.tags["probvlp.attempt.2"])
+        assert "notice of preemption (SIGTERM)" in restart["why"] and restart["steps_again"] == 0, restart
+        assert "[restart] attempt 2 of run outage, after a notice of preemption (SIGTERM)" in output
+        # the outage as both attempts saw it: attempt 1's share travelled with its queue
+        [unreachable] = client.get_metric_history(rid, UNREACHABLE_METRIC)
+        assert sigterm_at - down_at <= unreachable.value <= up_at - down_at + scaled(30)
+        assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
+        assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
+        first_after = min(t for _, t in ran[2])
+        print(f"SIGTERM {sigterm_at - down_at:.1f} s into the outage; steps applied twice: {twice}; the restart's "
+              f"first step {first_after - sigterm_at:.1f} s after the SIGTERM; server back {up_at - down_at:.0f} s "
+              f"after it went; tracking_unreachable_s {unreachable.value}")
+
+        # the end of a run with the server away: released at once, one line, delivered later by the command it names
+        job, log = start_job(tmp_path, [*common, "run.name=end", f"train.steps={END_STEPS}",
+                                        "tracking.flush_timeout_s=3"], "end")
+        try:
+            rid = wait_for("the second job's MLflow run", lambda: run_of(client, "end"), timeout_s=300)
+            wait_for("~90% of the second run in MLflow", lambda: job.poll() is not None or
+                     max(loss_steps(client, rid) or [0]) >= END_STEPS * 9 // 10, 300, 0.1)
+            services.stop(server)
+            rc = job.wait(timeout=scaled(300))
+            output = log.read_text()
+            assert rc == 0, output[-5000:]
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, 9)
+                job.wait()
+        [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
+        command = line.split("deliver them with: ")[1].strip()
+        assert command.startswith("python -m pipelines.tracking_outbox ") and "pending" in line
+        server = services.start_mlflow(port, server_dir, artifacts, {})
+        assert client.get_run(rid).info.status == "RUNNING"
+        delivered = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True,
+                                   env={**os.environ, **CLIENT_BUDGET}, timeout=scaled(120))
+        assert delivered.returncode == 0, delivered.stdout + delivered.stderr
+        run = client.get_run(rid)
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(rid, "loss")] == list(range(1, END_STEPS + 1))
+        assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel"}
+    finally:
         services.stop(server)
 
 

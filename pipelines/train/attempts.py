@@ -75,7 +75,7 @@ class Journal:
         fs, path = fs_path(f"{self.folder}/failures")
         if not fs.exists(path):
             return []
-        prefix = f"attempt-{entry['attempt']}-"
+        prefix = f"attempt-{entry['attempt']:06d}-"
         found = []
         for name in sorted(fs.ls(path, detail=False)):
             if name.rsplit("/", 1)[-1].startswith(prefix):
@@ -86,8 +86,24 @@ class Journal:
 def record_failure(folder: str, attempt: int, rank: int, error: BaseException) -> None:
     """A rank's error as its attempt fails, for the next attempt's line (best effort: the run is failing anyway)."""
     lines = str(error).strip().splitlines()
-    write_json(f"{folder}/failures/attempt-{attempt}-rank-{rank}.json",
-               {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:300] if lines else ''}"})
+    write_json(f"{folder}/failures/attempt-{attempt:06d}-rank-{rank}.json",
+               {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:1000] if lines else ''}"})
+
+
+def stop_reason(folder: str, job: str, error_type: str) -> str | None:
+    """The one-line error of type `error_type` a rank recorded as an attempt of `job` failed, if any (the latest)."""
+    journal = Journal.open(folder, job)
+    fs, path = fs_path(f"{folder}/failures")
+    if not fs.exists(path):
+        return None
+    ours = {f"attempt-{e['attempt']:06d}-" for e in journal.entries if e["job"] == job}
+    for name in sorted(fs.ls(path, detail=False), reverse=True):
+        if name.rsplit("/", 1)[-1][:15] not in ours:
+            continue
+        failure = read_json(fs, name) or {}
+        if failure.get("error", "").startswith(f"{error_type}: "):
+            return failure["error"][len(error_type) + 2:]
+    return None
 
 
 def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | None]:
@@ -103,6 +119,16 @@ def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | No
         first = failures[0]
         return f"rank {first['rank']} failed ({first['error']})", prev.get("reached")
     return "a worker or its node was lost", prev.get("reached")
+
+
+def stalled(journal: Journal, step: int) -> int:
+    """How many attempts of this job right before the current one resumed from `step` and trained no step."""
+    count = 0
+    for entry in reversed(journal.entries[:-1]):
+        if entry["job"] != journal.job or entry["from_step"] != step or entry["reached"] > entry["from_step"]:
+            break
+        count += 1
+    return count
 
 
 class Heartbeat:

@@ -14,6 +14,7 @@ from models.objective import loss_name
 from models.registry import tower_config
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.config import RunStopped
 from pipelines.train.config import TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
@@ -23,7 +24,7 @@ from pipelines.data.stats import BadDataError
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.local import LocalShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
-from pipelines.train.attempts import load_json, outbox_folder, run_folder
+from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
@@ -118,7 +119,14 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
             ray.train.DataConfig(datasets_to_split=[] if "train" in local else ["train"],
                                  execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
                                  enable_shard_locality=not cfg.data.deterministic))
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception:
+            # a run the workers stopped on purpose: their one line, not Ray's traceback
+            stopped = stop_reason(run_folder(cfg.run.storage_path, cfg.run.name), job, "NoticeLoop")
+            if stopped:
+                raise RunStopped(f"{stopped} (MLflow run {run.run_id} FAILED)") from None
+            raise
         metrics = dict(result.metrics or {})
         # the final report comes after the final checkpoint, whose metrics are Ray Train's result
         final = load_json(f"{run_folder(cfg.run.storage_path, cfg.run.name)}/final_report.json") or {}

@@ -148,7 +148,7 @@ class Notice:
         is not a notice, should removing it have failed. `file`: the hook's file (default $PROBVLP_PREEMPTION_NOTICE_FILE)."""
         self.file = file or os.environ.get(NOTICE_FILE_ENV) or None
         self.taken_file_mtime = taken_file_mtime
-        self.handed_to_ray = False
+        self.handed_to_ray = self.ray_had_one = False
         self.dismissed = None  # Ray's notice of a false alarm (hold), no longer one
         self.installed = sigterm_grace_s is not None and install_sigterm_handler(sigterm_grace_s)
 
@@ -162,17 +162,22 @@ class Notice:
         return sources
 
     def pending(self) -> bool:
-        """Whether this worker has a notice (from any source); a local one is handed to Ray the first time."""
-        local = self._sources()
+        """Whether this worker has a notice (from any source)."""
         ray_info = _ray_notice()
-        if ray_info is self.dismissed:
-            ray_info = None
+        return bool(self._sources() or (ray_info is not None and ray_info is not self.dismissed))
+
+    def hand_over(self) -> None:
+        """A notice of this worker's own (SIGTERM, the hook) handed to Ray, once, after the save it caused: Ray Train
+        then restarts the run at its deadline counting a preemption, and a deadline already past (a file written
+        long ago) cannot cut the save short."""
+        local = self._sources()
         if local and not self.handed_to_ray:
             self.handed_to_ray = True
+            ray_info = _ray_notice()
+            self.ray_had_one = ray_info is not None and ray_info is not self.dismissed  # Ray's own, before ours
             deadline = min((d for d in local.values() if d is not None), default=None)
             threading.Thread(target=_hand_to_ray, args=(sorted(local), deadline), daemon=True,
                              name="probvlp-preemption").start()
-        return bool(local or ray_info)
 
     def take(self) -> dict:
         """What this worker knows of the notice: its sources and the seconds left to the earliest deadline (None:
@@ -180,8 +185,9 @@ class Notice:
         sources = self._sources()
         deadlines = [d for d in sources.values() if d is not None]
         info = _ray_notice()
-        if info is not None:
-            sources = {**sources, "ray_drain": None}
+        if info is not None and info is not self.dismissed:
+            if not self.handed_to_ray or self.ray_had_one:  # else Ray's is the one this worker handed over
+                sources = {**sources, "ray_drain": None}
             if info.deadline_ms:
                 deadlines.append(info.deadline_ms / 1000)
         deadline = min(deadlines, default=None)

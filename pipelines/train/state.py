@@ -37,6 +37,7 @@ class Progress:
     preemptions: int = 0  # notices of preemption the run saved on (pipelines.train.preemption)
     notice_streak: int = 0  # notices saved on in a row at the same step (no step trained between them)
     notice_file_mtime: float = 0.0  # the last notice file a save consumed (a file no newer is not a notice)
+    evaluate_at: int = -1  # a notice's save at an evaluation step, before evaluating: a restart there evaluates first
 
 
 def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:

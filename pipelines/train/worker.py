@@ -135,6 +135,7 @@ class TrainWorker:
             self.journal = attempts.Journal.open(self.folder, job)
             checkpoint = ray.train.get_checkpoint()
             self.attempt = self.journal.begin(self.progress.step, checkpoint.path if checkpoint else None)["attempt"]
+            self._check_progress()
             self.heartbeat = attempts.Heartbeat(self.journal)
             # what an earlier attempt had not delivered, first; its steps after this checkpoint come again
             self.logger = StepLogger(mlflow_uri, run_id, None, resumed_from=self.progress.step, background=True,
@@ -157,6 +158,18 @@ class TrainWorker:
                 self._say_resumed()
             if resharded:  # a resize's universal conversion (world sizes, seconds, bytes), one tag per resize
                 self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
+
+    def _check_progress(self) -> None:
+        """Rank 0: the attempts of this job before this one that resumed from this step and ended before training a
+        step (a notice whose deadline came before its save, again and again); past run.max_notices_without_progress
+        of them, the run stops with one line instead of restarting for ever."""
+        stalled = attempts.stalled(self.journal, self.progress.step)
+        limit = self.cfg.run.max_notices_without_progress
+        if stalled >= limit:
+            why, _ = attempts.why_restarted(self.journal, self.journal.failures(self.journal.previous))
+            raise NoticeLoop(f"{stalled} attempts in a row restarted from step {self.progress.step} without training a "
+                             f"step (run.max_notices_without_progress {limit}; the last ended after {why}): a notice "
+                             "that never clears? (the notice file, the nodes' drains)")
 
     def _outbox_files(self, run_id: str) -> Path:
         from pipelines.tracking import OUTBOX_DIR
@@ -252,6 +265,9 @@ class TrainWorker:
     def fit(self) -> None:
         """The steps to the last, on the training loop every job runs (pipelines.train.loop.run_steps)."""
         p, t = self.progress, self.t
+        if p.evaluate_at == p.step and p.step == self.restored_step:  # the notice's save came before its evaluation
+            ray.train.report({"step": p.step, **self.validate()})
+        p.evaluate_at = -1
         if p.step >= self.last_step:
             return
         if self.console:
@@ -384,10 +400,13 @@ class TrainWorker:
         if self.journal:  # before the save: a restart that finds it past its checkpoint knows the steps lost
             self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
         p.preemptions += 1
+        p.evaluate_at = p.step if evaluate else -1  # the deadline may come before the evaluation ends
         start = time.perf_counter()
         train_state.save(self.engine, p, metrics)
+        p.evaluate_at = -1
         save_s = time.perf_counter() - start
         self.notice.consume_file(p.notice_file_mtime)
+        self.notice.hand_over()
         if self.logger:
             self.logger.log({"preemptions": p.preemptions, "preemption_save_s": save_s}, p.step)
             self.logger.tag(f"probvlp.preemption.step_{p.step}", json.dumps({**notice, "save_s": round(save_s, 3)}))
@@ -493,9 +512,15 @@ class TrainWorker:
     def _watch_notices(self, done: threading.Event) -> None:
         """A notice after the final checkpoint: handed to Ray (its restart then counts as a preemption and only
         finishes the evaluation and the model); its file is taken, as the final checkpoint is the save it asks for."""
+        recorded = False
         while not done.wait(1.0):
-            if self.notice.pending():  # hands a local notice to Ray the first time
+            if self.notice.pending():
                 self.notice.consume_file(self.notice.file_mtime())
+                self.notice.hand_over()
+                if self.journal and not recorded:
+                    recorded = True
+                    self.journal.update(notice={"step": self.progress.step, "sources": self.notice.take()["sources"],
+                                                "after_final_checkpoint": True})
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before

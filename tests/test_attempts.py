@@ -1,0 +1,60 @@
+"""The run's journal of attempts in its storage (pipelines.train.attempts): what a restart says about the attempt
+before it, and when a run that restarts without training stops."""
+from __future__ import annotations
+
+from pipelines.train import attempts
+
+
+def test_a_restart_knows_why_the_attempt_before_it_ended(tmp_path):
+    folder = str(tmp_path / "run" / "probvlp")
+    journal = attempts.Journal.open(folder, "job-a")
+    journal.begin(0, None)
+    journal.update(reached=37, notice={"step": 37, "sources": ["file"]})
+    journal = attempts.Journal.open(folder, "job-a")  # the next attempt, on any node: read back from storage
+    journal.begin(37, "ckpt-37")
+    assert attempts.why_restarted(journal, []) == ("a notice of preemption (file) at step 37", 37)
+    journal.update(reached=52)
+    attempts.record_failure(folder, 2, 1, RuntimeError("boom\nsecond line"))
+    journal = attempts.Journal.open(folder, "job-a")
+    journal.begin(50, "ckpt-50")
+    failures = journal.failures(journal.previous)
+    assert failures == [{"rank": 1, "error": "RuntimeError: boom"}]
+    assert attempts.why_restarted(journal, failures) == ("rank 1 failed (RuntimeError: boom)", 52)
+    journal = attempts.Journal.open(folder, "job-a")
+    journal.begin(50, "ckpt-50")
+    assert attempts.why_restarted(journal, journal.failures(journal.previous)) == \
+        ("a worker or its node was lost", 50)
+    assert [e["attempt"] for e in journal.entries] == [1, 2, 3, 4]
+
+
+def test_attempts_that_train_no_step_are_counted_until_one_does(tmp_path):
+    """Attempts of this job restarted from the same step that trained nothing count; one that trained, another
+    step, or an earlier job's attempt ends the count."""
+    folder = str(tmp_path / "probvlp")
+    old = attempts.Journal.open(folder, "earlier-job")
+    old.begin(10, None)  # an earlier command's attempt at the same step: not this job's loop
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(10, "c10")
+    journal.update(reached=11)  # trained a step
+    for _ in range(3):
+        journal = attempts.Journal.open(folder, "job")
+        journal.begin(10, "c10")
+        assert attempts.stalled(journal, 10) == len(journal.entries) - 3
+    assert attempts.stalled(journal, 10) == 2
+    assert attempts.stalled(journal, 11) == 0
+
+
+def test_a_run_stopped_on_purpose_is_told_by_its_own_attempts_error(tmp_path):
+    """The driver's one line for a run its workers stopped (NoticeLoop): this job's recorded error, not an earlier
+    job's, nor another kind of failure."""
+    folder = str(tmp_path / "probvlp")
+    earlier = attempts.Journal.open(folder, "earlier")
+    earlier.begin(0, None)
+    attempts.record_failure(folder, 1, 0, type("NoticeLoop", (RuntimeError,), {})("an earlier job's loop"))
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(5, "c5")
+    assert attempts.stop_reason(folder, "job", "NoticeLoop") is None
+    attempts.record_failure(folder, 2, 1, ValueError("another failure"))
+    assert attempts.stop_reason(folder, "job", "NoticeLoop") is None
+    attempts.record_failure(folder, 2, 0, type("NoticeLoop", (RuntimeError,), {})("3 notices in a row"))
+    assert attempts.stop_reason(folder, "job", "NoticeLoop") == "3 notices in a row"
