@@ -1,9 +1,9 @@
 """Typed configuration loaded from YAML: what several stages share.
 
 One home per stage: a stage's own sections, document and loader live in `pipelines/<stage>/config.py`
-(`download`, `train`, `tune`, `adapt`); this module holds what more than one stage reads (the run, data, model,
-loss, eval, tracking, ray and download sections, the documents they form) and the loading itself (unknown keys, YAML,
-`--set` overrides, local paths). Every section rejects unknown keys, wrong types and out-of-range values with a
+(`download`, `evaluate`, `train`, `tune`, `adapt`); this module holds what more than one stage reads (the run, data,
+model, loss, eval, tracking and ray sections, the documents they form, an experiment file's list of sections:
+`ExperimentDocument`) and the loading itself (unknown keys, YAML, `--set` overrides, local paths). Every section rejects unknown keys, wrong types and out-of-range values with a
 one-line message naming the key (`ConfigError`). Plain dicts appear only at the Ray boundary
 (`TrainDocument.to_dict()` / `TrainDocument.from_dict()`).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -316,68 +316,6 @@ class RayConfig(Section):
     shared_paths: list[str] = Field(default_factory=list)
 
 
-class DownloadConfig(Section):
-    """`jobs.download`: URL table -> de-duplicated parts -> img2dataset on Ray tasks -> webdataset shards."""
-
-    # URL table: a file, a folder of files, or a glob; local path or fsspec URI (s3://, gs://, ...).
-    input: str
-    # auto: from the file extension (.parquet, .csv, .tsv, .jsonl / .json).
-    input_format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"
-    url_col: str = "url"
-    # None: no captions.
-    caption_col: str | None = "caption"
-    # Extra table columns copied into each sample's json (img2dataset save_additional_columns).
-    additional_columns: list[str] = Field(default_factory=list)
-    # Folder (or fsspec URI) for NNNNN.tar + NNNNN.parquet + NNNNN_stats.json and the run summary.
-    output: str
-    image_size: int = Field(256, ge=8, le=8192)
-    resize_mode: Literal["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"] = "border"
-    encode_format: Literal["jpg", "png", "webp"] = "jpg"
-    # None: 95 for jpg/webp, compression 9 for png (png takes 0-9).
-    encode_quality: int | None = Field(None, ge=0, le=100)
-    # Extra attempts per URL after a failed fetch, and the per-request timeout in seconds.
-    retries: int = Field(0, ge=0, le=20)
-    timeout: float = Field(10.0, gt=0)
-    min_image_size: int = Field(0, ge=0)
-    # Larger source images are counted as failed ("image area too large"); None: no limit.
-    max_image_area: float | None = Field(None, gt=0)
-    # De-duplicate and split the table with Ray Data (ray_data) or in the driver (driver, same result);
-    # auto: the driver for tables up to plan_local_max_mb of files.
-    planner: Literal["auto", "ray_data", "driver"] = "auto"
-    plan_local_max_mb: float = Field(256.0, ge=0)
-    # About this many URLs per part; one part = one Ray task = one output shard.
-    rows_per_shard: int = Field(10000, ge=1)
-    # Download threads inside each task, CPUs Ray reserves per task (one process each),
-    # and at most this many parts running at once (None: as many as the cluster's CPUs allow).
-    threads_per_task: int = Field(64, ge=1, le=1024)
-    cpus_per_task: float = Field(1.0, gt=0)
-    max_parts_in_flight: int | None = Field(None, ge=1)
-    # A part still running after this many seconds is cancelled and counted as failed (re-run retries it).
-    part_timeout_s: float = Field(3600.0, gt=0)
-    # X-Robots-Tag directives that opt an image out (img2dataset's default list); [] disables the check.
-    disallowed_header_directives: list[str] = Field(
-        default_factory=lambda: ["noai", "noimageai", "noindex", "noimageindex"])
-    user_agent_token: str | None = None
-    compute_hash: Literal["md5", "sha256", "sha512"] | None = "sha256"
-    extract_exif: bool = False
-
-    @field_validator("additional_columns")
-    @classmethod
-    def _columns(cls, value: list[str]) -> list[str]:
-        reserved = {"key", "caption", "url", "width", "height", "original_width", "original_height", "status",
-                    "error_message", "exif", "md5", "sha256", "sha512"}
-        clash = sorted(reserved & set(value))
-        if clash:
-            raise ValueError(f"{', '.join(clash)} reserved by img2dataset")
-        return value
-
-    @model_validator(mode="after")
-    def _png_quality(self) -> "DownloadConfig":
-        if self.encode_format == "png" and self.encode_quality is not None and self.encode_quality > 9:
-            raise ValueError("encode_quality: png takes a compression level 0-9")
-        return self
-
-
 class Document(Section):
     """A whole config file (sections at the top level): YAML and MLflow-param views."""
 
@@ -428,14 +366,27 @@ class JobDocument(Document):
         })
 
 
-class ExperimentDocument(JobDocument):
-    """The sections of an experiment file that every stage building its model reads (the data, the model, its
-    loss, beside the run, eval, tracking and ray sections): evaluation and the job inputs take this, pretraining
-    its `pipelines.train.config.TrainDocument`."""
+class DataDocument(JobDocument):
+    """The sections of a job that reads an experiment's data: the data section beside the run, eval, tracking and
+    ray sections (pretraining, evaluation, and the inputs they make ready)."""
 
     data: DataConfig = Field(default_factory=DataConfig)
+
+
+class ExperimentDocument(DataDocument):
+    """An experiment file: the sections every stage reading one shares (the data, the model, its loss, beside the run,
+    eval, tracking and ray sections), and the sections of one stage each, held here as written. A stage's own
+    document types and checks its sections and lets the file's others stand: `pipelines.train.config.TrainDocument`
+    the train section, `pipelines.download.config.DownloadDocument` the download section,
+    `pipelines.evaluate.config.EvaluateDocument` what an evaluation reads (`stage_document`). So this class's fields
+    are the list of an experiment file's sections, and a stage's loader takes it from here."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
+    # pipelines.train.config.TrainConfig's
+    train: dict[str, Any] | None = None
+    # pipelines.download.config.DownloadConfig's
+    download: dict[str, Any] | None = None
 
     def with_absolute_paths(self) -> "ExperimentDocument":
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
@@ -511,3 +462,19 @@ def read_config_file(path: str | Path, overrides: list[str] | None = None) -> di
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return apply_overrides(data, overrides or [])
 
+
+
+D = TypeVar("D", bound=Document)
+
+
+def stage_document(document: type[D], data: dict[str, Any]) -> D:
+    """`document`'s sections of an experiment file's `data` (`read_config_file`), checked: a stage's document, the
+    sections it reads. The file's other sections (`ExperimentDocument`'s fields: another stage's) stand unchecked;
+    any other top-level key is refused. One-line ConfigError naming the key."""
+    unknown = sorted(set(data) - set(ExperimentDocument.model_fields) - set(document.model_fields))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key")
+    try:
+        return document.model_validate({k: v for k, v in data.items() if k in document.model_fields})
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None

@@ -285,8 +285,8 @@ class Outbox:
                         return
                     if self.down_since is None:
                         self.down_since, self.outages = time.monotonic(), self.outages + 1
-                        print(f"[tracking] {self.uri} unreachable ({_one_line(err)}); training goes on, what it "
-                              "logs is kept and delivered when the store answers again", flush=True)
+                        print(f"[tracking] {self.uri} unreachable ({_one_line(err)}); nothing waits for it: what is "
+                              "logged is kept and delivered when the store answers again", flush=True)
                     self.cv.notify_all()
                 self.wake.wait(pause)
                 self.wake.clear()

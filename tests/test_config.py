@@ -10,7 +10,8 @@ import yaml
 
 from pipelines.config import ConfigError
 from pipelines.train.config import TrainDocument, load_train_config
-from pipelines.download.config import EXPERIMENT_SECTIONS, load_download_config
+from pipelines.download.config import load_download_config
+from pipelines.evaluate.config import load_evaluate_config
 from pipelines.tune.config import load_tune_config
 from tests.pace import scaled
 
@@ -160,6 +161,61 @@ def test_download_config_reads_its_sections_without_the_model_registry(tmp_path)
         path.write_text(yaml.safe_dump(data))
         with pytest.raises(ConfigError, match=message):
             load_download_config(path)
-    # the sections it lets stand are an experiment file's: the download stage names them without importing the
-    # train stage's document
-    assert sorted(EXPERIMENT_SECTIONS) == sorted(TrainDocument.model_fields)
+
+
+def every_section(tmp_path) -> Path:
+    """An experiment file with every section pretraining reads, and a download section."""
+    data = TrainDocument.model_validate({"model": {"name": "clip_tiny"}}).to_dict()
+    data["download"] = {"input": "urls.parquet", "output": "out"}
+    return write(tmp_path, data)
+
+
+def test_an_experiment_file_is_read_by_every_stage_that_reads_one(tmp_path):
+    """Pretraining, the download and the evaluation each check the sections they read and let the file's others
+    stand: none refuses a section another reads (each takes the list from pipelines.config.ExperimentDocument)."""
+    path = every_section(tmp_path)
+    assert load_train_config(path).download == {"input": "urls.parquet", "output": "out"}  # as written
+    assert load_download_config(path).download.output == "out"
+    assert load_evaluate_config(path).eval.split == "test"
+
+
+def test_evaluate_config_reads_the_sections_an_evaluation_uses_without_the_model_registry(tmp_path):
+    """jobs.evaluate's config: the run, data, loss, eval, tracking and ray sections are checked; an experiment file's
+    model, train and download sections stand beside them unchecked (the model comes from the model file); `--set`
+    overrides apply; torch is not imported (a config error answers before it loads)."""
+    path = tmp_path / "ev.yaml"
+    path.write_text(yaml.safe_dump({"run": {"name": "e"}, "model": {"name": "no_such_model"},
+                                    "train": {"no_such_key": 1}, "eval": {"split": "val"}}))
+    code = ("import sys; from pipelines.evaluate.config import load_evaluate_config; "
+            f"c = load_evaluate_config({str(path)!r}, ['eval.batch_size=8', 'loss.name=infonce']); "
+            "print(c.eval.split, c.eval.batch_size, c.loss.name, c.run.name, ','.join(sorted(c.model_fields)), "
+            "'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=scaled(60)).stdout
+    assert out.split() == ["val", "8", "infonce", "e", "data,eval,loss,ray,run,tracking", "False"]
+    for data, overrides, message in (
+            ({"modle": {}}, [], "modle: unknown key"),
+            ({}, ["evl.split=val"], "evl: unknown key"),
+            ({"data": {"rot": "x"}}, [], "data.rot: unknown key"),
+            ({"loss": {"nam": "x"}}, [], "loss.nam: unknown key"),
+            ({"eval": {"tasks": [{"name": "a", "kind": "retrieval", "prompts": "bprw"}]}}, [],
+             "eval.tasks.0: prompts: only zeroshot tasks take prompts"),
+            ({"eval": {"batch_size": 0}}, [], "eval.batch_size: Input should be greater than or equal to 1")):
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(ConfigError) as err:
+            load_evaluate_config(path, overrides)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), (data, str(err.value))
+
+
+def test_jobs_evaluate_refuses_a_loss_it_could_not_build_before_any_work(tmp_path, capsys):
+    """A loss the evaluation config names is checked against the losses and its constructor (no model registry in
+    the config's load, so at the job's start): one line, exit status 2, before the model is looked for."""
+    import jobs.evaluate
+
+    path = write(tmp_path, {"loss": {"name": "infonce", "params": {"init_scal": 2.0}}})
+    for overrides, message in (([], "config error: loss.params: loss 'infonce': "),
+                               (["loss.name=no_such_loss"], "config error: loss.name: unknown loss 'no_such_loss'")):
+        rc = jobs.evaluate.main(["--model", str(tmp_path / "absent.safetensors"), "--config", str(path),
+                                 *(a for o in overrides for a in ("--set", o))])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(message), err

@@ -21,8 +21,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from pipelines.train.config import load_train_config
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig, load_download_config
 from pipelines.download.job import download_shards
 from pipelines.download.plan import plan
 from pipelines.cluster.file_server import LoopbackServer
@@ -249,7 +248,7 @@ def test_kill_and_resume(ray_local, tmp_path):
         assert 3 <= len(finished) < len(total), "interrupt mid-way"
         before = dict(server.requests)
 
-        resumed = download_shards(load_train_config(cfg_file).download, local_only=True)
+        resumed = download_shards(load_download_config(cfg_file).download, local_only=True)
 
     assert resumed["shards_skipped"] == len(finished)
     assert resumed["shards_complete"] == resumed["shards"] and resumed["written"] == n

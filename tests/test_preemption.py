@@ -68,64 +68,15 @@ def train_workers() -> list[int]:
     return sorted(a.pid for a in list_actors(ray.get_runtime_context().gcs_address, filters=alive, detail=True))
 
 
-def test_sigterm_to_a_training_worker_saves_at_the_next_step_and_resumes_there(ray_local, straight_small_run,
-                                                                                no_notice, tmp_path):
-    """SIGTERM to one of the two training workers after the first checkpoint (REFERENCE: every 5 steps): both ranks
-    save at the next step boundary, wait, and Ray Train restarts them at the deadline (run.sigterm_grace_s) as a
-    preemption: with run.max_failures=0 the run still ends well. It resumes from the notice's step (no step run
-    twice), logs every step once, and ends bit for bit on an uninterrupted run's state."""
-    data = straight_small_run["data_root"]
-    cfg = config(tmp_path, data, "sigterm", *REFERENCE, "train.log_every=1", "run.max_failures=0",
-                 "run.sigterm_grace_s=3")
-    sent: dict = {}
-
-    def terminate_a_worker() -> None:
-        try:
-            wait_for("the first checkpoint registered", lambda: registered(tmp_path / "ray" / "sigterm"), 300, 0.2)
-            pids = wait_for("two training workers", lambda: len(pids := train_workers()) == 2 and pids, 60, 0.2)
-            sent["at"] = time.time()
-            os.kill(pids[-1], signal.SIGTERM)
-        except BaseException as error:  # the test's thread re-raises it
-            sent["error"] = error
-
-    thread = threading.Thread(target=terminate_a_worker, daemon=True)
-    thread.start()
-    from pipelines.train.job import run_pretrain
-
-    result = run_pretrain(cfg)
-    thread.join()
-    if "error" in sent:
-        raise sent["error"]
-    assert result.metrics["step"] == 40
-    client = MlflowClient(result.mlflow_uri)
-    run = client.get_run(result.mlflow_run_id)
-    notices = {int(k.rsplit("_", 1)[1]): json.loads(v) for k, v in run.data.tags.items()
-               if k.startswith("probvlp.preemption.step_")}
-    assert len(notices) == 1, notices
-    (step, notice), = notices.items()
-    assert run.data.tags["probvlp.resumed_from_step"] == str(step)  # the notice's own checkpoint, no step twice
-    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-               for key in ("loss", "preemptions", "preemption_save_s", "preemption_steps_lost")}
-    assert sorted(history["loss"]) == list(range(1, 41))
-    assert history["preemptions"] == {step: 1} and history["preemption_steps_lost"] == {step: 0}
-    assert 0 < history["preemption_save_s"][step] == pytest.approx(notice["save_s"], abs=1e-3)
-    assert run.info.status == "FINISHED"
-    assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
-    resumed = history["loss"] and client.get_metric_history(run.info.run_id, "loss")
-    first_after = next(m.timestamp / 1000 for m in resumed if m.step == step + 1)
-    print(f"SIGTERM at step ~{step - 1}: checkpoint of step {step} saved in {notice['save_s']:.2f} s; step "
-          f"{step + 1} trained {first_after - sent['at']:.1f} s after the SIGTERM (grace 3 s, then the restart)")
-
-
 @pytest.mark.long
 def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpoint(ray_local, straight_small_run,
                                                                                      no_notice, tmp_path):
-    """SIGTERM with no grace (run.sigterm_grace_s=0): Ray Train restarts the run at once, before or during the notice's
-    save. A checkpoint counts only once every rank's part is in (Ray Train registers it when every rank's
-    ray.train.report has returned), so the restart resumes from one that was registered, whole (REFERENCE's every 5
-    steps, or the notice's if it finished first), and the run ends bit for bit as an uninterrupted one."""
+    """SIGTERM, then SIGKILL a moment later (a grace period shorter than the save: the machine goes during it). A
+    checkpoint counts only once every rank's part is in (Ray Train registers it when every rank's ray.train.report
+    has returned), so the restart resumes from one that was registered, whole (REFERENCE's every 5 steps, or the
+    notice's if it finished first), and the run ends bit for bit as an uninterrupted one."""
     data = straight_small_run["data_root"]
-    cfg = config(tmp_path, data, "short", *REFERENCE, "train.log_every=1", "run.max_failures=0", "run.sigterm_grace_s=0")
+    cfg = config(tmp_path, data, "short", *REFERENCE, "train.log_every=1", "run.max_failures=1", "run.sigterm_grace_s=0")
     seen: list[list[str]] = []
 
     def terminate_a_worker() -> None:
@@ -134,6 +85,8 @@ def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpo
             wait_for("the first checkpoint registered", lambda: registered(folder), 300, 0.2)
             pids = wait_for("two training workers", lambda: len(pids := train_workers()) == 2 and pids, 60, 0.2)
             os.kill(pids[-1], signal.SIGTERM)
+            time.sleep(0.3)
+            os.kill(pids[-1], signal.SIGKILL)
             while train_workers() == pids:  # the restart replaces both
                 seen.append(registered(folder))
                 time.sleep(0.05)
@@ -149,11 +102,11 @@ def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpo
     assert not any(isinstance(s, BaseException) for s in seen), seen
     run = MlflowClient(result.mlflow_uri).get_run(result.mlflow_run_id)
     resumed = int(run.data.tags["probvlp.resumed_from_step"])
-    notice = int(run.data.tags.get("probvlp.preemption_notice_step", -1))
-    assert resumed % 5 == 0 or resumed == notice  # a periodic checkpoint, or the notice's if it was registered
+    noticed = [a["notice"]["step"] for a in journal(tmp_path / "ray", "short") if "notice" in a]
+    assert resumed % 5 == 0 or resumed in noticed  # a periodic checkpoint, or the notice's if it was registered
     assert result.metrics["step"] == 40 and run.info.status == "FINISHED"
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
-    print(f"notice at step {notice}, resumed from {resumed}; registered before the restart: {seen[-1] if seen else []}")
+    print(f"notice at step {noticed}, resumed from {resumed}; registered before the restart: {seen[-1] if seen else []}")
 
 
 def audited(path) -> dict[int, list[int]]:
@@ -171,17 +124,18 @@ def journal(storage, name: str) -> list[dict]:
     return load_json(f"{run_folder(str(storage), name)}/attempts.json") or []
 
 
-def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_local, digits_root, no_notice,
+def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_local, straight_small_run, no_notice,
                                                                            tmp_path):
     """The hook's file is there before the run starts (a notice before step 1, at an evaluation step: every step is
-    one here): both ranks save at step 1, then evaluate, then wait for Ray Train's restart, which resumes at step 1;
-    the file is taken by that save (renamed), so the restart trains on instead of saving again. When the final
-    checkpoint is saved the file appears again, during the final evaluation: the restart only evaluates and saves the
-    model. Counted by the steps each attempt applied (run.audit_steps_to): every step exactly once; MLflow holds every
-    step's metrics once, the evaluation's too."""
-    notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 8
-    notice.write_text("0\n")  # the seconds left: none
-    cfg = config(tmp_path, digits_root, "edges", f"train.steps={steps}", "train.eval_every=1", "train.checkpoint_every=4",
+    one here): both ranks save at step 1, then evaluate, then wait for Ray Train's restart (a preemption: with
+    run.max_failures=0 the run still ends well), which resumes at step 1; the file is taken by that save (renamed),
+    so the restart trains on instead of saving again. When the final checkpoint is saved the file appears again,
+    during the final evaluation: the restart only evaluates and saves the model. Counted by the steps each attempt
+    applied (run.audit_steps_to): every step exactly once; MLflow holds every step's metrics once, the evaluation's
+    too; and the run ends bit for bit on an uninterrupted run's state (REFERENCE)."""
+    notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 40
+    notice.write_text("0\n")  # the seconds left: none (a notice read after its deadline still gets its save)
+    cfg = config(tmp_path, straight_small_run["data_root"], "edges", *REFERENCE, "train.eval_every=1",
                  "train.log_every=1", "run.max_failures=0", "run.sigterm_grace_s=2", f"run.notice_file={notice}",
                  f"run.audit_steps_to={audit}")
     sent: dict = {}
@@ -204,19 +158,20 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     if "error" in sent:
         raise sent["error"]
     ran = audited(audit)
-    assert sorted(s for attempt in ran.values() for s in attempt) == list(range(1, steps + 1)), ran
-    assert ran == {1: [1], 2: list(range(2, steps + 1))}, ran  # the third attempt trains nothing
+    assert ran == {1: [1], 2: list(range(2, steps + 1))}, ran  # every step once; the third attempt trains nothing
     attempts = journal(tmp_path / "ray", "edges")
     assert [a["from_step"] for a in attempts] == [0, 1, steps], attempts
-    assert attempts[0]["notice"]["step"] == 1 and "file" in attempts[0]["notice"]["sources"]
+    assert attempts[0]["notice"]["step"] == 1 and attempts[0]["notice"]["sources"] == ["file"]
     assert not notice.exists() and (tmp_path / "notice.taken").exists()
     client = MlflowClient(result.mlflow_uri)
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and result.metrics["step"] == steps
-    for key in ("loss", "digits_zeroshot/top1"):
-        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == list(range(1, steps + 1)), key
+    for key in ("loss", "digits_zeroshot/top1"):  # a step logged twice would show twice
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == \
+            list(range(1, steps + 1)), key
     lost = client.get_metric_history(run.info.run_id, "preemption_steps_lost")
-    assert [(m.step, m.value) for m in lost] == [(1, 0), (steps, 0)]
+    assert sorted((m.step, m.value) for m in lost) == [(1, 0), (steps, 0)]
     final = json.loads(run.data.tags["probvlp.attempt.3"])
     assert final["resumed_from_step"] == steps and final["why"] == f"a notice of preemption (file) at step {steps}"
     assert "digits_zeroshot/top1" in result.metrics
+    assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20

@@ -26,8 +26,8 @@ from tests.pace import scaled
 from tests.small_runs import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 600
-END_STEPS = 200
+STEPS = 150
+END_STEPS = 60
 EXPERIMENT = "test-tracking-outage"
 # The client's retry budget in the job's processes (every Ray process inherits the job's environment): one retry
 # after ~1-2 s, so a call made while the server is down fails within seconds unless something else retries it.

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from models.preprocess import to_model_input
-from pipelines.config import ExperimentDocument
+from pipelines.config import DataDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.digits.dataset import iter_digits
 
@@ -18,7 +18,7 @@ def digit_arrays(split: str):
     return images, torch.tensor([s.label for s in samples]), [s.meta for s in samples]
 
 
-def config_sampler(cfg: ExperimentDocument) -> CaptionSampler:
+def config_sampler(cfg: DataDocument) -> CaptionSampler:
     """The caption mix of cfg.data, as a Ray Train fit of cfg draws it."""
     d = cfg.data
     return CaptionSampler(d.mid_caption_prob, d.general_caption_prob, d.instance_caption_prob)

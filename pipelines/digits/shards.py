@@ -19,7 +19,7 @@ import ray
 
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.cluster.runtime import init_ray
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig
 from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples, write_tar
 from pipelines.digits.dataset import (EVAL_TEMPLATES, NAMES, SPLITS, iter_digits, retrieval_captions,

@@ -22,8 +22,7 @@ import time
 from typing import Any, Callable
 
 from pipelines.cluster.runtime import init_ray
-from pipelines.config import DownloadConfig
-from pipelines.download.config import DownloadDocument
+from pipelines.download.config import DownloadConfig, DownloadDocument
 from pipelines.download.plan import plan
 from pipelines.download.shard import TMP_DIR, shard_done, shard_name
 from pipelines.download.summary import summarize_download

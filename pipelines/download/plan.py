@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig
 from pipelines.data.storage import fs_path, read_json, total_bytes, write_bytes_atomic
 from pipelines.download.urls import DownloadError, check_columns, input_files, read_table, read_table_local
 

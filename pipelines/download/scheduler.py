@@ -12,7 +12,7 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig
 from pipelines.download.shard import PartResult, download_part, shard_name
 from pipelines.progress import ProgressLine
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig
 from pipelines.download.plan import PARTS_DIR
 from pipelines.data.storage import fs_path, read_json, uri
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig
 from pipelines.download.shard import PartResult, shard_done, shard_name
 from pipelines.data.storage import fs_path, read_json
 

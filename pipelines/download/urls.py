@@ -14,7 +14,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import ray.data
 
-from pipelines.config import DownloadConfig
+from pipelines.download.config import DownloadConfig
 from pipelines.data.storage import fs_path, uri
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}

@@ -27,12 +27,13 @@ from models.objective import Objective
 from models.scoring.ann import MeanIndex
 from pipelines.cluster.check import is_local_path
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import ConfigError, ExperimentDocument, InputError
+from pipelines.config import ConfigError, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.data.reader import read_shards, shard_paths
 from pipelines.data.storage import fs_path
 from pipelines.data.stats import (drop_stats, reader_stats, report_lines, report_metrics, reports_summary,
                                   skipped_keys)
+from pipelines.evaluate.config import EvaluateDocument
 from pipelines.evaluate.in_process import distinct_captions, split_captions
 from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_embeddings, write_image_embeddings,
                                           write_text_embeddings)
@@ -41,7 +42,7 @@ from pipelines.inputs import prepare_inputs
 from pipelines.tracking import LOCAL_DIR, finish_with_results, resolve_model, start_run, tracking_uri
 
 
-def loss_section(cfg: ExperimentDocument, source_config: str | None) -> tuple[str | None, dict]:
+def loss_section(cfg: EvaluateDocument, source_config: str | None) -> tuple[str | None, dict]:
     """The loss to rebuild for `loss` tasks: the source run's, unless the eval config names one."""
     if cfg.loss.name is None and source_config:
         loss = (yaml.safe_load(source_config) or {}).get("loss") or {}
@@ -49,7 +50,20 @@ def loss_section(cfg: ExperimentDocument, source_config: str | None) -> tuple[st
     return cfg.loss.name, cfg.loss.params
 
 
-def held_out_loss_of(cfg: ExperimentDocument, model, source: dict, task, stats_name: str | None = None) -> float:
+def check_loss_section(cfg: EvaluateDocument) -> None:
+    """A loss the config names, against the losses and its constructor: a one-line ConfigError before any work (the
+    `loss` tasks rebuild it)."""
+    if cfg.loss.name is None:
+        return
+    try:
+        create_loss(cfg.loss.name, **cfg.loss.params)
+    except KeyError as err:
+        raise ConfigError(f"loss.name: {err.args[0]}") from None
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"loss.params: loss {cfg.loss.name!r}: {err}") from None
+
+
+def held_out_loss_of(cfg: EvaluateDocument, model, source: dict, task, stats_name: str | None = None) -> float:
     if source["loss"] is None:
         raise ConfigError(f"eval task {task.name!r} (loss): needs the loss weights; no loss.safetensors beside "
                           f"{source['model']}")
@@ -66,10 +80,11 @@ def model_name(path: Path) -> str:
         return (f.metadata() or {})["model"]
 
 
-def run_evaluate(cfg: ExperimentDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> dict[str, Any]:
+def run_evaluate(cfg: EvaluateDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> dict[str, Any]:
     """`jobs.evaluate`: the model (a file, runs:/<run_id>/model or a run id; InputError when none is there) on
     every task of cfg.eval, under `out` (None: .probvlp/eval/<time>); returns {"metrics", "records", "results",
     "mlflow_run_id", "skipped", "out"}."""
+    check_loss_section(cfg)
     out = Path(out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -82,7 +97,7 @@ def run_evaluate(cfg: ExperimentDocument, model_ref: str, out: Path | None, opts
     return {**evaluate_tasks(cfg, source, out, opts), "out": out}
 
 
-def evaluate_tasks(cfg: ExperimentDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+def evaluate_tasks(cfg: EvaluateDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
     """Every task of cfg.eval on the resolved model `source` (`pipelines.tracking.resolve_model`)."""
     model = load_model(source["model"])
     tasks = cfg.resolved_tasks()

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from pipelines.config import (ConfigError, DownloadConfig, ExperimentDocument, WorkerResources,
-                              format_validation_error, read_config_file)
+from pipelines.config import (ConfigError, ExperimentDocument, WorkerResources, format_validation_error,
+                              read_config_file)
 
 
 class LoopConfig(WorkerResources):
@@ -97,11 +97,10 @@ class TrainConfig(LoopConfig):
 
 class TrainDocument(ExperimentDocument):
     """An experiment file as `jobs.pretrain` (and a sweep's base, each trial) reads it: the experiment's sections
-    and the train section, checked against the model registry and the loss and model constructors."""
+    with the train section typed, checked against the model registry and the loss and model constructors. The
+    download section stands as written (`jobs.download` checks it)."""
 
     train: TrainConfig = Field(default_factory=TrainConfig)
-    # Only `jobs.download` needs it.
-    download: DownloadConfig | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainDocument":

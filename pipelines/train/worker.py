@@ -383,6 +383,12 @@ class TrainWorker:
         run.max_notices_without_progress notices in a row at one step, the run stops (NoticeLoop)."""
         p = self.progress
         notice = self.notice.take()
+        if self.world.size > 1:  # every rank's sources (a SIGTERM reaches one process), the earliest deadline
+            known: list = [None] * self.world.size
+            torch.distributed.all_gather_object(known, notice)
+            deadlines = [n["deadline_in_s"] for n in known if n["deadline_in_s"] is not None]
+            notice = {"sources": sorted({s for n in known for s in n["sources"]}),
+                      "deadline_in_s": min(deadlines, default=None)}
         # the newest notice file of any rank's node, kept in the checkpoint: never a notice again
         mtime = torch.tensor([self.notice.file_mtime()], dtype=torch.float64)
         if self.world.size > 1:
