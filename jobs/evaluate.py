@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from jobs.cli import config_parser, job_main
-from pipelines.train.config import load_train_config
+from pipelines.evaluate.config import load_evaluate_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = load_train_config(args.config, args.overrides)
+    cfg = load_evaluate_config(args.config, args.overrides)
 
     from pipelines.evaluate.headline import headline  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions

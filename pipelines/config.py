@@ -3,9 +3,9 @@
 One home per stage: a stage's own sections, document and loader live in `pipelines/<stage>/config.py`
 (`download`, `evaluate`, `train`, `tune`, `adapt`); this module holds what more than one stage reads (the run, data,
 model, loss, eval, tracking and ray sections, the documents they form, an experiment file's list of sections:
-`ExperimentDocument`) and the loading itself (unknown keys, YAML, `--set` overrides, local paths). Every section rejects unknown keys, wrong types and out-of-range values with a
-one-line message naming the key (`ConfigError`). Plain dicts appear only at the Ray boundary
-(`TrainDocument.to_dict()` / `TrainDocument.from_dict()`).
+`ExperimentDocument`) and the loading itself (unknown keys, YAML, `--set` overrides, local paths). Every section
+rejects unknown keys, wrong types and out-of-range values with a one-line message naming the key (`ConfigError`).
+Plain dicts appear only at the Ray boundary (`TrainDocument.to_dict()` / `TrainDocument.from_dict()`).
 """
 from __future__ import annotations
 
