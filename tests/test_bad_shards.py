@@ -100,6 +100,7 @@ def trained_by_ray_data(ray_local, faulty, tmp_path_factory):
     return fit(faulty[0], tmp_path_factory.mktemp("bad_fit_ray_data"), "bad-fit-ray-data", "data.reader=ray_data")
 
 
+@pytest.mark.slow  # trains: its fit is a fixture taken by name (getfixturevalue), which conftest's check cannot see
 @pytest.mark.parametrize("reader", ["trained", "trained_by_ray_data"])
 def test_training_on_faulty_shards_finishes_and_counts_every_fault(faulty, reader, request):
     _, expected, zs_faults = faulty
