@@ -10,11 +10,11 @@ Data: photo-like 256 px JPEGs in webdataset shards (`benchmarks.peers.write_phot
 read by `pipelines.data.reader.read_shards` with the training augmentation and file shuffling, 224 px out.
 Paths, one Ray dataset each, all handed to one `TorchTrainer` worker that iterates them as `TrainWorker.batches`
 does (`iter_torch_batches` with the run's prefetch, pinned memory on a GPU, a local shuffle buffer):
-- today: float32 (3, 224, 224) images, augmented in the reader by the float reference (the code before issue 29);
+- today: float32 (3, 224, 224) images, augmented in the reader by the float reference (the float32 path uint8 reading replaced);
 - reader: uint8 images augmented in the reader (OpenCV on uint8; data.augment_on: reader);
 - device: uint8 images at the decode size plus the drawn parameters, augmented on the worker's device
   (data.augment_on: device);
-- webdataset: the reader path with its tar files read by Ray's `read_webdataset` (the code before issue 43) instead
+- webdataset: the reader path with its tar files read by Ray's `read_webdataset` (Ray's own tar reader) instead
   of `pipelines.data.tars` (broken files skipped and counted): before / after on clean shards,
   `--paths webdataset,reader --section ingest_tars`.
 Models: "null" (the augmented images are made and summed: the pure ingest ceiling), "tiny" (ProLIP, the
@@ -289,10 +289,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"CPU{', one GPU' if gpu else ''}), Ray Data on the rest of the machine's {cores} cores; "
                   f"prefetch {args.prefetch}; {args.rounds} alternating rounds of one epoch per path and model, "
                   f"medians. Per core: samples/s over the machine's cores. Paths: today (float32 images augmented "
-                  f"by the float reference in the reader, the code before issue 29), reader (uint8, OpenCV in the "
+                  f"by the float reference in the reader, the float32 path uint8 reading replaced), reader (uint8, OpenCV in the "
                   f"reader; what a CPU worker gets), device (uint8 + drawn parameters, augmented on the worker's "
                   f"device; what a GPU worker gets), webdataset (the reader path with its tars read by Ray's "
-                  f"read_webdataset, before issue 43; reader reads them with pipelines.data.tars). Dataset set-up "
+                  f"read_webdataset, Ray's own tar reader; reader reads them with pipelines.data.tars). Dataset set-up "
                   f"(the tar files read into the cache, once): "
                   f"{', '.join(f'{k} {v:.2f} s' for k, v in args.read_s.items())}. Machine: "
                   f"{machine()}{gpu}; {load()}. Command: `python -m benchmarks.ingest "

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 INTRO = """\
-A step's cost beyond its arithmetic, counted on the CPU (issue 53): one full training step as `benchmarks/train_step.py`
+A step's cost beyond its arithmetic, counted on the CPU: one full training step as `benchmarks/train_step.py`
 times it (forward with ProLIP's masked copies / PCME++'s MSDA, backward, fused AdamW), b16 backbone, batch 256,
 full captions, Llip mixture tokens 16, float32, under a `TorchDispatchMode` that sees every aten op. **ops**: aten ops
 dispatched on the device; **kernels**: those that are not views or allocations (a proxy for GPU kernel launches; AdamW

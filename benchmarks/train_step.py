@@ -60,7 +60,7 @@ LABEL = {"clip_tiny": "CLIP", "siglip_tiny": "SigLIP", "prolip_tiny": "ProLIP", 
          "llip_tiny": "Llip", "prolip_llip_tiny": "ProLIP-Llip"}
 # Models with Llip's mixture tokens: --mixture-tokens sets their K.
 MIXTURE_MODELS = {"llip_tiny", "prolip_llip_tiny"}
-# Issue 30's targets: each method's step at most this many times its baseline's (b16, batch 256, bf16 on a GPU;
+# The step-time targets: each method's step at most this many times its baseline's (b16, batch 256, bf16 on a GPU;
 # the same targets for the CPU figures at `small` and `b16`).
 TARGETS = {"prolip_tiny": 1.15, "pcmepp_tiny": 1.15, "llip_tiny": 1.10, "prolip_llip_tiny": 1.20}
 CAPTIONS = ["the digit seven", "a handwritten digit", "a photo of the number three written by hand",
@@ -442,7 +442,7 @@ def step_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Options not given take the CPU defaults, or with --gpu the GPU ones (the issue's measurement)."""
+    """Options not given take the CPU defaults, or with --gpu the GPU ones (the measurement the targets are set on)."""
     gpu = dict(size="b16", batch=256, repeats=8, warmup=3, device="cuda", bf16=True, captions="full")
     cpu = dict(size="small", batch=None, repeats=15, warmup=3, device="cpu", bf16=False, captions="both")
     for key, value in (gpu if args.gpu else cpu).items():
@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     write_section(f"train_step_{args.size}",
                   f"## Training step, `{args.size}` backbone: each method vs its baseline (`benchmarks/train_step.py`)\n\n"
                   "One full step (forward incl. ProLIP's masked copies of 12.5% of the pairs / PCME++'s MSDA, "
-                  "backward, AdamW) of model + default loss, single process, same backbone per pair. Targets "
-                  "(issue 30): ProLIP and PCME++ <= 1.15x CLIP, Llip <= 1.10x SigLIP, ProLIP-Llip <= 1.20x SigLIP. "
+                  "backward, AdamW) of model + default loss, single process, same backbone per pair. Targets: "
+                  "ProLIP and PCME++ <= 1.15x CLIP, Llip <= 1.10x SigLIP, ProLIP-Llip <= 1.20x SigLIP. "
                   "GFLOP per sample: one forward + backward at this batch with full captions, counted by "
                   "`torch.utils.flop_counter` (matmuls, convolutions, attention): the ratio to the baseline is the "
                   "method's inherent extra arithmetic.\n\n" + setup + "\n\n" + text + "\n")

@@ -22,7 +22,7 @@ COMPAT = ROOT / "pipelines" / "compat"
 MODULES = {"ray": ray_private, "deepspeed": deepspeed_private}
 # Where the product's code lies: none of it names a private Ray or DeepSpeed name outside pipelines/compat/.
 SCANNED = ("pipelines", "models", "jobs", "benchmarks", "studies")
-# Files that still name private names, to move behind pipelines/compat/ (issue 60, item 8). Only shrinks: a file
+# Files that still name private names, to move behind pipelines/compat/. Only shrinks: a file
 # listed here that no longer names one fails too.
 KNOWN: set[str] = set()
 # DeepSpeed's internals without an underscore in their names.

@@ -1,5 +1,5 @@
 """PCME++'s GPO weights from one GRU pass per tower (block-diagonal recurrent weights, off the CPU) and from the
-step-by-step recurrence (under torch.compile) equal each GPO's own nn.GRU pass (issue 53), values and gradients."""
+step-by-step recurrence (under torch.compile) equal each GPO's own nn.GRU pass, values and gradients."""
 from __future__ import annotations
 
 from unittest import mock

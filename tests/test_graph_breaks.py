@@ -1,4 +1,4 @@
-"""Every method's training forward (model + loss) traces as one graph under torch.compile (issue 53).
+"""Every method's training forward (model + loss) traces as one graph under torch.compile.
 
 The text trim, PCME++'s CutMix branch and GRU, ProLIP's masked rows and Llip's custom backward each broke the graph;
 compiled, the padding is masked instead of cut, the CutMix box is always built, the GRU runs step by step and the

@@ -1,4 +1,4 @@
-"""Every method's training step takes no host sync beyond the one its baseline takes (issue 53).
+"""Every method's training step takes no host sync beyond the one its baseline takes.
 
 A host sync (``.item()``, ``nonzero``, a boolean mask, a blocking copy between host and device, a Python branch on
 a tensor) stops the host until the GPU has drained its queue; it can be counted on the CPU. ``benchmarks.step_counts``

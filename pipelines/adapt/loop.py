@@ -109,8 +109,8 @@ class AdapterFit:
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         if "progress.step_count" in state:  # its optimizer entries are numbered in another parameter order
-            raise ValueError("an adapter checkpoint from before the shared training loop (issue 54) does not resume: "
-                             "start the fit under a new run.name")
+            raise ValueError("an adapter checkpoint of the older layout (its optimizer state in another parameter "
+                             "order) does not resume: start the fit under a new run.name")
         prefix = "adapters."
         self.net.adapters.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         entries: dict[int, dict[str, torch.Tensor]] = {}
