@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.helpers import BUCKET, DEMO_STEPS, files_under, written_between
-from tests.pace import ENV, scaled, slowness
+from tests.pace import ENV, MOST, scaled, set_factor, slowness
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -254,7 +254,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_report_header(config):
-    return f"deadlines x{slowness():.2f} for this machine's speed (tests/pace.py; {ENV} to set it)"
+    capped = f", {ENV}={os.environ[ENV]} capped at {MOST:g}" if set_factor() > MOST else ""
+    return f"deadlines x{slowness():.2f} for this machine's speed (tests/pace.py; {ENV} to set it{capped})"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group markers

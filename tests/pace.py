@@ -5,7 +5,8 @@ and multiplied by `slowness()`: `PROBVLP_TEST_SLOWNESS` where the environment se
 the machine), otherwise a calibration measured once when pytest starts (a fixed piece of Python on every core at
 once, against the time it took on the reference machine). Machines of this kind differ up to ~2x from one session
 to the next, and a busy machine (another suite, a CPU hog) is a slow one: both show in the calibration. A deadline is
-a bound on a failure, never a claim about speed, so the factor only ever lengthens it (at least 1)."""
+a bound on a failure, never a claim about speed, so the factor only ever lengthens it (at least 1), and at most
+`MOST` (4) times, whether measured or set: a failure is still reported within the hour."""
 from __future__ import annotations
 
 import math
@@ -19,7 +20,8 @@ ENV = "PROBVLP_TEST_SLOWNESS"
 REFERENCE_S = 0.26
 # Ray's default priority for its worker processes (ray._private.ray_constants: RAY_worker_niceness)
 RAY_WORKER_NICENESS = 15
-# Clamped: a calibration caught in a burst of start-up work must not turn a 5-minute wait into an hour.
+# The largest factor, measured or set: a calibration caught in a burst of start-up work, or a value meant for another
+# machine, must not turn a 5-minute wait into an hour.
 MOST = 4.0
 
 
@@ -43,17 +45,26 @@ def calibrate(rounds: int = 5) -> float:
 
 
 def slowness() -> float:
-    """The factor every deadline is multiplied by (>= 1): the environment's, else measured once and written to the
-    environment, where pytest-xdist's workers and the processes the tests start read it."""
+    """The factor every deadline is multiplied by, from 1 to MOST: the environment's, else measured once and written
+    to the environment, where pytest-xdist's workers and the processes the tests start read it."""
     if ENV not in os.environ:
-        os.environ[ENV] = f"{min(MOST, max(1.0, calibrate() / REFERENCE_S)):.2f}"
+        os.environ[ENV] = f"{clamp(calibrate() / REFERENCE_S):.2f}"
+    return clamp(set_factor())
+
+
+def set_factor() -> float:
+    """The environment's factor as it is set (a positive number)."""
     try:
         factor = float(os.environ[ENV])
     except ValueError as err:
         raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected a number such as 1.5") from err
     if not factor > 0:
         raise ValueError(f"{ENV}={os.environ[ENV]!r}: must be above 0")
-    return max(1.0, factor)
+    return factor
+
+
+def clamp(factor: float) -> float:
+    return min(MOST, max(1.0, factor))
 
 
 def scaled(seconds: float) -> int:
