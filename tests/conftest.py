@@ -23,12 +23,14 @@ os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_
 # The project's local state in this pytest run (pipelines.config.LOCAL_DIR: the default MLflow store, rank 0's tracking
 # outboxes, injected-failure markers, a sweep's rungs and best config): a folder of the run's own, never the checkout's
 # .probvlp. Set before pipelines.config is imported (it reads it once); Ray's processes, the local clusters' nodes and
-# the jobs the tests start inherit it. A run that writes into the checkout's .probvlp anyway fails
-# (pytest_sessionfinish).
+# the jobs the tests start inherit it. A run that writes into the checkout anyway fails (pytest_sessionfinish).
 os.environ["PROBVLP_HOME"] = tempfile.mkdtemp(prefix="probvlp_home_")
-# What a run from the checkout writes there by default, which no test may: the project's local state, and MLflow's
-# artifacts of an experiment created without an artifact location (./mlruns).
-CHECKOUT_STATE = (ROOT / ".probvlp", ROOT / "mlruns")
+# No test may write into the checkout (the project's state folder .probvlp, MLflow's ./mlruns of an experiment created
+# without an artifact location, a benchmark's docs/BENCHMARKS.md, a stray file): the whole checkout is compared
+# before and after a run, ignored files too, but for the folders of the environment and git, and the caches Python
+# and pytest keep there by design.
+NOT_GUARDED = (".venv", ".git")
+CACHES = ("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache")
 _CHECKOUT_FILES = pytest.StashKey[dict]()
 _WRITTEN = pytest.StashKey[list]()
 # `make test` runs a pytest worker per core, and each starts Ray processes of its own: the cores are always
@@ -225,15 +227,16 @@ def pytest_configure(config):
     config.stash[_CHECKOUT_FILES] = checkout_state()
 
 
-def checkout_state() -> dict[str, int]:
-    return {f"{folder.name}/{path}": t for folder in CHECKOUT_STATE for path, t in files_under(folder).items()}
+def checkout_state(root: Path = ROOT) -> dict[str, int]:
+    """Every file and folder of the checkout but NOT_GUARDED and CACHES (files_under)."""
+    return files_under(root, NOT_GUARDED, CACHES)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal reporter's summary, which names what was written
 def pytest_sessionfinish(session, exitstatus):
-    """The run fails when the checkout's .probvlp or mlruns gained or changed a file while it ran: a test, or a process
-    it started, wrote there instead of under its own temporary folder ($PROBVLP_HOME for the project's local state).
-    Checked once, by pytest-xdist's controller after its workers (or by the one pytest process)."""
+    """The run fails when the checkout (checkout_state) gained or changed a file or folder while it ran: a test, or a
+    process it started, wrote there instead of under its own temporary folder ($PROBVLP_HOME for the project's local
+    state, tmp_path). Checked once, by pytest-xdist's controller after its workers (or by the one pytest process)."""
     config = session.config
     if hasattr(config, "workerinput"):
         return
@@ -248,7 +251,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if written:
         terminalreporter.section(f"FAILED: {len(written)} paths written into the checkout ({ROOT})", red=True)
         terminalreporter.write_line("a test (or a process it started) wrote into the checkout instead of its own "
-                                    "temporary folder ($PROBVLP_HOME, tmp_path):")
+                                    "temporary folder ($PROBVLP_HOME, tmp_path), or the checkout was edited while "
+                                    "the run ran:")
         for path in written[:30]:
             terminalreporter.write_line(f"  {path}")
 

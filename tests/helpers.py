@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -25,16 +26,21 @@ def free_port() -> int:
     return local_port()
 
 
-def files_under(folder: Path) -> dict[str, int]:
+def files_under(folder: Path, leave_out: tuple[str, ...] = (), leave_out_names: tuple[str, ...] = ()) -> dict[str, int]:
     """Every file and folder under `folder`: path relative to it -> modification time in ns (-1 for a folder); empty
-    where `folder` does not exist."""
+    where `folder` does not exist. Folders left out with all they hold: `leave_out`, by their path relative to
+    `folder`; `leave_out_names`, by their name wherever they are."""
     folder = Path(folder)
     found = {}
-    for path in folder.rglob("*") if folder.is_dir() else ():
-        try:
-            found[str(path.relative_to(folder))] = -1 if path.is_dir() else path.stat().st_mtime_ns
-        except OSError:  # removed meanwhile
-            continue
+    for top, dirs, files in os.walk(folder):
+        here = Path(top).relative_to(folder)
+        dirs[:] = [d for d in dirs if d not in leave_out_names and str(here / d) not in leave_out]
+        for name in (*dirs, *files):
+            path = here / name
+            try:
+                found[str(path)] = -1 if name in dirs else (folder / path).stat().st_mtime_ns
+            except OSError:  # removed meanwhile
+                continue
     return found
 
 
