@@ -7,12 +7,14 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from tests.pace import scaled, slowness
 
+ROOT = Path(__file__).resolve().parent.parent
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
 DEMO_STEPS = 300
 # The tests' object-storage bucket: conftest's `s3` fixture creates it on its S3 server.
@@ -42,6 +44,21 @@ def files_under(folder: Path, leave_out: tuple[str, ...] = (), leave_out_names: 
             except OSError:  # removed meanwhile
                 continue
     return found
+
+
+def official_switches(recipe: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """configs/{recipe}_official.yaml's model overrides and loss params, as the project loads them: the switches where
+    the official code and the paper differ (docs/FIDELITY.md). An adapter's recipe (jobs.adapt's config): no
+    overrides, and its loss section as the loss's keywords."""
+    from pipelines.adapt.config import load_adapt_config
+    from pipelines.config import read_config_file
+    from pipelines.train.config import load_train_config
+
+    path = ROOT / "configs" / f"{recipe}_official.yaml"
+    if "source" in read_config_file(path):
+        return {}, load_adapt_config(path).loss.model_dump()
+    cfg = load_train_config(path)
+    return dict(cfg.model.overrides), dict(cfg.loss.params)
 
 
 def written_between(before: dict[str, int], after: dict[str, int]) -> list[str]:

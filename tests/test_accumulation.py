@@ -19,27 +19,29 @@ from models.losses import create_loss
 from models.objective import Objective
 from models.registry import create_model
 from models.tokenizer import tokenize
-from tests.helpers import free_port, spawn
+from tests.helpers import free_port, official_switches, spawn
 
 f64 = torch.float64
 MICRO, K = 3, 4
 SMALL = {"vision_depth": 1, "text_depth": 1}
+# The official recipes' switches, as configs/*_official.yaml set them.
+PROLIP_OFFICIAL, PCMEPP_OFFICIAL, LLIP_OFFICIAL = (official_switches(recipe)
+                                                   for recipe in ("prolip_tiny", "pcmepp_tiny", "llip_tiny"))
 # (model, model overrides, loss, loss params): every loss term switched on, with weights that make it count
 CASES = {
     "clip": ("clip_tiny", {}, "infonce", {}),
     "siglip": ("siglip_tiny", {}, "siglip", {"init_scale": 3.0, "init_bias": -1.0}),
     "prolip": ("prolip_tiny", {"mask_fraction": 0.25}, "prolip",
                {"alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0}),
-    "prolip_official_masks": ("prolip_tiny", {"mask_fraction": 0.5, "image_mask": "batch", "text_mask": "bernoulli",
-                                              "mask_counts": "floor", "text_unc_from": "pooled"}, "prolip",
-                              {"alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0, "form": "exact"}),
+    "prolip_official": ("prolip_tiny", {**PROLIP_OFFICIAL[0], "mask_fraction": 0.5}, "prolip",
+                        {**PROLIP_OFFICIAL[1], "alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0,
+                         "form": "exact"}),
     "pcmepp": ("pcmepp_tiny", {"msda_fraction": 0.5}, "pml", {"init_a": 2.0, "init_b": 1.0, "alpha": 0.5, "beta": 0.5}),
-    "pcmepp_official": ("pcmepp_tiny", {"msda_fraction": 0.5, "msda_selection": "bernoulli", "msda_partner": "reversed",
-                                        "msda_switch": "image"}, "pml",
-                        {"alpha": 0.5, "beta": 0.5, "match_weight": 2.0, "pseudo_rows": "both", "label_smoothing": 0.01}),
+    "pcmepp_official": ("pcmepp_tiny", {**PCMEPP_OFFICIAL[0], "msda_fraction": 0.5}, "pml",
+                        {**PCMEPP_OFFICIAL[1], "alpha": 0.5, "beta": 0.5, "label_smoothing": 0.01}),
     "llip": ("llip_tiny", {}, "llip", {"init_scale": 3.0, "init_bias": -1.0}),
-    "llip_official": ("llip_tiny", {"kv_proj": "per_token", "query_from": "hidden", "zeroshot_query": "mean_query"},
-                      "llip", {"init_scale": 3.0, "init_bias": -1.0}),
+    "llip_official": ("llip_tiny", LLIP_OFFICIAL[0], "llip",
+                      {**LLIP_OFFICIAL[1], "init_scale": 3.0, "init_bias": -1.0}),
     "prob_llip": ("prolip_llip_tiny", {"mask_fraction": 0.25}, "prob_llip",
                   {"init_scale": 3.0, "init_bias": -1.0, "alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0}),
 }

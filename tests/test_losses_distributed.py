@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from models.gather import World
 from models.llip_mixer import LlipMixer
 from models.losses import create_loss
-from tests.helpers import free_port, spawn
+from tests.helpers import free_port, official_switches, spawn
 
 f64 = torch.float64
 WORLD, B_LOCAL, DIN, D, K = 2, 4, 6, 8, 3
@@ -36,13 +36,13 @@ CASES = [
     ("llip", {"init_scale": 3.0, "init_bias": -1.0}),
     ("prob_llip", {"init_scale": 3.0, "init_bias": -1.0, "alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0}),
     ("probvlm", {"lambda_cross": 0.5, "l1": 0.3}),
-    # the official recipes' switches (docs/FIDELITY.md): caption-row pseudo-positives gather the MSDA labels
-    ("pml", {"init_a": 2.0, "init_b": 1.0, "alpha": 0.5, "beta": 0.5, "match_weight": 2.0, "pseudo_rows": "both",
-             "label_smoothing": 0.01, "vib_guard": 1e4}),
-    ("prolip", {"alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0, "c": 2.0, "vib_form": "half_logvar",
-                "vib_guard": 1e4, "inclusion_guard": 1e5}),
-    ("probvlm", {"lambda_cross": 0.5, "l1": 0.3, "approx": True, "approx_form": "linear", "stabilise": True,
-                 "l1_cross": True}),
+    # the official recipes' switches (configs/*_official.yaml, docs/FIDELITY.md): caption-row pseudo-positives
+    # gather the MSDA labels
+    ("pml", {**official_switches("pcmepp_tiny")[1], "init_a": 2.0, "init_b": 1.0, "alpha": 0.5, "beta": 0.5,
+             "label_smoothing": 0.01}),
+    ("prolip", {**official_switches("prolip_tiny")[1], "alpha1": 0.3, "alpha2": 0.4, "beta": 0.5, "eps": -1.0,
+                "c": 2.0}),
+    ("probvlm", {**official_switches("probvlm_demo")[1], "lambda_cross": 0.5, "l1": 0.3}),
 ]
 
 
