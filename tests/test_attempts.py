@@ -18,7 +18,7 @@ def test_a_restart_knows_why_the_attempt_before_it_ended(tmp_path):
     journal = attempts.Journal.open(folder, "job-a")
     journal.begin(50, "ckpt-50")
     failures = journal.failures(journal.previous)
-    assert failures == [{"rank": 1, "error": "RuntimeError: boom"}]
+    assert failures == [{"rank": 1, "error": "RuntimeError: boom", "step": None}]
     assert attempts.why_restarted(journal, failures) == ("rank 1 failed (RuntimeError: boom)", 52)
     journal = attempts.Journal.open(folder, "job-a")
     journal.begin(50, "ckpt-50")

@@ -346,6 +346,8 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
     finally:
         job.kill()
         job.wait(timeout=scaled(60))
+    # rank 0 delivers as it logs: what MLflow holds is read once no training worker is left to add to it
+    wait_for("the job's training workers gone", lambda: not any(n.train_workers() for n in cluster.nodes), 120, 0.5)
     return client, checkpoints
 
 
@@ -363,14 +365,18 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long; a
     SIGTERM'd run that ends bit for bit as an uninterrupted one in tests/test_preemption.py."""
     outage = Outage(tmp_path)
-    storage = f"{BUCKET}/elastic/{tmp_path.name}"
     try:
-        client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
-                                 [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,
-                                 lose=lambda *a: drained_then_killed(*a, outage, s3, storage),
-                                 then=sigterm_then_killed, tracking=outage.uri)
+        preemption_scenario(two_node_ray, s3, digits_on_s3, digits_root, tmp_path, outage)
     finally:
         outage.stop()
+
+
+def preemption_scenario(two_node_ray, s3, digits_on_s3, digits_root, tmp_path: Path, outage: "Outage") -> None:
+    storage = f"{BUCKET}/elastic/{tmp_path.name}"
+    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
+                             [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,
+                             lose=lambda *a: drained_then_killed(*a, outage, s3, storage),
+                             then=sigterm_then_killed, tracking=outage.uri)
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
     # the drain's and the SIGTERM's, and none of the idle drain

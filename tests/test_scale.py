@@ -5,6 +5,8 @@ tests/test_elastic.py. ZeRO-2, the default, trains the demo model in tests/test_
 shards in tests/test_user_data.py."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -51,6 +53,13 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     assert run.data.tags["probvlp.resumed_from_step"] == "15"  # the failure restarted from the last checkpoint
     assert (LOCAL_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "17"
     assert steps_logged(resumed) == list(range(1, 41))  # every step exactly once, across stop, resume and failure
+    # each attempt said why it resumed: the new command on the run's storage, then the restart after the failure
+    said = {k: json.loads(v) for k, v in run.data.tags.items() if k.startswith("probvlp.attempt.")}
+    assert said["probvlp.attempt.2"]["why"] == "a new command on the run's storage"
+    assert said["probvlp.attempt.2"]["steps_left"] == 30
+    restart = said["probvlp.attempt.3"]
+    assert restart["why"].startswith("rank 1 failed (RuntimeError: injected failure at step 17")
+    assert (restart["resumed_from_step"], restart["reached"], restart["steps_again"]) == (15, 17, 2)
     assert run.info.status == "FINISHED"
     losses = [m.value for m in MlflowClient(resumed.mlflow_uri).get_metric_history(resumed.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 1 steps

@@ -83,11 +83,12 @@ class Journal:
         return [f for f in found if f]
 
 
-def record_failure(folder: str, attempt: int, rank: int, error: BaseException) -> None:
-    """A rank's error as its attempt fails, for the next attempt's line (best effort: the run is failing anyway)."""
+def record_failure(folder: str, attempt: int, rank: int, error: BaseException, step: int | None = None) -> None:
+    """A rank's error as its attempt fails (and the step it had reached), for the next attempt's line (best effort:
+    the run is failing anyway)."""
     lines = str(error).strip().splitlines()
     write_json(f"{folder}/failures/attempt-{attempt:06d}-rank-{rank}.json",
-               {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:1000] if lines else ''}"})
+               {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:1000] if lines else ''}", "step": step})
 
 
 def stop_reason(folder: str, job: str, error_type: str) -> str | None:
@@ -117,7 +118,8 @@ def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | No
         return f"a notice of preemption ({sources}) at step {notice['step']}", notice["step"]
     if failures:
         first = failures[0]
-        return f"rank {first['rank']} failed ({first['error']})", prev.get("reached")
+        reached = max([prev.get("reached", 0), *(f["step"] for f in failures if f.get("step") is not None)])
+        return f"rank {first['rank']} failed ({first['error']})", reached
     return "a worker or its node was lost", prev.get("reached")
 
 

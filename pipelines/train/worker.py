@@ -430,7 +430,8 @@ class TrainWorker:
     def abandon(self, err: BaseException) -> None:
         """This attempt fails (any rank): its one-line error for the next attempt; rank 0 hands over its queue."""
         try:
-            attempts.record_failure(self.folder, self.attempt or self._attempt_of_rank0(), self.rank, err)
+            attempts.record_failure(self.folder, self.attempt or self._attempt_of_rank0(), self.rank, err,
+                                    self.progress.step)
         except Exception as failure:  # noqa: BLE001 - the run's own error is the one that matters
             print(f"[probvlp] could not record rank {self.rank}'s failure: {failure}", flush=True)
         if self.logger:
