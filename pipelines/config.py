@@ -280,12 +280,13 @@ class EvalConfig(Section):
             out.append(t.model_copy(update={"data": data, "split": t.split or self.split, "templates": templates}))
         return out
 
-    def with_local_paths(self, local) -> "EvalConfig":
-        """The tasks' data and template paths passed through `local` (see ExperimentDocument.with_absolute_paths)."""
+    def with_absolute_paths(self) -> "EvalConfig":
+        """The tasks' data and template paths absolute (`absolute_path`)."""
         if self.tasks is None:
             return self
         return self.model_copy(update={"tasks": [
-            t.model_copy(update={"data": local(t.data), "templates": local(t.templates)}) for t in self.tasks]})
+            t.model_copy(update={"data": absolute_path(t.data), "templates": absolute_path(t.templates)})
+            for t in self.tasks]})
 
 
 class TrackingConfig(Section):
@@ -302,7 +303,7 @@ class TrackingConfig(Section):
         """A relative sqlite store made absolute (sqlite:////abs/path); other URIs as they are."""
         uri, prefix = self.uri, "sqlite:///"
         if uri and uri.startswith(prefix) and uri[len(prefix):] not in ("", ":memory:"):
-            return self.model_copy(update={"uri": prefix + absolute_local(uri[len(prefix):])})
+            return self.model_copy(update={"uri": prefix + absolute_path(uri[len(prefix):])})
         return self
 
 
@@ -359,8 +360,8 @@ class JobDocument(Document):
     def _with_absolute(self, **updates: Any) -> Any:
         """A copy with the shared sections' local paths absolute, plus the job's own `updates`."""
         return self.model_copy(update={
-            "run": self.run.model_copy(update={"storage_path": local_path(self.run.storage_path)}),
-            "eval": self.eval.with_local_paths(local_path),
+            "run": self.run.model_copy(update={"storage_path": absolute_path(self.run.storage_path)}),
+            "eval": self.eval.with_absolute_paths(),
             "tracking": self.tracking.with_absolute_store(),
             **updates,
         })
@@ -392,21 +393,16 @@ class ExperimentDocument(DataDocument):
         """The same config with every local path absolute (URIs as they are): Ray workers and Tune trials run
         in other working directories than the command that was started."""
         return self._with_absolute(
-            data=self.data.model_copy(update={"root": local_path(self.data.root)}),
-            model=self.model.model_copy(update={"init_from_openclip": local_path(self.model.init_from_openclip)}))
+            data=self.data.model_copy(update={"root": absolute_path(self.data.root)}),
+            model=self.model.model_copy(update={"init_from_openclip": absolute_path(self.model.init_from_openclip)}))
 
 
-def local_path(value: str | None) -> str | None:
-    """A config value that may name a local path, made absolute; None, URIs, `{data.root}...`, `open_clip:` and
-    `runs:/` references as they are."""
-    if value is None or value.startswith(("{data.root}", "open_clip:", "runs:/")):
+def absolute_path(value: str | None) -> str | None:
+    """A config value that may name a path on this machine, made absolute (Ray workers and Tune trials run in other
+    working directories); None, URIs, `{data.root}...`, `open_clip:` and `runs:/` references as they are."""
+    if value is None or "://" in value or value.startswith(("{data.root}", "open_clip:", "runs:/")):
         return value
-    return absolute_local(value)
-
-
-def absolute_local(path: str) -> str:
-    """URIs as they are; local paths absolute (Ray workers run in other directories)."""
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def format_validation_error(err: ValidationError) -> str:

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, format_validation_error,
-                              local_path, read_config_file)
+from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, absolute_path,
+                              format_validation_error, read_config_file)
 from pipelines.train.config import LoopConfig
 
 
@@ -134,10 +134,10 @@ class AdaptDocument(JobDocument):
         """Local paths absolute (Ray workers run in other directories); URIs and open_clip: as they are."""
         model = self.source.model
         return self._with_absolute(
-            source=self.source.model_copy(update={"model": local_path(model) if Path(model).exists() else model,
-                                                  "weights": local_path(self.source.weights)}),
-            data=self.data.model_copy(update={"root": local_path(self.data.root),
-                                              "embeddings": local_path(self.data.embeddings)}))
+            source=self.source.model_copy(update={"model": absolute_path(model) if Path(model).exists() else model,
+                                                  "weights": absolute_path(self.source.weights)}),
+            data=self.data.model_copy(update={"root": absolute_path(self.data.root),
+                                              "embeddings": absolute_path(self.data.embeddings)}))
 
 
 def load_adapt_config(path: str | Path, overrides: list[str] | None = None) -> AdaptDocument:

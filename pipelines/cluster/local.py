@@ -34,7 +34,8 @@ from pipelines.cluster.runtime import local_port, port_lock
 
 CLUSTER_YAML = PROJECT_ROOT / "ray_cluster.yaml"
 LOCAL_DATA = LOCAL_DIR  # the project's local data, MLflow store and runs: each node's own
-STATE_DIR = LOCAL_DATA / "local_cluster"
+# `up`'s cluster: its state file, config, logs and services
+CLUSTER_DIR = LOCAL_DATA / "local_cluster"
 # The fake provider registers its head under this node type name, whatever the config calls it.
 FAKE_HEAD_TYPE = "ray.head.default"
 # Accelerators a CPU-only machine cannot offer: a job asking for them gets the driver's clear error
@@ -201,25 +202,25 @@ def _wait_jobs_api(cluster: LocalCluster, timeout_s: float) -> None:
 
 
 def _up(args) -> int:
-    state = STATE_DIR / "state.json"
+    state = CLUSTER_DIR / "state.json"
     if state.exists():
         print(f"a local cluster is already up ({state}); `make cluster-down` first", file=sys.stderr)
         return 1
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
     # The services every node reaches (as a cloud cluster's S3 and tracking server), then the cluster, whose
     # nodes inherit their environment.
     with port_lock():
         s3_port, mlflow_port = local_port(), local_port()
     env = services.s3_env(f"http://127.0.0.1:{s3_port}")
-    s3 = services.start_s3(s3_port, STATE_DIR / "s3.log", [args.bucket])
-    tracking = services.start_mlflow(mlflow_port, STATE_DIR / "mlflow", f"s3://{args.bucket}/mlflow", env)
+    s3 = services.start_s3(s3_port, CLUSTER_DIR / "s3.log", [args.bucket])
+    tracking = services.start_mlflow(mlflow_port, CLUSTER_DIR / "mlflow", f"s3://{args.bucket}/mlflow", env)
     env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{mlflow_port}"
     os.environ.update(env)
-    cluster = start(STATE_DIR, idle_timeout_minutes=args.idle_timeout_minutes,
+    cluster = start(CLUSTER_DIR, idle_timeout_minutes=args.idle_timeout_minutes,
                     max_nodes_per_type=args.max_nodes_per_type, cpus_per_node=args.cpus_per_node)
     state.write_text(json.dumps({**asdict(cluster), "services": [s3.pid, tracking.pid]}))
     print(f"local autoscaling cluster up: head at {cluster.address} (0 CPUs), node types of {CLUSTER_YAML.name}, each "
-          f"node with its own disk; config {STATE_DIR / 'cluster.yaml'}")
+          f"node with its own disk; config {CLUSTER_DIR / 'cluster.yaml'}")
     print(f"object store: s3://{args.bucket} at {env['AWS_ENDPOINT_URL']}; MLflow server {env['MLFLOW_TRACKING_URI']} "
           f"(artifacts on s3://{args.bucket}/mlflow)")
     print(f"export RAY_ADDRESS={cluster.address} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path} "
@@ -228,7 +229,7 @@ def _up(args) -> int:
 
 
 def _down(_args) -> int:
-    state = STATE_DIR / "state.json"
+    state = CLUSTER_DIR / "state.json"
     if not state.exists():
         print("no local cluster is up")
         return 0

@@ -25,7 +25,7 @@ from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import ConfigError, absolute_local, set_dotted
+from pipelines.config import ConfigError, absolute_path, set_dotted
 from pipelines.train.config import TrainDocument
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
@@ -94,11 +94,11 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
     init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.max_workers * s.max_concurrent, t.cpus_per_worker))
     joined = joined_cluster(base)
     check_cluster_holds_a_worker(t.worker_resources, joined=joined)
-    check_sweep_reaches_its_nodes(base, absolute_local(s.storage_path))
+    check_sweep_reaches_its_nodes(base, absolute_path(s.storage_path))
     check_trials_share_inputs(sweep, base)
     prepare_inputs(base)  # once for every trial, before concurrent trials could race on it
     uri = tracking_uri(base.tracking.uri)
-    root = absolute_local(s.storage_path).rstrip("/")
+    root = absolute_path(s.storage_path).rstrip("/")
     exp_path = f"{root}/{s.name}"
     # The driver runs the scheduler, so its rungs are a local file: beside the experiment, or in the project's
     # .probvlp/tune when the experiment is in cloud storage.
