@@ -63,8 +63,9 @@ class Journal:
         return self.current
 
     def update(self, **values) -> None:
-        self.current.update(values)
-        self.save()
+        with self.lock:  # the training thread and the heartbeat's
+            self.current.update(values)
+            write_json(f"{self.folder}/attempts.json", self.entries)
 
     def save(self) -> None:
         with self.lock:
