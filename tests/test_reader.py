@@ -2,13 +2,18 @@
 and every sample reaching exactly one of 2 Ray Train workers per epoch."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import webdataset as wds
 from PIL import Image
 
@@ -19,6 +24,8 @@ from pipelines.data.device_augment import model_images
 from pipelines.data.reader import read_shards, read_split
 from pipelines.data.stats import reader_stats
 from tests.helpers import BUCKET
+from tests.pace import scaled
+from tests.small_runs import ROOT
 
 SIZE, CONTEXT = 16, 12
 
@@ -127,26 +134,49 @@ def test_broken_objects_on_s3_are_named_and_counted_and_keep_what_precedes_the_b
     assert "FileNotFoundError" in files[f"{prefix}/gone.tar"]["detail"]
 
 
-def test_small_shards_give_the_same_batches_from_the_disk_and_from_object_storage(s3, ray_local, tmp_path):
+def same_batches_read(files: list[str]) -> list:
+    """A seeded, shuffled, augmented read of small shards: each batch's sample ids, tokens and image digest."""
+    ds = read_shards(files, SIZE, CONTEXT, seed=3, augment=True, shuffle=True, stats_name=None, batch_size=8)
+    ds.context.execution_options.preserve_order = True
+    return [[b["sample_id"].tolist(), b["text"].tolist(), hashlib.sha256(b["image"].tobytes()).hexdigest()]
+            for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
+
+
+# The read again in a process of its own, on a local Ray of one CPU: a cluster of another size than the tests' Ray.
+OTHER_SIZE = """
+import json, sys
+import ray
+from pipelines.cluster.runtime import init_ray
+from tests.test_reader import same_batches_read
+init_ray(num_cpus=1)
+files = json.loads(sys.argv[1])
+print(json.dumps({"cpus": ray.cluster_resources()["CPU"], "batches": [same_batches_read(f) for f in files]}))
+"""
+
+
+def test_small_shards_give_the_same_batches_from_the_disk_and_from_object_storage_at_any_cluster_size(
+        s3, ray_local, tmp_path):
     """Small shards (kept in Ray's object store after one read) are read on the driver, a block per file, wherever
-    they are: a seeded, shuffled, augmented read of the same files from the local disk and from S3 gives the same
-    batches, row for row (a resumed or elastic run on a cluster reading object storage then matches a local one
-    bit for bit; a Ray Data read would split its blocks by the cluster's size, and the batches with them)."""
+    they are and whatever the cluster's size: a seeded, shuffled, augmented read of the same files from the local
+    disk and from S3, on the tests' Ray and on a Ray of one CPU, gives the same batches, row for row (a resumed or
+    elastic run on a cluster reading object storage then matches a local one bit for bit; a Ray Data read would split
+    its blocks by the cluster's size, and the batches with them)."""
     paths, good, _ = write_shards(tmp_path / "local", n_good=40, per_shard=15, corrupt=False)
     prefix = f"{BUCKET}/reader-same-batches"
     for path in paths:
         s3.put(path, f"{prefix}/{Path(path).name}")
     uris = [f"s3://{prefix}/{Path(p).name}" for p in paths]
 
-    def batches(files):
-        ds = read_shards(files, SIZE, CONTEXT, seed=3, augment=True, shuffle=True, stats_name=None, batch_size=8)
-        ds.context.execution_options.preserve_order = True
-        return [(b["sample_id"].tolist(), b["text"].tolist(), b["image"].tobytes())
-                for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
-
-    local = batches(paths)
-    assert sorted(i for b in local for i in b[0]) == sorted(good)
-    assert batches(uris) == local
+    here = same_batches_read(paths)
+    assert sorted(i for b in here for i in b[0]) == sorted(good)
+    assert same_batches_read(uris) == here
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own, not the tests'
+    run = subprocess.run([sys.executable, "-c", OTHER_SIZE, json.dumps([paths, uris])], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=scaled(180))
+    assert run.returncode == 0, run.stderr[-3000:]
+    other = json.loads(run.stdout.strip().splitlines()[-1])
+    assert other["cpus"] == 1 and ray.cluster_resources()["CPU"] > 1  # two sizes
+    assert other["batches"] == [here, here]  # from the disk and from S3
 
 
 def test_augmentation_on_for_train_off_for_eval_and_seeded(ray_local, tmp_path):
