@@ -335,7 +335,7 @@ class TrackedRun:
         if register:
             versions = MlflowClient(self.uri, registry_uri=self.uri).search_model_versions(
                 f"name='{register}' and run_id='{self.run_id}'")
-            self.registered_version = max((v.version for v in versions), key=int, default=None)
+            self.registered_version = str(max(int(v.version) for v in versions)) if versions else None
 
 
 @contextmanager

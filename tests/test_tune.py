@@ -101,7 +101,7 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
         if ended_trials(log):  # the progress lines
             break
         time.sleep(2)
-    assert first.poll() is None, "the sweep ended before it could be interrupted"
+    assert first.poll() is None, f"the sweep ended before it could be interrupted:\n{log.read_text()[-4000:]}"
     first.send_signal(signal.SIGINT)  # what Ctrl-C does
     assert first.wait(timeout=scaled(180)) == 130, log.read_text()[-3000:]
     done_before = ended_trials(log)

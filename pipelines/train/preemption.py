@@ -48,6 +48,8 @@ class Local:
     main thread holds would never return; one dict operation is atomic under the GIL, which is all this needs."""
 
     sources: dict[str, float | None] = field(default_factory=dict)
+    # this process handed a notice to Ray: a SIGTERM now is Ray's teardown for the restart it asked for
+    handed: bool = False
 
 
 _LOCAL = Local()
@@ -62,8 +64,9 @@ def notify(source: str, deadline_s: float | None = None) -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
-    # The second SIGTERM means now: Ray's own handler (a clean exit).
-    if "SIGTERM" in _LOCAL.sources and callable(_RAY_SIGTERM[0]):
+    # The second SIGTERM means now, and one after this process handed a notice to Ray is Ray's teardown for the
+    # restart: Ray's own handler (a clean exit), not a notice.
+    if ("SIGTERM" in _LOCAL.sources or _LOCAL.handed) and callable(_RAY_SIGTERM[0]):
         _RAY_SIGTERM[0](signum, frame)
     notify("SIGTERM", _SIGTERM_GRACE_S)
 
@@ -172,7 +175,7 @@ class Notice:
         long ago) cannot cut the save short."""
         local = self._sources()
         if local and not self.handed_to_ray:
-            self.handed_to_ray = True
+            self.handed_to_ray = _LOCAL.handed = True
             ray_info = _ray_notice()
             self.ray_had_one = ray_info is not None and ray_info is not self.dismissed  # Ray's own, before ours
             deadline = min((d for d in local.values() if d is not None), default=None)
@@ -228,7 +231,7 @@ class Notice:
         time.sleep(wait)
         print("[preemption] no restart came: a false alarm, training goes on", flush=True)
         _LOCAL.sources.clear()
-        self.handed_to_ray = False
+        self.handed_to_ray = _LOCAL.handed = False
         self.dismissed = _ray_notice()
 
 
