@@ -384,9 +384,9 @@ class ExperimentDocument(DataDocument):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    # pipelines.train.config.TrainConfig's
+    # typed and checked by its stage: pipelines.train.config.TrainConfig
     train: dict[str, Any] | None = None
-    # pipelines.download.config.DownloadConfig's
+    # typed and checked by its stage: pipelines.download.config.DownloadConfig
     download: dict[str, Any] | None = None
 
     def with_absolute_paths(self) -> "ExperimentDocument":
