@@ -37,8 +37,22 @@ from pipelines.tune.asha import ResumableASHA
 from pipelines.tune.config import SweepDocument, trial_config
 
 
+class MetricReports(TuneReportCallback):
+    """The Train run's reports that carry the sweep's metric, forwarded to Tune: the final checkpoint, saved before
+    the final evaluation, carries none (the final report after the evaluation does), and Tune requires the metric in
+    every result it is given."""
+
+    def __init__(self, metric: str):
+        super().__init__()
+        self.metric = metric
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if self.metric in metrics[0]:
+            super().after_report(run_context, metrics, checkpoint)
+
+
 def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, storage_path: str,
-              parent_run_id: str, joined: bool) -> None:
+              parent_run_id: str, joined: bool, metric: str) -> None:
     """One Tune trial: the sampled values applied to the base config, trained by one TorchTrainer. `joined`: the
     sweep's driver joined a cluster (a trial runs in a Ray worker, where the environment does not say so)."""
     trial_id = tune.get_context().get_trial_id()
@@ -46,7 +60,7 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep_name: str, 
     set_dotted(data, "run.name", f"{sweep_name}-{trial_id}")
     set_dotted(data, "run.storage_path", storage_path)
     cfg = trial_config(data, params)
-    run_pretrain(cfg, callbacks=[TuneReportCallback()], joined=joined, inputs_ready=True,
+    run_pretrain(cfg, callbacks=[MetricReports(metric)], joined=joined, inputs_ready=True,
                  extra_tags={"mlflow.parentRunId": parent_run_id, "probvlp.trial_id": trial_id,
                              "probvlp.sweep": sweep_name})
 
@@ -112,7 +126,8 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
                            {"probvlp.run_name": f"sweep:{s.name}", "probvlp.sweep": s.name})
 
     trainable = tune.with_parameters(run_trial, base=base.to_dict(), sweep_name=s.name,
-                                     storage_path=f"{root}/{s.name}_train", parent_run_id=parent, joined=joined)
+                                     storage_path=f"{root}/{s.name}_train", parent_run_id=parent, joined=joined,
+                                     metric=s.tune.metric)
     # The trial function only drives its TorchTrainer (the workers request their own CPUs); Tune
     # needs a non-empty bundle for it, so a sliver of a CPU.
     trainable = tune.with_resources(trainable, {"CPU": 0.1})
