@@ -127,7 +127,7 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
 
     trainable = tune.with_parameters(run_trial, base=base.to_dict(), sweep_name=s.name,
                                      storage_path=f"{root}/{s.name}_train", parent_run_id=parent, joined=joined,
-                                     metric=s.tune.metric)
+                                     metric=s.metric)
     # The trial function only drives its TorchTrainer (the workers request their own CPUs); Tune
     # needs a non-empty bundle for it, so a sliver of a CPU.
     trainable = tune.with_resources(trainable, {"CPU": 0.1})
