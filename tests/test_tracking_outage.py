@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,17 @@ def start_job(tmp_path: Path, overrides: list[str], name: str) -> tuple[subproce
     return job, log
 
 
+@contextmanager
+def ended(job: subprocess.Popen):
+    """The job killed with its process group if it still runs when the block ends (a failed wait)."""
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+
+
 def run_of(client: MlflowClient, name: str) -> str | None:
     exp = client.get_experiment_by_name(EXPERIMENT)
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`probvlp.run_name` = '{name}'") if exp else []
@@ -97,7 +109,7 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
               "run.max_failures=0"]
     job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}", "train.checkpoint_every=50",
                                     "run.sigterm_grace_s=3", f"run.audit_steps_to={audit}"], "outage")
-    try:
+    with ended(job):
         rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
         wait_for("the first steps' metrics in MLflow", lambda: job.poll() is not None or loss_steps(client, rid),
                  timeout_s=300)
@@ -116,10 +128,6 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
         rc = job.wait(timeout=scaled(600))
         output = log.read_text()
         assert rc == 0, output[-5000:]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, 9)
-            job.wait()
 
     try:
         run = client.get_run(rid)
@@ -151,7 +159,7 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
         # the end of a run with the server away: released at once, one line, delivered later by the command it names
         job, log = start_job(tmp_path, [*common, "run.name=end", f"train.steps={END_STEPS}",
                                         "tracking.flush_timeout_s=3"], "end")
-        try:
+        with ended(job):
             rid = wait_for("the second job's MLflow run", lambda: run_of(client, "end"), timeout_s=300)
             wait_for("~90% of the second run in MLflow", lambda: job.poll() is not None or
                      max(loss_steps(client, rid) or [0]) >= END_STEPS * 9 // 10, 300, 0.1)
@@ -159,10 +167,6 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
             rc = job.wait(timeout=scaled(300))
             output = log.read_text()
             assert rc == 0, output[-5000:]
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, 9)
-                job.wait()
         [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
         command = line.split("deliver them with: ")[1].strip()
         assert command.startswith("python -m pipelines.tracking_outbox ") and "pending" in line
