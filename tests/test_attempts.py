@@ -58,3 +58,16 @@ def test_a_run_stopped_on_purpose_is_told_by_its_own_attempts_error(tmp_path):
     assert attempts.stop_reason(folder, "job", "NoticeLoop") is None
     attempts.record_failure(folder, 2, 0, type("NoticeLoop", (RuntimeError,), {})("3 notices in a row"))
     assert attempts.stop_reason(folder, "job", "NoticeLoop") == "3 notices in a row"
+
+
+def test_a_notice_one_rank_saw_alone_tells_the_restart(tmp_path):
+    """After the final checkpoint no collective tells rank 0 of another rank's notice: each rank records what it saw,
+    and the next attempt's line joins them."""
+    folder = str(tmp_path / "probvlp")
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(35, "c35")
+    attempts.record_notice(folder, 1, 1, 40, ["file"])
+    attempts.record_notice(folder, 1, 0, 40, ["SIGTERM"])
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(40, "c40")
+    assert attempts.why_restarted(journal, []) == ("a notice of preemption (SIGTERM, file) at step 40", 40)

@@ -92,6 +92,27 @@ def record_failure(folder: str, attempt: int, rank: int, error: BaseException, s
                {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:1000] if lines else ''}", "step": step})
 
 
+def record_notice(folder: str, attempt: int, rank: int, step: int, sources: list[str]) -> None:
+    """A notice one rank saw after the final checkpoint (no collective runs then to tell rank 0), for the next
+    attempt's line."""
+    write_json(f"{folder}/notices/attempt-{attempt:06d}-rank-{rank}.json", {"step": step, "sources": sources})
+
+
+def notices(folder: str, entry: dict) -> dict | None:
+    """The notice of attempt `entry`: rank 0's record in the journal, else what its ranks recorded themselves."""
+    if entry.get("notice"):
+        return entry["notice"]
+    fs, path = fs_path(f"{folder}/notices")
+    if not fs.exists(path):
+        return None
+    prefix = f"attempt-{entry['attempt']:06d}-"
+    found = [read_json(fs, n) for n in sorted(fs.ls(path, detail=False)) if n.rsplit("/", 1)[-1].startswith(prefix)]
+    found = [f for f in found if f]
+    if not found:
+        return None
+    return {"step": min(f["step"] for f in found), "sources": sorted({s for f in found for s in f["sources"]})}
+
+
 def stop_reason(folder: str, job: str, error_type: str) -> str | None:
     """The one-line error of type `error_type` a rank recorded as an attempt of `job` failed, if any (the latest)."""
     journal = Journal.open(folder, job)
@@ -113,7 +134,7 @@ def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | No
     prev = journal.previous
     if prev is None:
         return "", None
-    notice = prev.get("notice")
+    notice = notices(journal.folder, prev)
     if notice:
         sources = ", ".join(notice["sources"]) or "another rank"
         return f"a notice of preemption ({sources}) at step {notice['step']}", notice["step"]

@@ -192,7 +192,7 @@ class TrainWorker:
                   f"checkpoint of step {p.step} ({checkpoint}); "
                   + (f"{again} step(s) to run again" if again is not None else "the steps it runs again are unknown"),
                   flush=True)
-            if prev.get("notice"):  # the steps between the notice and the checkpoint resumed from
+            if attempts.notices(journal.folder, prev):  # the steps between the notice and the checkpoint resumed from
                 self.logger.log({"preemption_steps_lost": again}, p.step)
         else:
             left = self.last_step - p.step
@@ -522,12 +522,13 @@ class TrainWorker:
         recorded = False
         while not done.wait(1.0):
             if self.notice.pending():
+                sources = self.notice.take()["sources"]
                 self.notice.consume_file(self.notice.file_mtime())
                 self.notice.hand_over()
-                if self.journal and not recorded:
+                if not recorded:  # every rank: the one that saw it may be the only one left to tell
                     recorded = True
-                    self.journal.update(notice={"step": self.progress.step, "sources": self.notice.take()["sources"],
-                                                "after_final_checkpoint": True})
+                    attempts.record_notice(self.folder, self.attempt or self._attempt_of_rank0(), self.rank,
+                                           self.progress.step, sources)
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
