@@ -30,6 +30,14 @@ def warn_once(log: logging.Logger, what: str, err: BaseException) -> None:
                 what, key[1], exc_info=err)
 
 
+class Shortfalls(list):
+    """What a module's `problems()` found no longer holding: `need(ok, what)` keeps `what` where `ok` is false."""
+
+    def need(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.append(what)
+
+
 def resolve(name: str):
     """The object a PRIVATE_NAMES entry names, "module:attr.chain" (or "module" alone), imported, nothing called."""
     module, _, chain = name.partition(":")

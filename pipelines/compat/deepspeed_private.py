@@ -16,7 +16,7 @@ import io
 import re
 from pathlib import Path
 
-from pipelines.compat import unresolved
+from pipelines.compat import Shortfalls, unresolved
 
 # Every private name below, as "module:attribute.chain"; `from module import attribute` in this file names no other.
 PRIVATE_NAMES = (
@@ -116,19 +116,16 @@ def problems() -> list[str]:
     """What of this module's use of DeepSpeed no longer holds with the installed DeepSpeed, nothing run that acts
     (the op table is not probed): every name of PRIVATE_NAMES resolves, and the shapes the functions rely on are
     there. Empty when all is well."""
-    out = unresolved(PRIVATE_NAMES)
+    out = Shortfalls(unresolved(PRIVATE_NAMES))
     if out:
         return out
+    need = out.need
     import deepspeed.ops
     from deepspeed.checkpoint import ds_to_universal
     from deepspeed.comm.torch import build_shm_op
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.config import DeepSpeedConfig
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            out.append(what)
 
     need("__compatible_ops__" in vars(deepspeed.ops) or "__compatible_ops__" in inspect.getsource(deepspeed.ops),
          "deepspeed.ops has no __compatible_ops__")

@@ -10,7 +10,7 @@ import inspect
 import logging
 from pathlib import Path
 
-from pipelines.compat import unresolved, warn_once
+from pipelines.compat import Shortfalls, unresolved, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -285,9 +285,10 @@ def problems() -> list[str]:
     """What of this module's use of Ray no longer holds with the installed Ray, nothing called that acts: every name of
     PRIVATE_NAMES resolves, and the shapes the functions rely on (fields, arguments, Ray's words outside a worker)
     are there. Empty when all is well."""
-    out = unresolved(PRIVATE_NAMES)
+    out = Shortfalls(unresolved(PRIVATE_NAMES))
     if out:
         return out
+    need = out.need
     from ray._private.node import Node
     from ray._private.parameter import RayParams
     from ray._private.worker import connect
@@ -296,10 +297,6 @@ def problems() -> list[str]:
     from ray.train import PreemptionInfo
     from ray.train.v2._internal.execution.context import TrainContext, logger
     from ray.train.v2._internal.execution.preemption import PreemptionContext
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            out.append(what)
 
     try:
         need(_train_context() is None, "get_train_context() outside a Ray Train worker returned a context")
