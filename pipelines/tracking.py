@@ -160,7 +160,8 @@ class StepLogger:
     `resumed_from` reads it once and skips the steps up to it."""
 
     def __init__(self, uri: str, run_id: str, flush_every: int | None = 500, resumed_from: int = 0, *,
-                 background: bool = False, flush_timeout_s: float = 600.0, carried: tuple[dict, list[dict]] | None = None):
+                 background: bool = False, flush_timeout_s: float = 600.0,
+                 carried: tuple[dict, list[dict]] | None = None):
         self.client, self.run_id, self.flush_every = worker_client(uri, run_id), run_id, flush_every
         self.buffer: list = []
         self.logged_through, self.resumed_from = -1, resumed_from
@@ -325,7 +326,8 @@ class TrackedRun:
         if report.kept_in is not None:
             what = ", ".join(f"{n} {kind}" for kind, n in report.undelivered.items() if n)
             print(f"[tracking] {hide_credentials(self.uri)} did not answer within tracking.flush_timeout_s "
-                  f"({self.flush_timeout_s:g} s) after training: {report.pending} calls of run {self.run_id} are pending "
+                  f"({self.flush_timeout_s:g} s) after training: {report.pending} calls of run {self.run_id} are "
+                  "pending "
                   f"({what}; the run's status {self.end_status} last) in {report.kept_in}; deliver them with: "
                   f"{COMMAND} {report.kept_in}", flush=True)
             return

@@ -107,29 +107,30 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
     common = [f"data.root={digits_root}", f"tracking.uri={uri}", f"run.storage_path={tmp_path / 'ray'}",
               f"run.experiment={EXPERIMENT}", *SMALL, "train.log_every=1", "train.num_workers=2",
               "run.max_failures=0"]
-    job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}", "train.checkpoint_every=50",
-                                    "run.sigterm_grace_s=3", f"run.audit_steps_to={audit}"], "outage")
-    with ended(job):
-        rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
-        wait_for("the first steps' metrics in MLflow", lambda: job.poll() is not None or loss_steps(client, rid),
-                 timeout_s=300)
-        assert job.poll() is None, log.read_text()[-3000:]
-        down_at = time.time()
-        services.stop(server)
-        reached = max(s for s, _ in audited(audit)[1])
-        wait_for("steps trained with the server away", lambda: max(s for s, _ in audited(audit)[1]) >= reached + 5,
-                 60, 0.1)
-        sigterm_at = time.time()
-        os.kill(train_workers()[-1], signal.SIGTERM)
-        wait_for("the restart's first step", lambda: job.poll() is not None or 2 in audited(audit), 300, 0.2)
-        assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
-        server = services.start_mlflow(port, server_dir, artifacts, {})  # same database, same port
-        up_at = time.time()
-        rc = job.wait(timeout=scaled(600))
-        output = log.read_text()
-        assert rc == 0, output[-5000:]
-
     try:
+        job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}",
+                                        "train.checkpoint_every=50", "run.sigterm_grace_s=3",
+                                        f"run.audit_steps_to={audit}"], "outage")
+        with ended(job):
+            rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
+            wait_for("the first steps' metrics in MLflow",
+                     lambda: job.poll() is not None or loss_steps(client, rid), timeout_s=300)
+            assert job.poll() is None, log.read_text()[-3000:]
+            down_at = time.time()
+            services.stop(server)
+            reached = max(s for s, _ in audited(audit)[1])
+            wait_for("steps trained with the server away",
+                     lambda: max(s for s, _ in audited(audit)[1]) >= reached + 5, 60, 0.1)
+            sigterm_at = time.time()
+            os.kill(train_workers()[-1], signal.SIGTERM)
+            wait_for("the restart's first step", lambda: job.poll() is not None or 2 in audited(audit), 300, 0.2)
+            assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
+            server = services.start_mlflow(port, server_dir, artifacts, {})  # same database, same port
+            up_at = time.time()
+            rc = job.wait(timeout=scaled(600))
+            output = log.read_text()
+            assert rc == 0, output[-5000:]
+
         run = client.get_run(rid)
         assert run.info.status == "FINISHED"
         ran = audited(audit)

@@ -398,11 +398,12 @@ class TrainWorker:
         # is always trained: the notice rides on its all-reduce)
         first_step = self.restored_step is not None and p.step - self.restored_step <= 1
         p.notice_streak = p.notice_streak + 1 if first_step and p.notice_streak else 1
-        if p.notice_streak > self.cfg.run.max_notices_without_progress:
-            raise NoticeLoop(f"{p.notice_streak} notices of preemption in a row at step {p.step} without a step trained "
-                             f"between them (run.max_notices_without_progress {self.cfg.run.max_notices_without_progress}"
-                             f"; sources: {', '.join(notice['sources']) or 'another rank'}): a notice that never clears "
-                             f"(check ${NOTICE_FILE_ENV} and the nodes' drains); the checkpoint of step {p.step} is saved")
+        limit = self.cfg.run.max_notices_without_progress
+        if p.notice_streak > limit:
+            raise NoticeLoop(f"{p.notice_streak} notices of preemption in a row at step {p.step} without a step "
+                             f"trained between them (run.max_notices_without_progress {limit}; sources: "
+                             f"{', '.join(notice['sources']) or 'another rank'}): a notice that never clears (check "
+                             f"${NOTICE_FILE_ENV} and the nodes' drains); the checkpoint of step {p.step} is saved")
         if self.journal:  # before the save: a restart that finds it past its checkpoint knows the steps lost
             self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
         p.preemptions += 1
