@@ -30,7 +30,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
 
-import fsspec
+from pipelines.storage import fs_path, write_bytes_atomic
 
 LOGGED_THROUGH_TAG = "probvlp.logged_through"  # the highest step a run's metrics are in MLflow for
 BATCH = 1000  # metrics per log_batch (MLflow's limit)
@@ -112,18 +112,6 @@ def register_model_version(uri: str, run_id: str, name: str) -> str:
             raise
     source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
     return str(client.create_model_version(name, source=source, run_id=run_id).version)
-
-
-def fs_path(uri: str):
-    fs, path = fsspec.core.url_to_fs(uri)
-    return fs, path.rstrip("/")
-
-
-def _write_atomic(fs, path: str, data: bytes) -> None:
-    """Readers see the old file or the whole new one (an object store's put is whole already)."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, path)
 
 
 def _count(ops: list[dict]) -> dict[str, int]:
@@ -386,7 +374,7 @@ def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Pa
     head = {"run_id": run_id, "uri": uri, "unreachable_s": round(unreachable_s, 1)}
     text = "".join(json.dumps(line) + "\n" for line in [head, *ops])
     fs.makedirs(root, exist_ok=True)
-    _write_atomic(fs, f"{root}/{PENDING}", text.encode())
+    write_bytes_atomic(fs, f"{root}/{PENDING}", text.encode())
     return len(ops)
 
 

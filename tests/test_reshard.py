@@ -98,7 +98,7 @@ def _full_state(engine, scheduler) -> dict[str, torch.Tensor]:
 
 def _phase(rank: int, world: int, port: int, job: dict) -> None:
     """One world of `world` gloo ranks: load `job["load"]` (if any; through reshard), record the state, train, save."""
-    from pipelines.data.storage import fs_path
+    from pipelines.storage import fs_path
     from pipelines.train import reshard
     from pipelines.train.state import Progress
     from pipelines.train.worker import skip_inference_comm_op
@@ -218,7 +218,7 @@ def test_training_continues_after_each_resize(resized):
 
 def test_a_failed_conversion_leaves_the_checkpoint_and_no_marker(resized, tmp_path):
     # a checkpoint whose rank-1 optimizer file never arrived: the conversion fails before anything reaches storage
-    from pipelines.data.storage import fs_path
+    from pipelines.storage import fs_path
     from pipelines.train import reshard
 
     checkpoint = tmp_path / "ck"
@@ -237,7 +237,7 @@ def test_a_failed_conversion_leaves_the_checkpoint_and_no_marker(resized, tmp_pa
 
 def test_an_interrupted_conversion_is_redone(resized, tmp_path):
     # what a conversion stopped during its upload leaves: part of the folder, no marker
-    from pipelines.data.storage import fs_path
+    from pipelines.storage import fs_path
     from pipelines.train import reshard
 
     checkpoint = tmp_path / "ck"
@@ -280,7 +280,7 @@ def test_the_partition_reader_gathers_what_the_engine_held(resized):
 def test_the_two_rank_conversion_holds_its_partitions_bit_for_bit(resized, tmp_path):
     # 2 -> 1 stored its conversion in memory only (the fixture's object store): convert a copy of the 2-rank checkpoint
     # again, so that `make test` holds each joined tensor to its two halves, not only the engine that loaded them
-    from pipelines.data.storage import fs_path
+    from pipelines.storage import fs_path
     from pipelines.train import reshard
     from tests.zero_state import gathered_partitions, universal_state
 

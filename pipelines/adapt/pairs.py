@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.adapt.source import AdaptError
-from pipelines.data.storage import fs_path
+from pipelines.storage import fs_path
 from pipelines.evaluate.in_process import distinct_captions, split_captions
 from pipelines.evaluate.inference import read_embeddings, write_image_embeddings, write_text_embeddings
 

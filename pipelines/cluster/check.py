@@ -68,7 +68,7 @@ def spans_nodes() -> bool:
 
 
 def is_local_path(path: str) -> bool:
-    """A path on a disk (no protocol, or file://), as `pipelines.data.storage.is_local` tells for a filesystem."""
+    """A path on a disk (no protocol, or file://), as `pipelines.storage.is_local` tells for a filesystem."""
     return fsspec.core.split_protocol(path)[0] in (None, "file", "local")
 
 

@@ -18,7 +18,7 @@ import ray
 from models.preprocess import resize, to_model_input
 from pipelines.data.reader import IMAGE_COLUMNS, decode_row, present
 from pipelines.data.stats import SkippedSample, stats_actor
-from pipelines.data.storage import total_bytes
+from pipelines.storage import total_bytes
 from pipelines.data.local import local_shards
 from pipelines.data.tars import blocks_here, cached_tar_shards, iter_tar_samples, read_tar_shards
 

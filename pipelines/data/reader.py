@@ -42,7 +42,7 @@ import ray.data
 from models.preprocess import ImageTooLarge, decode_image, resize, to_model_input
 from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_uint8, device_params
 from pipelines.data.captions import CaptionSampler
-from pipelines.data.storage import fs_path, total_bytes, uri
+from pipelines.storage import fs_path, total_bytes, uri
 from pipelines.data.stats import SkippedSample, stats_actor
 from pipelines.data.local import local_shards
 from pipelines.data.tars import blocks_here, cached_tar_shards, read_tar_shards, shuffled_paths

@@ -26,7 +26,7 @@ from pipelines.download.config import DownloadConfig, DownloadDocument
 from pipelines.download.plan import plan
 from pipelines.download.shard import TMP_DIR, shard_done, shard_name
 from pipelines.download.summary import summarize_download
-from pipelines.data.storage import fs_path, write_bytes_atomic
+from pipelines.storage import fs_path, write_bytes_atomic
 from pipelines.download.scheduler import run_parts
 
 SUMMARY_FILE = "_summary.json"

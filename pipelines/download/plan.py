@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import ray
 
 from pipelines.download.config import DownloadConfig
-from pipelines.data.storage import fs_path, read_json, total_bytes, write_bytes_atomic
+from pipelines.storage import fs_path, read_json, total_bytes, write_bytes_atomic
 from pipelines.download.urls import DownloadError, check_columns, input_files, read_table, read_table_local
 
 MANIFEST_VERSION = 1

@@ -20,7 +20,7 @@ import ray
 
 from pipelines.download.config import DownloadConfig
 from pipelines.download.plan import PARTS_DIR
-from pipelines.data.storage import fs_path, read_json, uri
+from pipelines.storage import fs_path, read_json, uri
 
 TMP_DIR = "_tmp"
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pipelines.download.config import DownloadConfig
 from pipelines.download.shard import PartResult, shard_done, shard_name
-from pipelines.data.storage import fs_path, read_json
+from pipelines.storage import fs_path, read_json
 
 
 def summarize_download(cfg: DownloadConfig, manifest: dict, results: list[PartResult], skipped: int,

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import ray.data
 
 from pipelines.download.config import DownloadConfig
-from pipelines.data.storage import fs_path, uri
+from pipelines.storage import fs_path, uri
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
 

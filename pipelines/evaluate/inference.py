@@ -27,7 +27,7 @@ from models.tokenizer import tokenize
 from pipelines.cluster.check import is_local_path, only_here
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.eval_tasks import task_paths
-from pipelines.data.storage import fs_path, uri
+from pipelines.storage import fs_path, uri
 from pipelines.evaluate.in_process import TaskEmbeddings, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)

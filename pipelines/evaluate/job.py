@@ -30,7 +30,7 @@ from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import ConfigError, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.data.reader import read_shards, shard_paths
-from pipelines.data.storage import fs_path
+from pipelines.storage import fs_path
 from pipelines.data.stats import (drop_stats, reader_stats, report_lines, report_metrics, reports_summary,
                                   skipped_keys)
 from pipelines.evaluate.config import EvaluateDocument

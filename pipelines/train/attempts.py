@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.data.storage import fs_path, read_json, write_bytes_atomic
+from pipelines.storage import fs_path, read_json, write_bytes_atomic
 
 HEARTBEAT_S = 5.0  # how often rank 0 records the step it reached (off the training thread)
 

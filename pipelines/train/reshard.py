@@ -44,7 +44,7 @@ def ensure_universal(fs, base: str, local_dir: Path, tag: str) -> dict:
     """Rank 0: the universal folder of the checkpoint at `base` on the fsspec filesystem `fs`, converted from
     `local_dir`/`tag` (the checkpoint's files as this worker sees them) unless its marker says that was done. Returns
     the marker's record."""
-    from pipelines.data.storage import read_json, write_bytes_atomic
+    from pipelines.storage import read_json, write_bytes_atomic
 
     done = read_json(fs, f"{base}/{MARKER}")
     if done is not None:
