@@ -40,6 +40,27 @@ def test_learns_digits(trained):
     assert sum(history[-5:]) / 5 < 0.8 * sum(history[:3]) / 3
 
 
+def test_checkpoints_by_the_clock_are_whole_and_cost_the_loop_only_their_snapshot(trained):
+    """train.checkpoint_every_s=5 and no train.checkpoint_every: the run's checkpoints before its end are the clock's,
+    each saved by both ranks at one step (their shards in one folder, named by the step that the progress inside
+    holds), uploaded behind training; rank 0 logs what each save blocked the loop."""
+    cfg, result, _ = trained
+    from tests.helpers import registered
+    from tests.small_runs import load_state
+
+    folder = Path(cfg.run.storage_path) / cfg.run.name
+    kept = registered(folder)
+    assert kept[-1] == f"checkpoint_{STEPS:08d}_attempt001" and len(kept) == cfg.run.keep_checkpoints, kept
+    clock = kept[0]
+    step = int(clock.split("_")[1])
+    assert 0 < step < STEPS
+    state = load_state(str(folder / clock))
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= set(state)
+    assert state["mp_rank_00_model_states.pt"]["progress"]["step"] == step
+    blocked = MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "checkpoint_blocked_s")
+    assert {m.step for m in blocked} >= {step, STEPS} and all(m.value >= 0 for m in blocked)
+
+
 def test_the_time_to_the_first_step_is_logged(trained):
     """Start-up, what every job and sweep trial pays before it trains: rank 0 logs the seconds from the job's start
     (here the call of pretrain) to its first step, once, at step 1 (benchmarks/startup.py measures the same from

@@ -55,9 +55,11 @@ class TrainConfig(LoopConfig):
     # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".
     grad_accum: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
-    # Checkpoint every N optimizer steps (0: only at the end). Metrics reach MLflow at checkpoints,
-    # so a restart never logs a step twice.
+    # Checkpoint every N optimizer steps, or every this many seconds of the attempt's training since its last
+    # checkpoint, whichever comes first (0: never that way; the final checkpoint always). Uploaded to run.storage_path
+    # behind training (pipelines.train.state); docs/SCALING.md "Checkpoints" says how to choose them.
     checkpoint_every: int = Field(0, ge=0)
+    checkpoint_every_s: float = Field(600.0, ge=0)
     # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
     eval_every: int = Field(0, ge=0)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.

@@ -12,10 +12,10 @@ from ray.data import ExecutionOptions
 
 from models.objective import loss_name
 from models.registry import tower_config
-from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
+from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import RunStopped
-from pipelines.train.config import TrainDocument
+from pipelines.train.config import TrainConfig, TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
@@ -75,6 +75,16 @@ def joined_cluster(cfg: TrainDocument) -> bool:
     return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
 
 
+def without_checkpoints(t: TrainConfig, spans: bool) -> str | None:
+    """The one line for a run on a cluster (`spans`: its workers may be on other nodes) that never checkpoints before
+    its end: a lost node then loses the whole run. None otherwise."""
+    if not spans or t.checkpoint_every or t.checkpoint_every_s or t.last_step <= 1:
+        return None
+    return ("[checkpoint] warning: this run saves no checkpoint before its end (train.checkpoint_every 0, "
+            "train.checkpoint_every_s 0) on a cluster: one lost node loses every step; set train.checkpoint_every_s "
+            "(e.g. 600) or train.checkpoint_every")
+
+
 def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: dict[str, str] | None = None,
                  joined: bool | None = None, started_at: float | None = None,
                  inputs_ready: bool = False) -> PretrainResult:
@@ -94,6 +104,9 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     check_storage_reachable("run.storage_path", cfg.run.storage_path,
                             "Ray Train writes every worker's checkpoints there: set it to object storage, e.g. "
                             "--set run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's environment)")
+    warning = without_checkpoints(t, spans_nodes())
+    if warning:
+        print(warning, flush=True)
     from pipelines.train.worker import train_loop  # deferred until init_ray quietened the logs: it imports DeepSpeed
 
     if not inputs_ready:

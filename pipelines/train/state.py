@@ -1,4 +1,10 @@
-"""DeepSpeed checkpoints through Ray Train, loaded without unpickling code.
+"""DeepSpeed checkpoints through Ray Train: saved behind training or at once, loaded without unpickling code.
+
+A periodic checkpoint stops the loop only while each rank writes its shard to this node's disk (a snapshot); Ray
+Train uploads it to run.storage_path on its own thread (one upload at a time) and registers the checkpoint once every
+rank's upload is whole, so a kill during an upload resumes from the checkpoint before. The next save waits for that
+registration (`wait_for_uploads`): at most one upload is in flight. A notice's save and the final checkpoint upload at
+once, before the call returns.
 
 DeepSpeed writes torch pickles and its own loader unpickles them with weights_only=False. We swap
 in a checkpoint engine that loads with ``weights_only=True`` and allow-lists only the few plain
@@ -7,6 +13,8 @@ state and fragment addresses; found by loading stage 0-3 checkpoints, tests/test
 """
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +27,8 @@ from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loadi
 from pipelines.train import reshard
 
 TAG = "state"
+# Where each rank's snapshot waits for its upload (this node's temporary folder; Ray Train deletes it once uploaded)
+SNAPSHOTS = "probvlp-snapshot-"
 
 
 def use_weights_only_loading(engine) -> None:
@@ -40,11 +50,57 @@ class Progress:
     evaluate_at: int = -1  # a notice's save at an evaluation step, before evaluating: a restart there evaluates first
 
 
-def save(engine, progress: Progress, metrics: dict[str, Any]) -> None:
-    """Every rank writes its DeepSpeed shard; Ray Train merges the ranks' files into one checkpoint."""
-    with tempfile.TemporaryDirectory() as tmp:
-        engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = False, name: str | None = None) -> str | None:
+    """Every rank writes its DeepSpeed shard; Ray Train merges the ranks' files into one checkpoint, in the folder
+    `name` of the run's storage (rank 0's name counts; None: Ray's). `behind`: returns once the shard is on this node's
+    disk and hands the upload to Ray Train (returns the snapshot's folder, which Ray Train deletes once uploaded);
+    otherwise returns once the checkpoint is uploaded and every earlier upload is done too (Ray Train reports in
+    order)."""
+    if not behind:
+        with tempfile.TemporaryDirectory() as tmp:
+            engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
+        return None
+    tmp = tempfile.mkdtemp(prefix=f"{SNAPSHOTS}{os.getpid()}-")
+    engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
+                     checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                     delete_local_checkpoint_after_upload=True)
+    return tmp
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Metrics without a checkpoint (an evaluation's), queued behind an upload in flight instead of waiting for it."""
+    ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+
+
+def wait_for_uploads() -> None:
+    """Until every checkpoint this rank reported is uploaded by every rank and registered by Ray Train."""
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def remove_stale_snapshots() -> int:
+    """The snapshots of this node's processes that ended before their upload did (killed, preempted): removed, as
+    nothing will upload them. Returns how many."""
+    root, removed = tempfile.gettempdir(), 0
+    for entry in os.listdir(root):
+        if not entry.startswith(SNAPSHOTS):
+            continue
+        pid = entry[len(SNAPSHOTS):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def restore(engine) -> tuple[Progress, dict | None] | None:

@@ -10,15 +10,17 @@ from models.accumulate import CachedBatch
 from models.gather import World
 
 
-def agree(loss: torch.Tensor, world: World, notice: bool = False) -> tuple[bool, bool]:
+def agree(loss: torch.Tensor, world: World, notice: bool = False, clock: bool = False) -> tuple[bool, bool, bool]:
     """Collective, once a step: whether the loss is finite on every rank (a NaN/inf on one rank is skipped on all of
-    them, or the ranks' weights part ways), and whether any rank has a notice of preemption (pipelines.train.
-    preemption: the notice rides on the all-reduce the step makes anyway, so every rank saves at the same step)."""
-    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, 1.0 if notice else 0.0], device=loss.device)
+    them, or the ranks' weights part ways), whether any rank has a notice of preemption (pipelines.train.preemption),
+    and whether any rank's clock says a checkpoint is due (train.checkpoint_every_s). The flags ride on the all-reduce
+    the step makes anyway, so every rank saves at the same step."""
+    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, float(notice), float(clock)],
+                         device=loss.device)
     if world.size > 1:
         torch.distributed.all_reduce(flags)
-    bad, noticed = flags.tolist()
-    return bad == 0, noticed > 0
+    bad, noticed, due = flags.tolist()
+    return bad == 0, noticed > 0, due > 0
 
 
 def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batches: int, world: World,
@@ -46,22 +48,22 @@ def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batche
 
 
 def train_step(engine, images: torch.Tensor, tokens: torch.Tensor, grad_accum: int, world: World,
-               notice: bool = False) -> tuple[dict[str, torch.Tensor] | None, bool]:
+               notice: bool = False, clock: bool = False) -> tuple[dict[str, torch.Tensor] | None, bool, bool]:
     """Forward, backward and optimizer step of one global batch (this worker's `grad_accum` micro-batches, joined):
-    its loss and parts, or None where its loss was not finite on some rank (nothing applied); and whether some rank
-    had a notice of preemption (`notice`: this rank's)."""
-    noticed = False
+    its loss and parts, or None where its loss was not finite on some rank (nothing applied); whether some rank had a
+    notice of preemption (`notice`: this rank's); whether some rank's checkpoint clock is due (`clock`: this rank's)."""
+    agreed = (True, False, False)
 
     def finite(loss: torch.Tensor) -> bool:
-        nonlocal noticed
-        ok, noticed = agree(loss, world, notice)
-        return ok
+        nonlocal agreed
+        agreed = agree(loss, world, notice, clock)
+        return agreed[0]
 
     if grad_accum > 1:
-        return cached_step(engine, images, tokens, grad_accum, world, finite), noticed
+        return cached_step(engine, images, tokens, grad_accum, world, finite), agreed[1], agreed[2]
     out = engine(images, tokens, world)
     if not finite(out["loss"]):
-        return None, noticed
+        return None, agreed[1], agreed[2]
     engine.backward(out["loss"])
     engine.step()
-    return out, noticed
+    return out, agreed[1], agreed[2]

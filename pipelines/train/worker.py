@@ -121,6 +121,11 @@ class TrainWorker:
         if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
+        train_state.remove_stale_snapshots()  # a killed process's snapshot that nothing will upload
+        self.upload: tuple[int, str] | None = None  # the checkpoint whose upload may be in flight: (step, snapshot)
+        self.saved_at = time.monotonic()  # the clock of train.checkpoint_every_s (restarted by fit and every save)
+        self.clock_due = False
+        self.checkpoint_names: set[str] = set()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
         self.notice.taken_file_mtime = self.progress.notice_file_mtime
@@ -266,22 +271,27 @@ class TrainWorker:
         """The steps to the last, on the training loop every job runs (pipelines.train.loop.run_steps)."""
         p, t = self.progress, self.t
         if p.evaluate_at == p.step and p.step == self.restored_step:  # the notice's save came before its evaluation
-            ray.train.report({"step": p.step, **self.validate()})
+            train_state.report({"step": p.step, **self.validate()})
         p.evaluate_at = -1
         if p.step >= self.last_step:
             return
         if self.console:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         self.wait.start()
+        self.saved_at = time.monotonic()
         run_steps(self, self.wait.timed(self.steps_input()), self.last_step, max_bad_batches=t.max_bad_batches,
                   micro_batches=t.grad_accum, on_step=self._on_step, log=self._at_log_step, log_every=t.log_every,
                   log_first=False, after_step=self._after_step)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """One optimizer step (pipelines.train.step), or None where the loss was not finite on some rank (a bad batch,
-        an overflow: skipped on every rank and counted, not applied); a notice of preemption saves."""
+        an overflow: skipped on every rank and counted, not applied); a notice of preemption saves. Whether a
+        checkpoint is due by the clock is agreed at the step too (any rank's clock)."""
         self.rows_in_step = batch[1].shape[0]
-        out, self.noticed = train_step(self.engine, *batch, self.t.grad_accum, self.world, self.notice.pending())
+        every_s = self.t.checkpoint_every_s
+        clock = bool(every_s) and time.monotonic() - self.saved_at >= every_s
+        out, self.noticed, self.clock_due = train_step(self.engine, *batch, self.t.grad_accum, self.world,
+                                                       self.notice.pending(), clock)
         if out is None and self.noticed:  # nothing applied at this step: the state of the step before is saved
             self.save_on_notice({"step": self.progress.step})
         return out
@@ -313,15 +323,15 @@ class TrainWorker:
         if step >= self.last_step:
             return True
         due_eval = bool(t.eval_every) and step % t.eval_every == 0
-        due_checkpoint = bool(t.checkpoint_every) and step % t.checkpoint_every == 0
+        due_checkpoint = (bool(t.checkpoint_every) and step % t.checkpoint_every == 0) or self.clock_due
         if self.noticed:  # save first: the evaluation may take the whole deadline
             self.save_on_notice({"step": step}, evaluate=due_eval)
             return False
         metrics = {"step": step, **(self.validate() if due_eval else {})}
         if due_checkpoint:
-            self.checkpoint(metrics)
+            self.checkpoint(metrics, behind=True)
         elif due_eval:
-            ray.train.report(metrics)
+            train_state.report(metrics)
         return False
 
     def _log_step(self, out: dict[str, torch.Tensor], rows: int, rate: float) -> None:
@@ -365,14 +375,56 @@ class TrainWorker:
         marker.write_text(str(step))
         raise RuntimeError(f"injected failure at step {step} (train.fail_once_at_step)")
 
-    def checkpoint(self, metrics: dict[str, Any]) -> None:
+    def checkpoint(self, metrics: dict[str, Any], behind: bool = False) -> None:
         """Every rank: the checkpoint, with what rank 0 has not delivered to MLflow yet beside it in the run's
-        storage (the next attempt delivers it first, from any node)."""
+        storage (the next attempt delivers it first, from any node). `behind` (the periodic ones): the loop goes on
+        once the shard is on this node's disk, its upload behind training, after the previous upload is whole (one
+        in flight). Logged: `checkpoint_blocked_s` (the loop stopped: waiting for the previous upload, writing the
+        snapshot or, not `behind`, the upload too), `checkpoint_wait_s` (of it, waiting for the previous upload)."""
+        p = self.progress
         if self.logger:
             self.logger.persist(self.outbox_folder)
-        train_state.save(self.engine, self.progress, metrics)
+        start = time.perf_counter()
+        waited = self._wait_for_upload(p.step) if behind else 0.0
+        snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step))
+        blocked = time.perf_counter() - start
+        self.upload = (p.step, snapshot) if snapshot else None  # a save at once waited for every upload before it
+        self.saved_at = time.monotonic()
         if self.journal:
-            self.journal.update(reached=self.progress.step, checkpoint_step=self.progress.step)
+            self.journal.update(reached=p.step, **({} if behind else {"checkpoint_step": p.step}))
+        if self.logger:
+            self.logger.log({"checkpoint_blocked_s": blocked, "checkpoint_wait_s": waited}, p.step)
+
+    def _wait_for_upload(self, step: int) -> float:
+        """Every rank, before a snapshot: until the previous checkpoint is uploaded and registered (its snapshot
+        folder, which Ray Train deletes once uploaded, still there says so on rank 0, in one line and the journal).
+        Returns the seconds waited."""
+        if self.upload is None:
+            return 0.0
+        previous, snapshot = self.upload
+        start = time.perf_counter()
+        slow = self.rank == 0 and os.path.exists(snapshot)
+        if slow:
+            print(f"[checkpoint] step {step}: the checkpoint of step {previous} is still uploading; waiting for it "
+                  "(one upload at a time: train.checkpoint_every or checkpoint_every_s shorter than an upload?)",
+                  flush=True)
+            self.journal.update(waiting_for_upload=previous)
+        train_state.wait_for_uploads()
+        self.upload = None
+        if self.journal:
+            self.journal.update(checkpoint_step=previous, **({"waiting_for_upload": None} if slow else {}))
+        return time.perf_counter() - start
+
+    def _checkpoint_name(self, step: int) -> str | None:
+        """The checkpoint's folder in the run's storage (rank 0's counts): its step and attempt, so that a partial
+        upload that a kill cut short is never another checkpoint's folder."""
+        if self.rank != 0:
+            return None
+        name = base = f"checkpoint_{step:08d}_attempt{self.attempt:03d}"
+        while name in self.checkpoint_names:  # the same step saved twice (a notice at a step that applied nothing)
+            name = f"{base}_{len(self.checkpoint_names)}"
+        self.checkpoint_names.add(name)
+        return name
 
     def save_on_notice(self, metrics: dict[str, Any], evaluate: bool = False) -> None:
         """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
@@ -409,7 +461,8 @@ class TrainWorker:
         p.preemptions += 1
         p.evaluate_at = p.step if evaluate else -1  # the deadline may come before the evaluation ends
         start = time.perf_counter()
-        train_state.save(self.engine, p, metrics)
+        train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step))  # uploaded before the hold
+        self.upload, self.saved_at = None, time.monotonic()
         p.evaluate_at = -1
         save_s = time.perf_counter() - start
         self.notice.consume_file(p.notice_file_mtime)
@@ -422,7 +475,7 @@ class TrainWorker:
                   f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
                   f"{save_s:.1f} s", flush=True)
         if evaluate:
-            ray.train.report({"step": p.step, **self.validate()})
+            train_state.report({"step": p.step, **self.validate()})
         if self.logger:
             self.logger.persist(self.outbox_folder)
         self.notice.hold(notice["deadline_in_s"])

@@ -1,0 +1,117 @@
+"""Checkpoints uploaded behind training (pipelines.train.state): the loop goes on while an upload is in flight and
+waits at the next save (one upload at a time); a kill during an upload resumes from the checkpoint before and ends
+bit for bit as an uninterrupted run; a checkpoint due by one rank's clock is saved by every rank at the same step; a
+cluster run that never checkpoints says so."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pipelines.train.config import TrainConfig
+from pipelines.train.job import without_checkpoints
+from tests.helpers import registered, wait_for
+from tests.small_runs import REFERENCE, assert_identical, config, load_state
+from tests.test_preemption import audited, journal, train_workers
+
+HELD_STEP = 10  # REFERENCE checkpoints every 5 steps: the upload of step 10 is held, step 15's save waits for it
+
+
+def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_from_the_one_before(
+        ray_local, straight_small_run, tmp_path):
+    """The test holds rank 0's upload of the step-10 checkpoint (the file it uploads to in the run's storage is a
+    named pipe nobody reads: its open blocks): the loop trains steps 11-15 meanwhile, then the step-15 save waits for
+    it (the journal says so) and no step after 15 runs. A worker killed then: the restart resumes from step 5, the
+    last checkpoint whose upload was whole (step 10's was never registered), and the run ends bit for bit on an
+    uninterrupted run's state (REFERENCE). Counted by the steps each attempt applied (run.audit_steps_to)."""
+    audit, storage = tmp_path / "steps.txt", tmp_path / "ray"
+    cfg = config(tmp_path, straight_small_run["data_root"], "held", *REFERENCE, "train.log_every=1",
+                 "run.max_failures=1", f"run.audit_steps_to={audit}")
+    held = storage / "held" / f"checkpoint_{HELD_STEP:08d}_attempt001" / "state" / "mp_rank_00_model_states.pt"
+    seen: dict = {}
+
+    def hold_then_kill() -> None:
+        try:
+            wait_for("the run's first step", lambda: audited(audit).get(1), 300, 0.05)
+            held.parent.mkdir(parents=True)
+            os.mkfifo(held)
+            before = audited(audit)[1]
+            assert before[-1] < HELD_STEP, f"the run reached step {before[-1]} before the test held its upload"
+            entry = wait_for("the step-15 save waiting for the upload of step 10",
+                             lambda: [a for a in journal(storage, "held") if a.get("waiting_for_upload")], 300, 0.1)
+            seen["waiting"] = entry[0]["waiting_for_upload"]
+            seen["registered"] = registered(storage / "held")
+            os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
+                    signal.SIGKILL)
+        except BaseException as error:  # the test's thread re-raises it
+            seen["error"] = error
+
+    thread = threading.Thread(target=hold_then_kill, daemon=True)
+    thread.start()
+    from pipelines.train.job import run_pretrain
+
+    result = run_pretrain(cfg)
+    thread.join()
+    if "error" in seen:
+        raise seen["error"]
+    ran = audited(audit)
+    # steps 11-15 trained while the upload of 10 could not end; none after 15 (the next save waited for it)
+    assert ran == {1: list(range(1, 16)), 2: list(range(6, 41))}, ran
+    assert seen["waiting"] == HELD_STEP and seen["registered"][-1] == "checkpoint_00000005_attempt001", seen
+    attempts = journal(storage, "held")
+    assert [a["from_step"] for a in attempts] == [0, 5], attempts
+    assert held.parent.parent.name not in registered(storage / "held")
+    assert result.metrics["step"] == 40
+    assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
+
+
+def _agree_on(rank: int, port: int, cases: list[dict], out) -> None:
+    from models.gather import World
+    from pipelines.train.step import agree
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        world = World.current()
+        got = []
+        for case in cases:
+            loss = torch.tensor(float("nan") if rank in case["nan_on"] else 1.0)
+            got.append(agree(loss, world, notice=rank in case["notice_on"], clock=rank in case["clock_on"]))
+        out.put((rank, got))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_checkpoint_due_by_one_ranks_clock_is_saved_by_every_rank_at_that_step():
+    """Each rank's clock of train.checkpoint_every_s runs on its own; the step's all-reduce joins them: due on one
+    rank is due on both, at that step (two gloo processes), beside the loss's finiteness and the notice."""
+    cases = [{"nan_on": (), "notice_on": (), "clock_on": ()},
+             {"nan_on": (), "notice_on": (), "clock_on": (1,)},
+             {"nan_on": (0,), "notice_on": (1,), "clock_on": (0,)},
+             {"nan_on": (), "notice_on": (0,), "clock_on": (0, 1)}]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agree_on, args=(rank, port, cases, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    expected = [(True, False, False), (True, False, True), (False, True, True), (True, True, True)]
+    assert results == {0: expected, 1: expected}
+
+
+@pytest.mark.parametrize("every, every_s, spans, warned", [
+    (0, 0, True, True), (0, 0, False, False), (100, 0, True, False), (0, 600, True, False)])
+def test_a_cluster_run_without_checkpoints_says_so_in_one_line(every, every_s, spans, warned):
+    line = without_checkpoints(TrainConfig(checkpoint_every=every, checkpoint_every_s=every_s), spans)
+    assert (line is not None) == warned
+    if warned:
+        assert "\n" not in line and "train.checkpoint_every_s" in line and "lost node" in line
