@@ -43,7 +43,7 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
             before = audited(audit)[1]
             assert before[-1] < HELD_STEP, f"the run reached step {before[-1]} before the test held its upload"
             entry = wait_for("the step-15 save waiting for the upload of step 10",
-                             lambda: [a for a in journal(storage, "held") if a.get("waiting_for_upload")], 300, 0.1)
+                             lambda: [a for a in journal(storage, "held") if a.get("waiting_for_upload")], 120, 0.1)
             seen["waiting"] = entry[0]["waiting_for_upload"]
             seen["registered"] = registered(storage / "held")
             os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
