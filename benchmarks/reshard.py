@@ -18,37 +18,21 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
 def _save(rank: int, world: int, port: int, model: str, stage: int, folder: str) -> None:
-    import deepspeed
-
+    from benchmarks.engine import build_engine, random_batch
     from models.gather import World
-    from models.tokenizer import tokenize
-    from pipelines.train.config import TrainDocument
-    from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
-    from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        skip_inference_comm_op()
-        cfg = TrainDocument.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
-        torch.manual_seed(0)
-        objective = training_objective(cfg)
-        t = cfg.train
-        optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-        engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer,
-                                          lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
-                                          config=deepspeed_config(cfg, False), dist_init_required=False)
+        engine, net = build_engine(model, stage, world)
         # one step on random inputs: Adam's moments exist, as in every checkpoint a run writes
-        model = objective.model
-        images = torch.randn(4, 3, model.img_size, model.img_size)
-        out = engine(images, tokenize(["a photo of a digit"] * 4, model.context_length), World.current())
+        out = engine(*random_batch(net, 4), World.current())
         engine.backward(out["loss"])
         engine.step()
         engine.save_checkpoint(folder, tag="state")

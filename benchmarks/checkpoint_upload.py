@@ -1,0 +1,150 @@
+"""What a periodic checkpoint costs the training loop (pipelines.train.state): uploaded at once against behind training.
+
+Run (one JSON line per storage and mode; docs/BENCHMARKS.md "Checkpoints" quotes it):
+
+    .venv/bin/python -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 40 --every 10
+
+Two CPU Ray Train workers (gloo) build the pretraining workers' engine on the model (AdamW, ZeRO-2, the workers'
+DeepSpeed config) and step on one fixed random batch. Per storage (this machine's disk; moto's S3 server on
+127.0.0.1) and mode, one Ray Train run: `--steps` steps with a checkpoint every `--every` steps, saved at once (`sync`:
+the shard written, uploaded, registered before the loop goes on) or behind training (`behind`: the loop waits for the
+shard on local disk; pipelines.train.state.save(behind=True)), against the same steps with no checkpoint (`never`).
+Per run: steps/s over the loop, its ratio to `never`, the seconds each periodic save blocked the loop, then one more
+save timed alone: the snapshot (the shard to local disk), the whole save at once, and the upload behind training
+(from the report to Ray Train's registration). The S3 server runs on the same cores as the workers here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import ray.train
+import torch
+from ray.train.torch import TorchTrainer
+
+BUCKET = "probvlp-bench"
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _loop(config: dict) -> None:
+    from benchmarks.engine import build_engine, random_batch
+    from models.gather import World
+    from pipelines.train import state
+    from pipelines.train.state import Progress
+    from pipelines.train.step import train_step
+
+    torch.set_num_threads(1)
+    world = World.current()
+    engine, model = build_engine(config["model"], 2, world.size)
+    images, tokens = random_batch(model, config["batch"])
+    mode, every, steps = config["mode"], config["every"], config["steps"]
+    progress = Progress()
+
+    def step() -> None:
+        train_step(engine, images, tokens, 1, world)
+        progress.step += 1
+
+    step()  # Adam's moments exist, as in every checkpoint a run writes
+    blocked: list[float] = []
+    uploading = False
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        step()
+        if mode == "never" or i % every:
+            continue
+        t0 = time.perf_counter()
+        if mode == "behind" and uploading:
+            state.wait_for_uploads()  # one upload in flight, as the workers do (TrainWorker._wait_for_upload)
+        state.save(engine, progress, {"step": progress.step}, behind=mode == "behind")
+        uploading = mode == "behind"
+        blocked.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - start
+    state.wait_for_uploads()
+    result = {"steps_per_s": steps / elapsed, "saves": len(blocked),
+              "blocked_s": sum(blocked) / len(blocked) if blocked else 0.0}
+    if mode != "never":  # one save of each kind alone: its parts
+        with tempfile.TemporaryDirectory() as tmp:
+            result["snapshot_s"] = _timed(lambda: engine.save_checkpoint(tmp, tag=state.TAG))
+            result["checkpoint_bytes"] = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+        result["sync_save_s"] = _timed(lambda: state.save(engine, progress, {"step": progress.step}))
+        t0 = time.perf_counter()
+        state.save(engine, progress, {"step": progress.step}, behind=True)
+        result["behind_blocked_s"] = time.perf_counter() - t0
+        result["upload_s"] = _timed(state.wait_for_uploads)
+    shared = [result]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    # the checkpoint bytes of all ranks: rank 0's share is the model's states and its optimizer partition
+    if "checkpoint_bytes" in result:
+        total = torch.tensor([result["checkpoint_bytes"]], dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        shared[0]["checkpoint_bytes"] = int(total.item())
+    if world.rank == 0:  # Ray Train's result holds the last checkpoint's metrics, not a later report's
+        Path(config["out"]).write_text(json.dumps(shared[0]))
+
+
+def _run(storage: str, name: str, mode: str, args) -> dict:
+    out = Path(args.tmp) / f"{name}.json"
+    config = {"model": args.model, "batch": args.batch, "mode": mode, "every": args.every, "steps": args.steps,
+              "out": str(out)}
+    trainer = TorchTrainer(
+        _loop, train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(name=name, storage_path=storage,
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+                                       logging_config=ray.train.LoggingConfig(log_level="WARNING")))
+    trainer.fit()
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    from pipelines.cluster import services
+    from pipelines.cluster.runtime import init_ray
+    from tests.helpers import free_port
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="prolip_vit_b16")
+    ap.add_argument("--batch", type=int, default=2, help="per worker")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--storages", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="probvlp-checkpoint-bench-") as tmp:
+        args.tmp = tmp
+        port = free_port()
+        os.environ.update(services.s3_env(f"http://127.0.0.1:{port}"))  # before Ray: its workers inherit it
+        server = services.start_s3(port, Path(tmp) / "s3.log", [BUCKET]) if "s3" in args.storages else None
+        try:
+            init_ray(num_cpus=4)
+            never = _run(f"{tmp}/runs", "never", "never", args)
+            print(json.dumps({"model": args.model, "mode": "never", "steps": args.steps,
+                              "steps_per_s": round(never["steps_per_s"], 4)}), flush=True)
+            for storage in args.storages:
+                where = f"{tmp}/runs" if storage == "local" else f"s3://{BUCKET}/runs"
+                for mode in ("sync", "behind"):
+                    got = _run(where, f"{storage}-{mode}", mode, args)
+                    print(json.dumps({"model": args.model, "storage": storage, "mode": mode, "steps": args.steps,
+                                      "every": args.every, "saves": got["saves"],
+                                      "steps_per_s": round(got["steps_per_s"], 4),
+                                      "vs_never": round(got["steps_per_s"] / never["steps_per_s"], 3),
+                                      "blocked_s": round(got["blocked_s"], 2),
+                                      "snapshot_s": round(got["snapshot_s"], 2),
+                                      "sync_save_s": round(got["sync_save_s"], 2),
+                                      "behind_blocked_s": round(got["behind_blocked_s"], 2),
+                                      "upload_s": round(got["upload_s"], 2),
+                                      "checkpoint_gb": round(got["checkpoint_bytes"] / 1e9, 2)}), flush=True)
+        finally:
+            if server is not None:
+                services.stop(server)
+
+
+if __name__ == "__main__":
+    main()
