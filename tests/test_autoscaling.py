@@ -412,7 +412,8 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     submits it. With its defaults it stops before any worker starts, in one line naming run.storage_path (a folder on
     the head, where the workers could not write checkpoints); with that one setting on S3 it trains on the bundled
     digits (written on the head, sent to the workers through Ray's object store) and logs to its default sqlite store
-    (in the head's local state folder; the workers, on other nodes, log through the driver's node)."""
+    (in the head's local state folder; the workers, on other nodes, log through the driver's node). With no
+    checkpoint before its end (the clock's set to 0: the demo sets no step interval) it says so in one line."""
     def submit_demo(*overrides: str) -> subprocess.CompletedProcess:
         sets = [a for kv in ("train.steps=10", "train.log_every=5", *overrides) for a in ("--set", kv)]
         return subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m",
@@ -426,9 +427,12 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     assert "is a folder on this node's disk, which the cluster's other nodes do not see" in line
     assert "--set run.storage_path=s3://" in line
 
-    done = submit_demo(f"run.storage_path=s3://{BUCKET}/demo", "run.name=demo-on-the-cluster")
+    done = submit_demo(f"run.storage_path=s3://{BUCKET}/demo", "run.name=demo-on-the-cluster",
+                       "train.checkpoint_every_s=0")
     logs = done.stdout + done.stderr
     assert done.returncode == 0 and "succeeded" in logs.lower(), logs[-4000:]
+    warned = [x for x in logs.splitlines() if x.startswith("[checkpoint] warning: this run saves no checkpoint")]
+    assert len(warned) == 1 and "one lost node loses every step" in warned[0], logs[-4000:]
     assert "[train] step 10/10" in logs and "digits_zeroshot: top1" in logs and "model: runs:/" in logs
     assert "not found" not in logs.lower()
     # on the head, in the project's local state folder: $PROBVLP_HOME, which the tests set and the job inherits (the

@@ -27,8 +27,9 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
     """The test holds rank 0's upload of the step-10 checkpoint (the file it uploads to in the run's storage is a
     named pipe nobody reads: its open blocks): the loop trains steps 11-15 meanwhile, then the step-15 save waits for
     it (the journal says so) and no step after 15 runs. A worker killed then: the restart resumes from step 5, the
-    last checkpoint whose upload was whole (step 10's was never registered), and the run ends bit for bit on an
-    uninterrupted run's state (REFERENCE). Counted by the steps each attempt applied (run.audit_steps_to)."""
+    last checkpoint whose upload was whole (step 10's was never registered; the restart removes its folder), and the
+    run ends bit for bit on an uninterrupted run's state (REFERENCE). Counted by the steps each attempt applied
+    (run.audit_steps_to)."""
     audit, storage = tmp_path / "steps.txt", tmp_path / "ray"
     cfg = config(tmp_path, straight_small_run["data_root"], "held", *REFERENCE, "train.log_every=1",
                  "run.max_failures=1", f"run.audit_steps_to={audit}")
@@ -66,7 +67,8 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
     assert seen["waiting"] == HELD_STEP and seen["registered"][-1] == "checkpoint_00000005_attempt001", seen
     attempts = journal(storage, "held")
     assert [a["from_step"] for a in attempts] == [0, 5], attempts
-    assert held.parent.parent.name not in registered(storage / "held")
+    # never registered, and removed by the restart (an upload cut short is nobody's checkpoint)
+    assert held.parent.parent.name not in registered(storage / "held") and not held.parent.parent.exists()
     assert result.metrics["step"] == 40
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
 
@@ -127,3 +129,21 @@ def test_a_cluster_run_without_checkpoints_says_so_in_one_line(every, every_s, s
     assert (line is not None) == warned
     if warned:
         assert "\n" not in line and "train.checkpoint_every_s" in line and "lost node" in line
+
+
+def test_a_restart_removes_only_the_uploads_cut_short(tmp_path):
+    """At attempt 3's start, resumed from step 20: the folders of earlier attempts past step 20 were never registered
+    (a restart resumes from the latest that was) and go; the one it resumed from, earlier ones, this attempt's and
+    anything not named by pipelines.train.state stay."""
+    from pipelines.train.state import checkpoint_name, remove_cut_short
+
+    names = {checkpoint_name(10, 1): "stays", checkpoint_name(20, 1): "stays", checkpoint_name(30, 1): "goes",
+             checkpoint_name(30, 2) + "_2": "goes", checkpoint_name(40, 3): "stays", "checkpoint_2026-11-29_08-00-00.1":
+             "stays", "probvlp": "stays"}
+    for name in names:
+        (tmp_path / name / "state").mkdir(parents=True)
+        (tmp_path / name / "state" / "x.pt").write_bytes(b"x")
+    removed = remove_cut_short(str(tmp_path), 20, 3)
+    assert removed == sorted(n for n, fate in names.items() if fate == "goes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, fate in names.items() if fate == "stays")
+    assert remove_cut_short(str(tmp_path / "absent"), 0, 1) == []

@@ -14,6 +14,7 @@ state and fragment addresses; found by loading stage 0-3 checkpoints, tests/test
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -24,9 +25,11 @@ import ray.train
 from fsspec.implementations.arrow import ArrowFSWrapper
 
 from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loading
+from pipelines.storage import fs_path
 from pipelines.train import reshard
 
 TAG = "state"
+_NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+)?")
 # Where each rank's snapshot waits for its upload (this node's temporary folder; Ray Train deletes it once uploaded)
 SNAPSHOTS = "probvlp-snapshot-"
 
@@ -77,6 +80,28 @@ def report(metrics: dict[str, Any]) -> None:
 def wait_for_uploads() -> None:
     """Until every checkpoint this rank reported is uploaded by every rank and registered by Ray Train."""
     ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def checkpoint_name(step: int, attempt: int) -> str:
+    """The checkpoint's folder in the run's storage: its step and the attempt that saved it (a restart's save of a
+    step never lands in the folder of an upload that a kill cut short)."""
+    return f"checkpoint_{step:08d}_attempt{attempt:03d}"
+
+
+def remove_cut_short(run_dir: str, resumed_step: int, attempt: int) -> list[str]:
+    """Rank 0 at the start of attempt `attempt` (no upload in flight: Ray Train ended the workers before): the
+    checkpoint folders of earlier attempts past the step this one resumed from, which Ray Train never registered (it
+    resumes from the latest it did), removed from the run's storage. Returns their names."""
+    fs, root = fs_path(run_dir)
+    if not fs.exists(root):
+        return []
+    removed = []
+    for path in fs.ls(root, detail=False):
+        match = _NAMED.fullmatch(path.rstrip("/").rsplit("/", 1)[-1])
+        if match and int(match["step"]) > resumed_step and int(match["attempt"]) < attempt:
+            fs.rm(path, recursive=True)
+            removed.append(match[0])
+    return sorted(removed)
 
 
 def remove_stale_snapshots() -> int:

@@ -141,6 +141,11 @@ class TrainWorker:
             checkpoint = ray.train.get_checkpoint()
             self.attempt = self.journal.begin(self.progress.step, checkpoint.path if checkpoint else None)["attempt"]
             self._check_progress()
+            cut = train_state.remove_cut_short(f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}", self.progress.step,
+                                               self.attempt)
+            if cut:
+                print(f"[checkpoint] removed {len(cut)} checkpoint upload(s) that a restart cut short: {', '.join(cut)}",
+                      flush=True)
             self.heartbeat = attempts.Heartbeat(self.journal)
             # what an earlier attempt had not delivered, first; its steps after this checkpoint come again
             self.logger = StepLogger(mlflow_uri, run_id, None, resumed_from=self.progress.step, background=True,
@@ -416,11 +421,10 @@ class TrainWorker:
         return time.perf_counter() - start
 
     def _checkpoint_name(self, step: int) -> str | None:
-        """The checkpoint's folder in the run's storage (rank 0's counts): its step and attempt, so that a partial
-        upload that a kill cut short is never another checkpoint's folder."""
+        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.train.state.checkpoint_name)."""
         if self.rank != 0:
             return None
-        name = base = f"checkpoint_{step:08d}_attempt{self.attempt:03d}"
+        name = base = train_state.checkpoint_name(step, self.attempt)
         while name in self.checkpoint_names:  # the same step saved twice (a notice at a step that applied nothing)
             name = f"{base}_{len(self.checkpoint_names)}"
         self.checkpoint_names.add(name)
