@@ -2,16 +2,17 @@
 
 Run (one JSON line per storage and mode; docs/BENCHMARKS.md "Checkpoints" quotes it):
 
-    .venv/bin/python -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 40 --every 10
+    .venv/bin/python -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 24 --every 8
 
 Two CPU Ray Train workers (gloo) build the pretraining workers' engine on the model (AdamW, ZeRO-2, the workers'
 DeepSpeed config) and step on one fixed random batch. Per storage (this machine's disk; moto's S3 server on
 127.0.0.1) and mode, one Ray Train run: `--steps` steps with a checkpoint every `--every` steps, saved at once (`sync`:
 the shard written, uploaded, registered before the loop goes on) or behind training (`behind`: the loop waits for the
-shard on local disk; pipelines.train.state.save(behind=True)), against the same steps with no checkpoint (`never`).
-Per run: steps/s over the loop, its ratio to `never`, the seconds each periodic save blocked the loop, then one more
-save timed alone: the snapshot (the shard to local disk), the whole save at once, and the upload behind training
-(from the report to Ray Train's registration). The S3 server runs on the same cores as the workers here.
+shard's snapshot on the node, pipelines.train.state.save(behind=True)), against the same steps with no checkpoint
+(`never`, run first and last: the ratios are to their mean). Per run: steps/s over the loop, its ratio to `never`, the
+seconds each periodic save blocked the loop, then one more save timed alone: the snapshot (the shard written where
+`snapshot_root` puts it), the whole save at once, and the upload behind training (from the report to Ray Train's
+registration). The S3 server runs on the same cores as the workers here.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def _loop(config: dict) -> None:
     result = {"steps_per_s": steps / elapsed, "saves": len(blocked),
               "blocked_s": sum(blocked) / len(blocked) if blocked else 0.0}
     if mode != "never":  # one save of each kind alone: its parts
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=state.snapshot_root(engine)) as tmp:
             result["snapshot_s"] = _timed(lambda: engine.save_checkpoint(tmp, tag=state.TAG))
             result["checkpoint_bytes"] = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
         result["sync_save_s"] = _timed(lambda: state.save(engine, progress, {"step": progress.step}))
@@ -80,6 +81,7 @@ def _loop(config: dict) -> None:
         state.save(engine, progress, {"step": progress.step}, behind=True)
         result["behind_blocked_s"] = time.perf_counter() - t0
         result["upload_s"] = _timed(state.wait_for_uploads)
+        result["snapshot_in"] = state.snapshot_root(engine)
     shared = [result]
     torch.distributed.broadcast_object_list(shared, src=0)
     # the checkpoint bytes of all ranks: rank 0's share is the model's states and its optimizer partition
@@ -127,20 +129,29 @@ def main() -> None:
             never = _run(f"{tmp}/runs", "never", "never", args)
             print(json.dumps({"model": args.model, "mode": "never", "steps": args.steps,
                               "steps_per_s": round(never["steps_per_s"], 4)}), flush=True)
+            rows = []
             for storage in args.storages:
                 where = f"{tmp}/runs" if storage == "local" else f"s3://{BUCKET}/runs"
                 for mode in ("sync", "behind"):
                     got = _run(where, f"{storage}-{mode}", mode, args)
-                    print(json.dumps({"model": args.model, "storage": storage, "mode": mode, "steps": args.steps,
+                    rows.append({"model": args.model, "storage": storage, "mode": mode, "steps": args.steps,
                                       "every": args.every, "saves": got["saves"],
                                       "steps_per_s": round(got["steps_per_s"], 4),
-                                      "vs_never": round(got["steps_per_s"] / never["steps_per_s"], 3),
                                       "blocked_s": round(got["blocked_s"], 2),
                                       "snapshot_s": round(got["snapshot_s"], 2),
                                       "sync_save_s": round(got["sync_save_s"], 2),
                                       "behind_blocked_s": round(got["behind_blocked_s"], 2),
                                       "upload_s": round(got["upload_s"], 2),
-                                      "checkpoint_gb": round(got["checkpoint_bytes"] / 1e9, 2)}), flush=True)
+                                      "snapshot_in": got["snapshot_in"],
+                                      "checkpoint_gb": round(got["checkpoint_bytes"] / 1e9, 2)})
+                    print(json.dumps(rows[-1]), flush=True)
+            # the baseline again, after: the ratios are to the mean of the two (this machine drifts between runs)
+            again = _run(f"{tmp}/runs", "never-again", "never", args)
+            base = (never["steps_per_s"] + again["steps_per_s"]) / 2
+            print(json.dumps({"model": args.model, "mode": "never", "steps": args.steps,
+                              "steps_per_s": round(again["steps_per_s"], 4), "mean_never": round(base, 4)}), flush=True)
+            for row in rows:
+                print(json.dumps({**row, "vs_never": round(row["steps_per_s"] / base, 3)}), flush=True)
         finally:
             if server is not None:
                 services.stop(server)

@@ -147,3 +147,23 @@ def test_a_restart_removes_only_the_uploads_cut_short(tmp_path):
     assert removed == sorted(n for n, fate in names.items() if fate == "goes")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, fate in names.items() if fate == "stays")
     assert remove_cut_short(str(tmp_path / "absent"), 0, 1) == []
+
+
+def test_the_snapshot_goes_to_memory_where_a_checkpoint_fits_twice_else_to_the_temporary_folder(tmp_path):
+    """train.checkpoint_snapshot_dir "auto": /dev/shm when its free bytes hold 16 bytes a parameter (weights and
+    AdamW's moments, the whole checkpoint) twice over, else $TMPDIR; a folder given is used as given."""
+    import shutil
+    import tempfile
+    from types import SimpleNamespace
+
+    from pipelines.train.state import SHM, snapshot_root
+
+    def engine(params: int):
+        return SimpleNamespace(module=torch.nn.Linear(params, 1, bias=False))
+
+    assert snapshot_root(engine(10), str(tmp_path)) == str(tmp_path)
+    assert snapshot_root(engine(10)) == (SHM if os.path.isdir(SHM) else tempfile.gettempdir())
+    if os.path.isdir(SHM):
+        fits = shutil.disk_usage(SHM).free // 32
+        assert snapshot_root(SimpleNamespace(module=SimpleNamespace(parameters=lambda: [
+            SimpleNamespace(ds_numel=fits + 1, numel=lambda: 0)]))) == tempfile.gettempdir()

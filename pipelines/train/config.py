@@ -60,6 +60,9 @@ class TrainConfig(LoopConfig):
     # behind training (pipelines.train.state); docs/SCALING.md "Checkpoints" says how to choose them.
     checkpoint_every: int = Field(0, ge=0)
     checkpoint_every_s: float = Field(600.0, ge=0)
+    # Where each rank writes its shard before the upload: "auto" (the node's memory, /dev/shm, where it has room for a
+    # whole checkpoint twice over, else $TMPDIR), or a folder (a local SSD).
+    checkpoint_snapshot_dir: str = "auto"
     # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
     eval_every: int = Field(0, ge=0)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.

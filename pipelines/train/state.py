@@ -1,10 +1,10 @@
 """DeepSpeed checkpoints through Ray Train: saved behind training or at once, loaded without unpickling code.
 
-A periodic checkpoint stops the loop only while each rank writes its shard to this node's disk (a snapshot); Ray
-Train uploads it to run.storage_path on its own thread (one upload at a time) and registers the checkpoint once every
-rank's upload is whole, so a kill during an upload resumes from the checkpoint before. The next save waits for that
-registration (`wait_for_uploads`): at most one upload is in flight. A notice's save and the final checkpoint upload at
-once, before the call returns.
+A periodic checkpoint stops the loop only while each rank writes its shard to a folder of its node (a snapshot, in
+memory where it has room: `snapshot_root`); Ray Train uploads it to run.storage_path on its own thread and registers
+the checkpoint once every rank's upload is whole, so a kill during an upload resumes from the checkpoint before. The
+next save waits for that registration (`wait_for_uploads`): at most one upload is in flight. A notice's save and the
+final checkpoint upload at once, before the call returns.
 
 DeepSpeed writes torch pickles and its own loader unpickles them with weights_only=False. We swap
 in a checkpoint engine that loads with ``weights_only=True`` and allow-lists only the few plain
@@ -30,8 +30,9 @@ from pipelines.train import reshard
 
 TAG = "state"
 _NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+)?")
-# Where each rank's snapshot waits for its upload (this node's temporary folder; Ray Train deletes it once uploaded)
+# Each rank's snapshot waits for its upload in a folder of this name (snapshot_root; Ray Train deletes it once uploaded)
 SNAPSHOTS = "probvlp-snapshot-"
+SHM = "/dev/shm"
 
 
 def use_weights_only_loading(engine) -> None:
@@ -53,23 +54,44 @@ class Progress:
     evaluate_at: int = -1  # a notice's save at an evaluation step, before evaluating: a restart there evaluates first
 
 
-def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = False, name: str | None = None) -> str | None:
-    """Every rank writes its DeepSpeed shard; Ray Train merges the ranks' files into one checkpoint, in the folder
-    `name` of the run's storage (rank 0's name counts; None: Ray's). `behind`: returns once the shard is on this node's
-    disk and hands the upload to Ray Train (returns the snapshot's folder, which Ray Train deletes once uploaded);
-    otherwise returns once the checkpoint is uploaded and every earlier upload is done too (Ray Train reports in
-    order)."""
+def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = False, name: str | None = None,
+         snapshots: str = "auto") -> str | None:
+    """Every rank writes its DeepSpeed shard to a folder of this node (`snapshots`, below); Ray Train uploads the
+    ranks' files into one checkpoint, the folder `name` of the run's storage (rank 0's name counts; None: Ray's).
+    `behind`: returns once the shard is written and hands the upload to Ray Train (returns the snapshot's folder,
+    which Ray Train deletes once uploaded); otherwise returns once the checkpoint is uploaded and every earlier upload
+    is done too (Ray Train reports in order)."""
+    tmp = tempfile.mkdtemp(prefix=f"{SNAPSHOTS}{os.getpid()}-", dir=snapshot_root(engine, snapshots))
     if not behind:
-        with tempfile.TemporaryDirectory() as tmp:
+        try:
             engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return None
-    tmp = tempfile.mkdtemp(prefix=f"{SNAPSHOTS}{os.getpid()}-")
-    engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
+    try:
+        engine.save_checkpoint(tmp, tag=TAG, client_state={"progress": asdict(progress)})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
                      checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                      delete_local_checkpoint_after_upload=True)
     return tmp
+
+
+def snapshot_root(engine, choice: str = "auto") -> str:
+    """Where this rank writes its shard before the upload: `choice` (train.checkpoint_snapshot_dir), or with "auto"
+    the node's memory (/dev/shm) where it has room for a whole checkpoint twice over (weights and AdamW's two
+    moments, 16 bytes a parameter: the ranks of a node share it), else the temporary folder ($TMPDIR)."""
+    if choice != "auto":
+        return choice
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    if os.path.isdir(SHM):
+        free = shutil.disk_usage(SHM).free
+        if free >= 2 * 16 * params:
+            return SHM
+    return tempfile.gettempdir()
 
 
 def report(metrics: dict[str, Any]) -> None:
@@ -104,17 +126,16 @@ def remove_cut_short(run_dir: str, resumed_step: int, attempt: int) -> list[str]
     return sorted(removed)
 
 
-def remove_stale_snapshots() -> int:
+def remove_stale_snapshots(choice: str = "auto") -> int:
     """The snapshots of this node's processes that ended before their upload did (killed, preempted): removed, as
     nothing will upload them. Returns how many."""
-    root, removed = tempfile.gettempdir(), 0
-    for entry in os.listdir(root):
-        if not entry.startswith(SNAPSHOTS):
-            continue
-        pid = entry[len(SNAPSHOTS):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-            removed += 1
+    removed = 0
+    for root in {tempfile.gettempdir(), SHM} if choice == "auto" else {choice}:
+        for entry in os.listdir(root) if os.path.isdir(root) else []:
+            pid = entry[len(SNAPSHOTS):].split("-", 1)[0]
+            if entry.startswith(SNAPSHOTS) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+                removed += 1
     return removed
 
 

@@ -121,7 +121,7 @@ class TrainWorker:
         if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
-        train_state.remove_stale_snapshots()  # a killed process's snapshot that nothing will upload
+        train_state.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
         self.upload: tuple[int, str] | None = None  # the checkpoint whose upload may be in flight: (step, snapshot)
         self.saved_at = time.monotonic()  # the clock of train.checkpoint_every_s (restarted by fit and every save)
         self.clock_due = False
@@ -391,7 +391,8 @@ class TrainWorker:
             self.logger.persist(self.outbox_folder)
         start = time.perf_counter()
         waited = self._wait_for_upload(p.step) if behind else 0.0
-        snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step))
+        snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step),
+                                    snapshots=self.t.checkpoint_snapshot_dir)
         blocked = time.perf_counter() - start
         self.upload = (p.step, snapshot) if snapshot else None  # a save at once waited for every upload before it
         self.saved_at = time.monotonic()
@@ -465,7 +466,9 @@ class TrainWorker:
         p.preemptions += 1
         p.evaluate_at = p.step if evaluate else -1  # the deadline may come before the evaluation ends
         start = time.perf_counter()
-        train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step))  # uploaded before the hold
+        # uploaded before the hold
+        train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step),
+                         snapshots=self.t.checkpoint_snapshot_dir)
         self.upload, self.saved_at = None, time.monotonic()
         p.evaluate_at = -1
         save_s = time.perf_counter() - start
