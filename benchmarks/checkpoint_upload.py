@@ -1,8 +1,8 @@
 """What a periodic checkpoint costs the training loop (pipelines.train.state): uploaded at once against behind training.
 
-Run (one JSON line per storage and mode; docs/BENCHMARKS.md "Checkpoints" quotes it):
+Run (one JSON line per storage and mode; with --write, its section of docs/BENCHMARKS.md):
 
-    .venv/bin/python -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 24 --every 8
+    .venv/bin/python -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 24 --every 8 --write
 
 Two CPU Ray Train workers (gloo) build the pretraining workers' engine on the model (AdamW, ZeRO-2, the workers'
 DeepSpeed config) and step on one fixed random batch. Per storage (this machine's disk; moto's S3 server on
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -107,6 +108,30 @@ def _run(storage: str, name: str, mode: str, args) -> dict:
     return json.loads(out.read_text())
 
 
+def section(never: list[float], rows: list[dict], args, command: str) -> str:
+    """The docs/BENCHMARKS.md section of one run: a row per storage and mode."""
+    from benchmarks.report import load, machine
+
+    base = sum(never) / len(never)
+    sync = {r["storage"]: r["blocked_s"] for r in rows if r["mode"] == "sync"}
+    lines = [
+        "## Checkpoints: saved at once against behind training (`benchmarks/checkpoint_upload.py`)", "",
+        f"`{command}` ({args.model}, AdamW, ZeRO-2, two CPU workers of one core, {args.batch} samples each; "
+        f"{machine()}; {load()}; {time.strftime('%Y-%m-%d')}). A checkpoint is "
+        f"{rows[0]['checkpoint_gb']} GB; snapshots in `{rows[0]['snapshot_in']}`; a save every {args.every} steps "
+        f"(~{args.every / base:.0f} s of training); no checkpoint: {' and '.join(f'{x:.4f}' for x in never)} steps/s "
+        "(first and last run).", "",
+        "| storage | mode | loop blocked per save, s | of the save at once | steps/s vs none | snapshot alone, s "
+        "| save at once alone, s | upload behind, to registration, s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['storage']} | {r['mode']} | {r['blocked_s']:.2f} | {r['blocked_s'] / sync[r['storage']]:.0%} "
+                     f"| {r['steps_per_s'] / base:.3f} | {r['snapshot_s']:.2f} | {r['sync_save_s']:.2f} "
+                     f"| {r['upload_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from pipelines.cluster import services
     from pipelines.cluster.runtime import init_ray
@@ -118,6 +143,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--storages", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    ap.add_argument("--write", action="store_true", help="write its section of docs/BENCHMARKS.md")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="probvlp-checkpoint-bench-") as tmp:
         args.tmp = tmp
@@ -152,6 +178,12 @@ def main() -> None:
                               "steps_per_s": round(again["steps_per_s"], 4), "mean_never": round(base, 4)}), flush=True)
             for row in rows:
                 print(json.dumps({**row, "vs_never": round(row["steps_per_s"] / base, 3)}), flush=True)
+            if args.write:
+                from benchmarks.report import write_section
+
+                write_section("checkpoint_upload", section([never["steps_per_s"], again["steps_per_s"]], rows, args,
+                                                           "python -m benchmarks.checkpoint_upload " +
+                                                           " ".join(sys.argv[1:])))
         finally:
             if server is not None:
                 services.stop(server)

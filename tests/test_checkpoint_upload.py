@@ -150,8 +150,9 @@ def test_a_restart_removes_only_the_uploads_cut_short(tmp_path):
 
 
 def test_the_snapshot_goes_to_memory_where_a_checkpoint_fits_twice_else_to_the_temporary_folder(tmp_path):
-    """train.checkpoint_snapshot_dir "auto": /dev/shm when its free bytes hold 16 bytes a parameter (weights and
-    AdamW's moments, the whole checkpoint) twice over, else $TMPDIR; a folder given is used as given."""
+    """train.checkpoint_snapshot_dir "auto": /dev/shm when its free bytes and the memory available hold 16 bytes a
+    parameter (weights and AdamW's moments, the whole checkpoint) twice over, else $TMPDIR; a folder given is used as
+    given."""
     import shutil
     import tempfile
     from types import SimpleNamespace

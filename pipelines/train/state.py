@@ -82,16 +82,24 @@ def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = 
 
 def snapshot_root(engine, choice: str = "auto") -> str:
     """Where this rank writes its shard before the upload: `choice` (train.checkpoint_snapshot_dir), or with "auto"
-    the node's memory (/dev/shm) where it has room for a whole checkpoint twice over (weights and AdamW's two
-    moments, 16 bytes a parameter: the ranks of a node share it), else the temporary folder ($TMPDIR)."""
+    the node's memory (/dev/shm, whose files are RAM) where both it and the memory still available hold a whole
+    checkpoint twice over (weights and AdamW's two moments, 16 bytes a parameter: the ranks of a node share them),
+    else the temporary folder ($TMPDIR)."""
     if choice != "auto":
         return choice
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    if os.path.isdir(SHM):
-        free = shutil.disk_usage(SHM).free
-        if free >= 2 * 16 * params:
-            return SHM
+    need = 2 * 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    if os.path.isdir(SHM) and min(shutil.disk_usage(SHM).free, _available_memory()) >= need:
+        return SHM
     return tempfile.gettempdir()
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def report(metrics: dict[str, Any]) -> None:

@@ -383,8 +383,8 @@ class TrainWorker:
     def checkpoint(self, metrics: dict[str, Any], behind: bool = False) -> None:
         """Every rank: the checkpoint, with what rank 0 has not delivered to MLflow yet beside it in the run's
         storage (the next attempt delivers it first, from any node). `behind` (the periodic ones): the loop goes on
-        once the shard is on this node's disk, its upload behind training, after the previous upload is whole (one
-        in flight). Logged: `checkpoint_blocked_s` (the loop stopped: waiting for the previous upload, writing the
+        once the shard's snapshot is written on this node, its upload behind training, after the previous upload is
+        whole (one in flight). Logged: `checkpoint_blocked_s` (the loop stopped: waiting for the previous upload, writing the
         snapshot or, not `behind`, the upload too), `checkpoint_wait_s` (of it, waiting for the previous upload)."""
         p = self.progress
         if self.logger:
