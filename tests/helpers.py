@@ -121,6 +121,31 @@ def wait_http(url: str, proc, timeout: float = 120) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
+def pretrain_beside(cfg, action):
+    """`jobs.pretrain`'s run of `cfg` while `action()` (what a test does to the run: a notice, a kill) runs in a thread;
+    the thread's error, raised once the run has ended (`action` must not leave the run waiting for ever). Returns the
+    run's result."""
+    import threading
+
+    from pipelines.train.job import run_pretrain
+
+    errors: list[BaseException] = []
+
+    def act() -> None:
+        try:
+            action()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    result = run_pretrain(cfg)
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result
+
+
 def registered(run_folder: Path) -> list[str]:
     """Checkpoints Ray Train has registered (listed in its snapshot file), which a restart resumes from. A
     checkpoint folder appears while it is still being written, before that."""

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from pipelines.train.config import TrainConfig
 from pipelines.train.job import without_checkpoints
-from tests.helpers import registered, wait_for
+from tests.helpers import pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
 from tests.test_preemption import audited, journal, train_workers
 
@@ -49,18 +49,11 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
             seen["registered"] = registered(storage / "held")
             os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
                     signal.SIGKILL)
-        except BaseException as error:  # the test's thread re-raises it, once the run ends
-            seen["error"] = error
+        except BaseException:
             release(held)  # the held upload would keep the run (its final checkpoint) waiting for ever
+            raise
 
-    thread = threading.Thread(target=hold_then_kill, daemon=True)
-    thread.start()
-    from pipelines.train.job import run_pretrain
-
-    result = run_pretrain(cfg)
-    thread.join()
-    if "error" in seen:
-        raise seen["error"]
+    result = pretrain_beside(cfg, hold_then_kill)
     ran = audited(audit)
     # steps 11-15 trained while the upload of 10 could not end; none after 15 (the next save waited for it)
     assert ran == {1: list(range(1, 16)), 2: list(range(6, 41))}, ran

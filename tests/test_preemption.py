@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 
 from pipelines.train import preemption
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from tests.helpers import registered, wait_for
+from tests.helpers import pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
 
 
@@ -140,25 +140,13 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     cfg = config(tmp_path, straight_small_run["data_root"], "edges", *REFERENCE, "train.eval_every=1",
                  "train.log_every=1", "run.max_failures=0", "run.sigterm_grace_s=2", f"run.notice_file={notice}",
                  f"run.audit_steps_to={audit}")
-    sent: dict = {}
 
     def notice_in_the_final_evaluation() -> None:
-        try:
-            wait_for("the final checkpoint", lambda: any(a.get("checkpoint_step") == steps
-                                                         for a in journal(tmp_path / "ray", "edges")), 300, 0.1)
-            notice.write_text("1\n")  # a second left: Ray Train restarts the run before the evaluation ends
-            sent["at"] = time.time()
-        except BaseException as error:  # the test's thread re-raises it
-            sent["error"] = error
+        wait_for("the final checkpoint", lambda: any(a.get("checkpoint_step") == steps
+                                                     for a in journal(tmp_path / "ray", "edges")), 300, 0.1)
+        notice.write_text("1\n")  # a second left: Ray Train restarts the run before the evaluation ends
 
-    thread = threading.Thread(target=notice_in_the_final_evaluation, daemon=True)
-    thread.start()
-    from pipelines.train.job import run_pretrain
-
-    result = run_pretrain(cfg)
-    thread.join()
-    if "error" in sent:
-        raise sent["error"]
+    result = pretrain_beside(cfg, notice_in_the_final_evaluation)
     ran = audited(audit)
     assert ran == {1: [1], 2: list(range(2, steps + 1))}, ran  # every step once; the third attempt trains nothing
     attempts = journal(tmp_path / "ray", "edges")
