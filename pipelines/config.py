@@ -22,7 +22,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # rungs and best config, evaluation and adapter outputs (a config's own paths, such as data.root, stay as written).
 # $PROBVLP_HOME where set (the tests set a folder of their own; Ray's processes inherit it), else .probvlp in the
 # project folder.
-LOCAL_DIR = Path(os.path.abspath(os.path.expanduser(os.environ.get("PROBVLP_HOME") or PROJECT_ROOT / ".probvlp")))
+STATE_DIR = Path(os.path.abspath(os.path.expanduser(os.environ.get("PROBVLP_HOME") or PROJECT_ROOT / ".probvlp")))
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -105,7 +105,7 @@ class DataConfig(Section):
     # Batches each training worker's iterator prepares ahead of the step (Ray Data prefetch_batches).
     prefetch_batches: int = Field(4, ge=0, le=64)
     # Who reads a set small enough to keep still encoded (the readers' 512 MB: the digits, a test set, a few shards):
-    # "auto", the training workers themselves from Ray's object store (pipelines.data.local: no Ray Data process,
+    # "auto", the training workers themselves from Ray's object store (pipelines.data.worker_reader: no Ray Data process,
     # seconds sooner to the first step); "ray_data", Ray Data as for larger sets.
     reader: Literal["auto", "ray_data"] = "auto"
     # Same sample order every run (Ray Data preserve_order + seeded shuffles): exact resume, less throughput.

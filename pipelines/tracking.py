@@ -17,7 +17,7 @@ from mlflow.artifacts import download_artifacts
 from mlflow.entities import Metric, Param, RunTag
 
 import models
-from pipelines.config import LOCAL_DIR, PROJECT_ROOT
+from pipelines.config import PROJECT_ROOT, STATE_DIR
 from pipelines.mlflow_store import prepare_sqlite_store
 from pipelines.tracking_outbox import (BATCH, COMMAND, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox, OutboxReport,
                                        register_model_version)
@@ -31,7 +31,7 @@ _URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")
 def tracking_uri(configured: str | None = None) -> str:
     """Config value, else $MLFLOW_TRACKING_URI, else a sqlite store in the project folder. A sqlite store that does
     not exist yet is created here, from a copy of an empty one (pipelines.mlflow_store)."""
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{LOCAL_DIR / 'mlflow.db'}"
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{STATE_DIR / 'mlflow.db'}"
     prepare_sqlite_store(uri, sqlite_artifact_root(uri))
     return uri
 
@@ -144,7 +144,7 @@ def worker_client(uri: str, run_id: str):
     return MlflowClient(uri)
 
 
-OUTBOX_DIR = LOCAL_DIR / "tracking_outbox"  # rank 0's outbox queue past its memory bound, and its artifact copies
+OUTBOX_DIR = STATE_DIR / "tracking_outbox"  # rank 0's outbox queue past its memory bound, and its artifact copies
 
 
 class StepLogger:

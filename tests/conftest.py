@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 # Where torch would JIT-build C++ ops in this pytest run (Ray's processes inherit it): training must build none
 # (tests/test_pretrain.py), and a per-run folder keeps a copy built elsewhere from hiding a build.
 os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_")
-# The project's local state in this pytest run (pipelines.config.LOCAL_DIR: the default MLflow store, rank 0's tracking
+# The project's local state in this pytest run (pipelines.config.STATE_DIR: the default MLflow store, rank 0's tracking
 # outboxes, injected-failure markers, a sweep's rungs and best config): a folder of the run's own, never the checkout's
 # .probvlp. Set before pipelines.config is imported (it reads it once); Ray's processes, the local clusters' nodes and
 # the jobs the tests start inherit it. A run that writes into the checkout anyway fails (pytest_sessionfinish).

@@ -29,8 +29,8 @@ from mlflow.artifacts import download_artifacts
 from models.model_file import load_model
 from pipelines.cluster import services
 from pipelines.cluster.file_server import LoopbackServer
-from pipelines.cluster.local import LOCAL_DATA, LocalCluster, processes, start
-from pipelines.config import LOCAL_DIR
+from pipelines.cluster.local import LocalCluster, processes, start
+from pipelines.config import STATE_DIR
 from pipelines.download.plan import bucket_of
 from pipelines.tracking import model_file
 from tests.helpers import BUCKET, free_port, jpeg, tracebacks, wait_for
@@ -154,7 +154,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
     progress = [line for line in out.splitlines() if "[train] step " in line]
     assert all(" | loss " in line and "samples/s" in line and " | ETA " in line for line in progress)
     assert "Starting execution of Dataset" not in out and "Reporting training result" not in out
-    # the training workers read the small set themselves (pipelines.data.local): from S3 too, no Ray Data execution
+    # the training workers read the small set themselves (pipelines.data.worker_reader): from S3 too, no Ray Data execution
     assert "Starting execution of Dataset" not in ray_data_logs(cluster)
     assert "digits_zeroshot: top1" in out  # the per-task headline jobs.pretrain prints
     assert "sample predictions: 4 held-out images of eval task 'digits_zeroshot'" in out
@@ -390,7 +390,7 @@ def test_nodes_see_no_file_of_the_head_or_of_each_other(local_cluster, tmp_path)
     (tmp_path / "probe.py").write_text(PROBE)
     head_file = tmp_path / "written_on_the_head.txt"
     head_file.write_text("head")
-    data = LOCAL_DATA / "written_on_the_head.txt"  # the project's local state folder ($PROBVLP_HOME: the tests')
+    data = STATE_DIR / "written_on_the_head.txt"  # the project's local state folder ($PROBVLP_HOME: the tests')
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("head")
     out = subprocess.run([str(BIN / "ray"), "job", "submit", "--", sys.executable, str(tmp_path / "probe.py"),
@@ -438,8 +438,8 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     # on the head, in the project's local state folder: $PROBVLP_HOME, which the tests set and the job inherits (the
     # job's copy of the project where it is not set)
     copies = list(Path(local_cluster.temp_dir).glob("session_2*/runtime_resources/working_dir_files/*/.probvlp/mlflow.db"))
-    assert (LOCAL_DIR / "mlflow.db").is_file() and not copies, copies
-    client = MlflowClient(f"sqlite:///{LOCAL_DIR / 'mlflow.db'}")
+    assert (STATE_DIR / "mlflow.db").is_file() and not copies, copies
+    client = MlflowClient(f"sqlite:///{STATE_DIR / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name("probvlp-demo").experiment_id])[0]
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "10"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10]  # rank 0's, relayed

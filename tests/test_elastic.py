@@ -25,8 +25,8 @@ import torch
 from mlflow import MlflowClient
 
 from pipelines.cluster.isolated import start_node, stop_node
-from pipelines.cluster.local import LOCAL_DATA, processes
-from pipelines.config import PROJECT_ROOT
+from pipelines.cluster.local import processes
+from pipelines.config import PROJECT_ROOT, STATE_DIR
 from pipelines.train.config import load_train_config
 from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.train.optim import warmup_cosine
@@ -62,7 +62,7 @@ class Node:
 
     def __init__(self, gcs_address: str, cpus: float, log: Path):
         self.node_id = secrets.token_hex(28)
-        self.process = start_node(gcs_address, ["/tmp", str(LOCAL_DATA)], cpus, {}, {},
+        self.process = start_node(gcs_address, ["/tmp", str(STATE_DIR)], cpus, {}, {},
                                   [str(PROJECT_ROOT), sys.prefix], self.node_id, "elastic-worker", log)
 
     def pids(self) -> dict[int, str]:

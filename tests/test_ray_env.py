@@ -60,8 +60,8 @@ def test_ray_workers_keep_the_local_state_folder(ray_local):
     it to the pytest run's own folder, never the checkout's .probvlp)."""
     @ray_local.remote
     def local_dir() -> str:
-        from pipelines.config import LOCAL_DIR
+        from pipelines.config import STATE_DIR
 
-        return str(LOCAL_DIR)
+        return str(STATE_DIR)
 
     assert ray_local.get(local_dir.remote()) == os.environ["PROBVLP_HOME"]

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from pipelines.config import ConfigError
 from pipelines.train.config import load_train_config
-from pipelines.tracking import LOCAL_DIR
+from pipelines.tracking import STATE_DIR
 from pipelines.train.job import run_pretrain
 from tests.helpers import failed_evaluation_keeps_the_model
 from tests.small_runs import (
@@ -51,7 +51,7 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     assert run.data.params["train.contrastive_batch"] == "128"  # 32 x 2 micro-batches x 2 workers
     assert run.data.tags["probvlp.resumes"] == "1"
     assert run.data.tags["probvlp.resumed_from_step"] == "15"  # the failure restarted from the last checkpoint
-    assert (LOCAL_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "17"
+    assert (STATE_DIR / "injected_failures" / f"{resumed.mlflow_run_id}.done").read_text() == "17"
     assert steps_logged(resumed) == list(range(1, 41))  # every step exactly once, across stop, resume and failure
     # each attempt said why it resumed: the new command on the run's storage, then the restart after the failure
     said = {k: json.loads(v) for k, v in run.data.tags.items() if k.startswith("probvlp.attempt.")}

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 
 from pipelines.config import ConfigError
 from pipelines.train.config import load_train_config
-from pipelines.tracking import LOCAL_DIR
+from pipelines.tracking import STATE_DIR
 from pipelines.tune.config import load_tune_config
 
 from tests.helpers import BUCKET
@@ -151,7 +151,7 @@ def test_sweep_on_user_shards_stops_bad_trials_survives_ctrl_c_and_resumes(user_
     assert [r.data.tags["probvlp.trial_status"] for r in after] == ["stopped early"]
     # the scheduler's rungs stay with the driver (pipelines.tune.job), its storage being on S3: in the project's local
     # state folder ($PROBVLP_HOME, which tests/conftest.py sets and the job inherits)
-    assert (LOCAL_DIR / "tune" / "two_asha_rungs.json").is_file()
+    assert (STATE_DIR / "tune" / "two_asha_rungs.json").is_file()
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png"} <= artifacts
     # The best trial is the one with the lowest final metric, and the best config carries its sampled knobs.

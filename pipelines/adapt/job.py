@@ -35,7 +35,7 @@ from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
-from pipelines.tracking import LOCAL_DIR, TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
+from pipelines.tracking import STATE_DIR, TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
 from pipelines.train.trainer import run_exists, torch_trainer
 
 EXAMPLE_CAPTION = "a photo of a dog"
@@ -105,7 +105,7 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
     cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
     if cfg.run.name is None:
         cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = Path(out or LOCAL_DIR / "adapt" / cfg.run.name).resolve()
+    out = Path(out or STATE_DIR / "adapt" / cfg.run.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(cfg.tracking.uri)
     source, folder, pairs = check_before_ray(cfg, out, uri)

@@ -27,15 +27,14 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.config import LOCAL_DIR, PROJECT_ROOT, ConfigError
+from pipelines.config import PROJECT_ROOT, STATE_DIR, ConfigError
 from pipelines.cluster import services
 from pipelines.cluster.isolated import PROVIDER
 from pipelines.cluster.runtime import local_port, port_lock
 
 CLUSTER_YAML = PROJECT_ROOT / "ray_cluster.yaml"
-LOCAL_DATA = LOCAL_DIR  # the project's local data, MLflow store and runs: each node's own
 # `up`'s cluster: its state file, config, logs and services
-CLUSTER_DIR = LOCAL_DATA / "local_cluster"
+CLUSTER_DIR = STATE_DIR / "local_cluster"
 # The fake provider registers its head under this node type name, whatever the config calls it.
 FAKE_HEAD_TYPE = "ray.head.default"
 # Accelerators a CPU-only machine cannot offer: a job asking for them gets the driver's clear error
@@ -79,7 +78,7 @@ def local_config(source: Path = CLUSTER_YAML, *, gcs_port: int, cpus_per_node: f
         # Every worker node in a mount namespace of its own (pipelines.cluster.isolated): its own empty /tmp and
         # project data folder, so a file written on one node is absent on the others, as on a cloud cluster.
         "provider": {"type": "external", "module": PROVIDER, "gcs_address": f"127.0.0.1:{gcs_port}",
-                     "hidden_paths": [str(LOCAL_DATA)], "keep_paths": [str(PROJECT_ROOT), sys.prefix],
+                     "hidden_paths": [str(STATE_DIR)], "keep_paths": [str(PROJECT_ROOT), sys.prefix],
                      "use_node_id_as_ip": True,
                      "disable_node_updaters": True, "disable_launch_config_check": True},
         "auth": {"ssh_user": "ubuntu"},

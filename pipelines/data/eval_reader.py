@@ -19,7 +19,7 @@ from models.preprocess import resize, to_model_input
 from pipelines.data.reader import IMAGE_COLUMNS, decode_row, present
 from pipelines.data.stats import SkippedSample, stats_actor
 from pipelines.storage import total_bytes
-from pipelines.data.local import local_shards
+from pipelines.data.worker_reader import worker_shards
 from pipelines.data.tars import blocks_here, cached_tar_shards, iter_tar_samples, read_tar_shards
 
 # What a task's samples must carry besides an image (None: nothing else, e.g. jobs.embed)
@@ -134,16 +134,17 @@ def parse_levels(value) -> dict[str, list[str]]:
 
 
 def read_eval_shards(paths: list[str], image_size: int, stats_name: str | None = None, batch_size: int = 256,
-                     cache_max_mb: float = 512.0, uint8: bool = False, require: str | None = None, local: bool = False):
+                     cache_max_mb: float = 512.0, uint8: bool = False, require: str | None = None,
+                     worker_read: bool = False):
     """Ray Dataset of decoded evaluation batches, in file order. Sets read every epoch (a training run's eval
     tasks) are cached still encoded when small; a one-pass reader (batch inference) sets cache_max_mb=0 and
-    streams. require: see EvalDecode (REQUIRES[task.kind] for a task). local: a cached set comes back as
-    `pipelines.data.local.LocalShards` that each Ray Train worker reads whole."""
+    streams. require: see EvalDecode (REQUIRES[task.kind] for a task). worker_read: a cached set comes back as
+    `pipelines.data.worker_reader.WorkerShards` that each Ray Train worker reads whole."""
     stats = stats_actor() if stats_name else None
     kwargs = dict(image_size=image_size, stats=stats, stats_name=stats_name, uint8=uint8, require=require)
     small = total_bytes(paths) <= cache_max_mb * 2**20
-    if small and local:
-        return local_shards(blocks_here(paths, stats_name), _decode, kwargs, batch_size, split=False)
+    if small and worker_read:
+        return worker_shards(blocks_here(paths, stats_name), _decode, kwargs, batch_size, split=False)
     if small:
         ds = cached_tar_shards(paths, stats_name)
         ds.context.execution_options.preserve_order = True  # the decoded batches too, in file order

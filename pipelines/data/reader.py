@@ -23,9 +23,9 @@
   each worker's stream.
 - Per-worker shards: pass the dataset to ``TorchTrainer(datasets=...)`` with
   ``DataConfig(datasets_to_split=["train"])``; each worker reads ``get_dataset_shard("train")``.
-  Every sample reaches exactly one worker per epoch (tests/test_reader.py). ``local=True`` (a training run's
-  ``data.reader: auto``): a cached set comes back as `pipelines.data.local.LocalShards`, read by the workers
-  themselves with the same map function (`pipelines.data.local.dataset_shard`), no Ray Data execution.
+  Every sample reaches exactly one worker per epoch (tests/test_reader.py). ``worker_read=True`` (a training run's
+  ``data.reader: auto``): a cached set comes back as `pipelines.data.worker_reader.WorkerShards`, read by the workers
+  themselves with the same map function (`pipelines.data.worker_reader.dataset_shard`), no Ray Data execution.
 
 Output columns: ``image`` (B,3,H,W) float32 (uint8=False; uint8=True: see `Preprocess`), ``text`` (B,L) int64,
 ``label`` (B,) int64 (-1 when the sample has none) and ``sample_id`` (B,) int64 (the webdataset key as a number).
@@ -44,7 +44,7 @@ from pipelines.data.augmentation import PARAM_COLUMNS, augment_batch, augment_ui
 from pipelines.data.captions import CaptionSampler
 from pipelines.storage import fs_path, total_bytes, uri
 from pipelines.data.stats import SkippedSample, stats_actor
-from pipelines.data.local import local_shards
+from pipelines.data.worker_reader import worker_shards
 from pipelines.data.tars import blocks_here, cached_tar_shards, read_tar_shards, shuffled_paths
 from pipelines.data.tokens import tokenize_cached
 
@@ -220,7 +220,7 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
                 captions: CaptionSampler = CaptionSampler(), augment: bool = False, shuffle: bool = False,
                 stats_name: str | None = "default", batch_size: int = 256, cache: bool | None = None,
                 cache_max_mb: float = 512.0, uint8: bool = False, augment_on: str = "reader",
-                decode_size: int | None = None, flip_p: float = 0.0, stats_sync: bool = False, local: bool = False,
+                decode_size: int | None = None, flip_p: float = 0.0, stats_sync: bool = False, worker_read: bool = False,
                 split: bool = True):
     """Ray Dataset over webdataset .tar paths -> preprocessed numpy batches (see module docstring).
 
@@ -228,8 +228,8 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     epochs only decode and augment; None: when the shards total at most cache_max_mb (re-reading a
     handful of small tar files each epoch costs more than preprocessing them).
     uint8, augment_on, decode_size, flip_p: see `Preprocess`. stats_sync: each batch's counts reach the stats
-    before the batch goes on (evaluation reads; training sends them without waiting). local: a cached set comes back
-    as `pipelines.data.local.LocalShards` for Ray Train workers to read themselves (`split`: each worker its share of
+    before the batch goes on (evaluation reads; training sends them without waiting). worker_read: a cached set comes back
+    as `pipelines.data.worker_reader.WorkerShards` for Ray Train workers to read themselves (`split`: each worker its share of
     the rows, else all of them).
     """
     # File-order shuffling at read time (reseeded every epoch) streams; randomize_block_order would be a
@@ -241,8 +241,8 @@ def read_shards(paths: list[str], image_size: int, context_length: int, seed: in
     kwargs = dict(image_size=image_size, context_length=context_length, captions=captions, seed=seed, augment=augment,
                   stats=stats, stats_name=stats_name, uint8=uint8, augment_on=augment_on, decode_size=decode_size,
                   flip_p=flip_p, stats_sync=stats_sync)
-    if cache and local:
-        return local_shards(blocks_here(shuffled_paths(paths, file_shuffle), stats_name), _preprocess, kwargs,
+    if cache and worker_read:
+        return worker_shards(blocks_here(shuffled_paths(paths, file_shuffle), stats_name), _preprocess, kwargs,
                             batch_size, split)
     if cache:
         ds = cached_tar_shards(paths, stats_name, shuffle=file_shuffle)

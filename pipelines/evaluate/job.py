@@ -39,7 +39,7 @@ from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_emb
                                           write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
 from pipelines.inputs import prepare_inputs
-from pipelines.tracking import LOCAL_DIR, finish_with_results, resolve_model, start_run, tracking_uri
+from pipelines.tracking import STATE_DIR, finish_with_results, resolve_model, start_run, tracking_uri
 
 
 def loss_section(cfg: EvaluateDocument, source_config: str | None) -> tuple[str | None, dict]:
@@ -85,7 +85,7 @@ def run_evaluate(cfg: EvaluateDocument, model_ref: str, out: Path | None, opts: 
     every task of cfg.eval, under `out` (None: .probvlp/eval/<time>); returns {"metrics", "records", "results",
     "mlflow_run_id", "skipped", "out"}."""
     check_loss_section(cfg)
-    out = Path(out or LOCAL_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out = Path(out or STATE_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
         source = resolve_model(model_ref, tracking_uri(cfg.tracking.uri), out / "source")

@@ -22,11 +22,11 @@ from pipelines.evaluate import EvaluationError
 from pipelines.inputs import prepare_inputs
 from pipelines.data.stats import BadDataError
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
-from pipelines.data.local import LocalShards
+from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
 from pipelines.train.data_health import run_stats_name
-from pipelines.tracking import LOCAL_DIR, git_commit, tracked_run, tracking_uri
+from pipelines.tracking import STATE_DIR, git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
 
 
@@ -42,26 +42,26 @@ class PretrainResult:
 
 
 def build_datasets(cfg: TrainDocument, context_length: int, run_id: str = "") -> dict[str, Any]:
-    """The run's datasets: Ray datasets, or (data.reader auto, sets small enough to keep) `LocalShards` that the
+    """The run's datasets: Ray datasets, or (data.reader auto, sets small enough to keep) `WorkerShards` that the
     workers read themselves; their reader counts kept under `run_stats_name(run_id, name)`."""
-    size, local = cfg.data.image_size, cfg.data.reader == "auto"
+    size, worker_read = cfg.data.image_size, cfg.data.reader == "auto"
     datasets = {
         "train": read_split(cfg.data.root, "train", size, context_length, stats_name=run_stats_name(run_id, "train"),
                             captions=CaptionSampler(mid=cfg.data.mid_caption_prob, general=cfg.data.general_caption_prob,
                                                     instance=cfg.data.instance_caption_prob),
                             seed=cfg.run.seed if cfg.data.deterministic else None, augment=cfg.data.augment,
-                            local=local, **train_options(cfg)),
+                            worker_read=worker_read, **train_options(cfg)),
     }
     for task in cfg.resolved_tasks():
         name = eval_dataset_name(task)
         if task.kind == "loss":
             # the reader's training-style batches (tokens, a caption drawn per sample), seeded: the same every eval
             datasets[name] = read_shards(task_paths(task), size, context_length, seed=0,
-                                         stats_name=run_stats_name(run_id, name), stats_sync=True, local=local,
-                                         split=False)
+                                         stats_name=run_stats_name(run_id, name), stats_sync=True,
+                                         worker_read=worker_read, split=False)
         else:
             datasets[name] = read_eval_shards(task_paths(task), size, stats_name=run_stats_name(run_id, name),
-                                              require=REQUIRES[task.kind], local=local)
+                                              require=REQUIRES[task.kind], worker_read=worker_read)
     return datasets
 
 
@@ -120,16 +120,16 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
         run.pending_in, run.flush_timeout_s = outbox_folder(cfg.run.storage_path, cfg.run.name), cfg.tracking.flush_timeout_s
         job = uuid.uuid4().hex  # tells a restart within this job from a later command on the same run
         datasets = build_datasets(cfg, context_length, run.run_id)
-        local = {k: v for k, v in datasets.items() if isinstance(v, LocalShards)}
+        worker_read = {k: v for k, v in datasets.items() if isinstance(v, WorkerShards)}
         trainer = torch_trainer(
             train_loop,
-            {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri, "local_datasets": local,
+            {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri, "worker_datasets": worker_read,
              "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
-             "failure_marker": str(LOCAL_DIR / "injected_failures" / f"{run.run_id}.done"),
+             "failure_marker": str(STATE_DIR / "injected_failures" / f"{run.run_id}.done"),
              "job_started_at": started_at, "job": job},
-            cfg, {k: v for k, v in datasets.items() if k not in local}, callbacks,
-            ray.train.DataConfig(datasets_to_split=[] if "train" in local else ["train"],
+            cfg, {k: v for k, v in datasets.items() if k not in worker_read}, callbacks,
+            ray.train.DataConfig(datasets_to_split=[] if "train" in worker_read else ["train"],
                                  execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
                                  enable_shard_locality=not cfg.data.deterministic))
         try:

@@ -29,7 +29,7 @@ from models.gather import World
 from pipelines.train.config import TrainDocument
 from pipelines.data.device_augment import model_images
 from pipelines.data.eval_tasks import use_texts
-from pipelines.data.local import dataset_shard, use_local_datasets
+from pipelines.data.worker_reader import dataset_shard, use_worker_datasets
 from pipelines.data.stats import report_metrics
 from pipelines.progress import ProgressLine
 from pipelines.train import attempts, export, state as train_state
@@ -611,7 +611,7 @@ class TrainWorker:
 def train_loop(config: dict[str, Any]) -> None:
     cfg = TrainDocument.from_dict(config["config"])
     use_texts(config.get("texts", {}))
-    use_local_datasets(config.get("local_datasets", {}))
+    use_worker_datasets(config.get("worker_datasets", {}))
     worker = None
     try:
         worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),

@@ -29,7 +29,7 @@ from pipelines.config import ConfigError, absolute_path, set_dotted
 from pipelines.train.config import TrainDocument
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
-from pipelines.tracking import (LOCAL_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
+from pipelines.tracking import (STATE_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
 from pipelines.inputs import inputs_of, prepare_inputs
 from pipelines.train.job import joined_cluster, run_pretrain
@@ -116,7 +116,7 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
     exp_path = f"{root}/{s.name}"
     # The driver runs the scheduler, so its rungs are a local file: beside the experiment, or in the project's
     # .probvlp/tune when the experiment is in cloud storage.
-    rungs_file = str(LOCAL_DIR / "tune" / s.name if "://" in root else exp_path) + "_asha_rungs.json"
+    rungs_file = str(STATE_DIR / "tune" / s.name if "://" in root else exp_path) + "_asha_rungs.json"
 
     parent = find_run(uri, s.experiment, f"sweep:{s.name}")
     if parent is None:
@@ -145,7 +145,7 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
     if interrupted:  # Tune saved the experiment with trials still to run: nothing to summarise yet
         return grid, parent, None
     summary = summarize_sweep(grid, sweep, base, uri, parent)
-    out = Path(best_config_out or LOCAL_DIR / "tune" / f"{s.name}_best.yaml")
+    out = Path(best_config_out or STATE_DIR / "tune" / f"{s.name}_best.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(summary["best_config"].to_yaml())
     summary["best_config_file"] = out

@@ -1,4 +1,4 @@
-"""The project's local state folder (pipelines.config.LOCAL_DIR: the default MLflow store, rank 0's tracking outboxes,
+"""The project's local state folder (pipelines.config.STATE_DIR: the default MLflow store, rank 0's tracking outboxes,
 injected-failure markers, a sweep's rungs): $PROBVLP_HOME where set. tests/conftest.py sets it to a folder of the
 pytest run's own, and fails a run that wrote into the checkout's .probvlp anyway (its pytest_sessionfinish, on
 tests.helpers.files_under / written_between). Ray's workers see the same folder: tests/test_ray_env.py."""
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.config import LOCAL_DIR
+from pipelines.config import STATE_DIR
 from tests.helpers import files_under, written_between
 from tests.pace import scaled
 
@@ -18,15 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_local_state_goes_to_the_runs_folder_not_the_checkout(monkeypatch):
     """The default MLflow store (no tracking.uri, no MLFLOW_TRACKING_URI) is made in $PROBVLP_HOME, where every
-    LOCAL_DIR path lies; a fresh Python started in the checkout (a job, as the tests start them) finds the same."""
+    STATE_DIR path lies; a fresh Python started in the checkout (a job, as the tests start them) finds the same."""
     from pipelines.tracking import OUTBOX_DIR, tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = tracking_uri()  # written first: where the folder is wrong, the session check names the file too
     home = Path(os.environ["PROBVLP_HOME"])
     assert uri == f"sqlite:///{home / 'mlflow.db'}" and (home / "mlflow.db").is_file()
-    assert LOCAL_DIR == home and OUTBOX_DIR.parent == home and ROOT not in home.parents
-    out = subprocess.run([sys.executable, "-c", "from pipelines.config import LOCAL_DIR; print(LOCAL_DIR)"], cwd=ROOT,
+    assert STATE_DIR == home and OUTBOX_DIR.parent == home and ROOT not in home.parents
+    out = subprocess.run([sys.executable, "-c", "from pipelines.config import STATE_DIR; print(STATE_DIR)"], cwd=ROOT,
                          capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0 and out.stdout.strip() == str(home), out.stderr[-2000:]
 

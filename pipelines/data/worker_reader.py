@@ -26,7 +26,7 @@ import ray
 
 
 @dataclass
-class LocalShards:
+class WorkerShards:
     """A small dataset as the workers get it: the object references of its raw blocks (the readers' pandas blocks of
     still-encoded samples, file order),
     the map function that decodes a numpy batch of them (`fn(batch, **fn_kwargs)`, batches of `map_batch_size` rows),
@@ -43,17 +43,17 @@ class LocalShards:
         return LocalShard(self, rank, world)
 
 
-def local_shards(blocks: list[pd.DataFrame], fn: Callable[..., dict[str, np.ndarray]], fn_kwargs: dict[str, Any],
-                 map_batch_size: int, split: bool = True) -> LocalShards:
+def worker_shards(blocks: list[pd.DataFrame], fn: Callable[..., dict[str, np.ndarray]], fn_kwargs: dict[str, Any],
+                 map_batch_size: int, split: bool = True) -> WorkerShards:
     """The blocks put in Ray's object store (one object each), to be read by the workers."""
     blocks = [b for b in blocks if len(b)]
-    return LocalShards([ray.put(b) for b in blocks], fn, fn_kwargs, map_batch_size, split, [len(b) for b in blocks])
+    return WorkerShards([ray.put(b) for b in blocks], fn, fn_kwargs, map_batch_size, split, [len(b) for b in blocks])
 
 
 class LocalShard:
-    """One worker's view of a `LocalShards`: Ray Data's iterator methods over its rows."""
+    """One worker's view of a `WorkerShards`: Ray Data's iterator methods over its rows."""
 
-    def __init__(self, shards: LocalShards, rank: int, world: int):
+    def __init__(self, shards: WorkerShards, rank: int, world: int):
         self.shards, self.rank, self.world = shards, rank, world
         lengths = shards.lengths
         self.n = sum(lengths)
@@ -171,10 +171,10 @@ def _ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
         stop.set()
 
 
-_DATASETS: dict[str, LocalShards] = {}
+_DATASETS: dict[str, WorkerShards] = {}
 
 
-def use_local_datasets(datasets: dict[str, LocalShards]) -> None:
+def use_worker_datasets(datasets: dict[str, WorkerShards]) -> None:
     """The run's worker-read datasets, by name (a training worker sets them from its loop config)."""
     _DATASETS.clear()
     _DATASETS.update(datasets)

@@ -1,4 +1,4 @@
-"""Small sets read by the training workers themselves (pipelines.data.local): each worker's rows, their order and
+"""Small sets read by the training workers themselves (pipelines.data.worker_reader): each worker's rows, their order and
 batches, the same decoded samples as Ray Data's read gives, and which datasets a run hands Ray Data."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import ray.data
 
 from pipelines.config import ConfigError
-from pipelines.data.local import LocalShards
+from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.reader import read_split
 from pipelines.inputs import prepare_data
 from pipelines.train.config import load_train_config
@@ -25,8 +25,8 @@ def ids(batches) -> list[int]:
 
 
 def test_workers_split_the_rows_equally_and_reshuffle_them_by_epoch(ray_local, digits_root):
-    local = read_split(digits_root, "train", SIZE, CONTEXT, seed=0, stats_name="local-split", local=True)
-    assert isinstance(local, LocalShards)
+    local = read_split(digits_root, "train", SIZE, CONTEXT, seed=0, stats_name="local-split", worker_read=True)
+    assert isinstance(local, WorkerShards)
     shards = [local.shard(rank, 2) for rank in range(2)]
     n = shards[0].n
     rows = [s.rows(None) for s in shards]
@@ -51,7 +51,7 @@ def test_workers_split_the_rows_equally_and_reshuffle_them_by_epoch(ray_local, d
 def test_the_same_samples_as_ray_datas_read(ray_local, digits_root):
     """Unaugmented, in file order: the decoded images, tokens and labels equal Ray Data's, sample by sample."""
     kw = dict(seed=0, augment=False, shuffle=False, stats_name="local-same")
-    ours = dataclasses.replace(read_split(digits_root, "val", SIZE, CONTEXT, local=True, **kw), split=False)
+    ours = dataclasses.replace(read_split(digits_root, "val", SIZE, CONTEXT, worker_read=True, **kw), split=False)
     theirs = read_split(digits_root, "val", SIZE, CONTEXT, **kw).take_all()
     got = {}
     for b in ours.shard(0, 1).iter_batches(batch_size=128):
@@ -68,7 +68,7 @@ def test_a_run_hands_ray_data_only_what_the_workers_do_not_read(ray_local, digit
     cfg = load_train_config(ROOT / "configs" / "demo.yaml", base)
     prepare_data(cfg)  # the eval sets
     datasets = build_datasets(cfg, CONTEXT)
-    assert datasets and all(isinstance(d, LocalShards) for d in datasets.values())
+    assert datasets and all(isinstance(d, WorkerShards) for d in datasets.values())
     assert datasets["train"].split and not any(d.split for k, d in datasets.items() if k != "train")
     cfg = load_train_config(ROOT / "configs" / "demo.yaml", [*base, "data.reader=ray_data"])
     assert all(isinstance(d, ray.data.Dataset) for d in build_datasets(cfg, CONTEXT).values())
