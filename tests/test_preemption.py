@@ -137,7 +137,10 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     too; and the run ends bit for bit on an uninterrupted run's state (REFERENCE)."""
     notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 40
     notice.write_text("0\n")  # the seconds left: none (a notice read after its deadline still gets its save)
-    cfg = config(tmp_path, straight_small_run["data_root"], "edges", *REFERENCE, "train.eval_every=1",
+    # the digits' zero-shot task alone: an evaluation at each of the 40 steps, none of them more than it needs
+    only_zeroshot = ('eval.tasks=[{name: digits_zeroshot, kind: zeroshot, data: "{data.root}/eval/zeroshot", '
+                     'templates: "{data.root}/eval/zeroshot/prompts.json"}]')
+    cfg = config(tmp_path, straight_small_run["data_root"], "edges", *REFERENCE, "train.eval_every=1", only_zeroshot,
                  "train.log_every=1", "run.max_failures=0", "run.sigterm_grace_s=2", f"run.notice_file={notice}",
                  f"run.audit_steps_to={audit}")
 
