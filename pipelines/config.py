@@ -296,7 +296,7 @@ class TrackingConfig(Section):
     register_as: str | None = Field(None, min_length=1)
     # At the end of a run, how long the driver delivers what the store has not taken yet (an outage: rank 0 hands it
     # over in the run's storage and its workers are released); what is still left stays there, with the one command
-    # that delivers it later (pipelines.tracking_outbox), and the job ends well.
+    # that delivers it later (pipelines.tracking.outbox), and the job ends well.
     flush_timeout_s: float = Field(600.0, gt=0)
 
     def with_absolute_store(self) -> "TrackingConfig":

@@ -11,9 +11,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.config import ConfigError
+from pipelines.config import STATE_DIR, ConfigError
 from pipelines.train.config import load_train_config
-from pipelines.tracking import STATE_DIR
 from pipelines.train.job import run_pretrain
 from tests.helpers import failed_evaluation_keeps_the_model
 from tests.small_runs import (

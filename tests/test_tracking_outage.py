@@ -1,7 +1,7 @@
 """The run outlives its tracking server, alone and together with a preemption: a real `mlflow server` on 127.0.0.1
 stopped in the middle of a real training job (jobs.pretrain, 2 Ray Train workers under DeepSpeed) for longer than the
 MLflow client's retry budget, then restarted on the same database and port. Rank 0's outbox
-(pipelines.tracking_outbox.Outbox) keeps what the loop logs meanwhile, hands it to the next attempt through the run's
+(pipelines.tracking.outbox.Outbox) keeps what the loop logs meanwhile, hands it to the next attempt through the run's
 storage, and the driver delivers the end's backlog or keeps it for the command it names."""
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import pytest
 from mlflow import MlflowClient
 
 import pipelines.tracking as tracking
-import pipelines.tracking_outbox as tracking_outbox
+import pipelines.tracking.logger as tracking_logger
+import pipelines.tracking.outbox as tracking_outbox
 from pipelines.cluster import services
-from pipelines.tracking import StepLogger
-from pipelines.tracking_outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG
+from pipelines.tracking import StepLogger, deliver
+from pipelines.tracking.outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG
 from tests.helpers import free_port, wait_for
 from tests.pace import scaled
 from tests.small_runs import SMALL
@@ -170,7 +171,7 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
             assert rc == 0, output[-5000:]
         [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
         command = line.split("deliver them with: ")[1].strip()
-        assert command.startswith("python -m pipelines.tracking_outbox ") and "pending" in line
+        assert command.startswith("python -m pipelines.tracking.deliver ") and "pending" in line
         server = services.start_mlflow(port, server_dir, artifacts, {})
         assert client.get_run(rid).info.status == "RUNNING"
         delivered = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True,
@@ -191,7 +192,7 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_l
     queue that went on in a file (a small memory bound here) included, and ends the run FINISHED."""
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
+    monkeypatch.setattr(tracking_logger, "OUTBOX_DIR", tmp_path / "outbox")
     monkeypatch.setattr(tracking_outbox, "MEMORY_METRICS", 40)  # most of what follows goes on in the spill file
     store = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # from a copy of an empty store
     # its artifacts beside the store, as pipelines.tracking makes a run's (MLflow's default: the checkout's ./mlruns)
@@ -218,13 +219,13 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_l
     assert run.kept is not None and run.kept.pending == 207  # and the run's status last
     assert f"{tracking_outbox.COMMAND} {storage}" in out and "pending" in out and "FINISHED" in out
 
-    assert tracking_outbox.main([storage, store]) == 0
+    assert deliver.main([storage, store]) == 0
     losses = client.get_metric_history(run_id, "loss")
     assert [m.step for m in losses] == list(range(1, 101)) and [m.value for m in losses] == list(range(1, 101))
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["probvlp.last_quarter"] == "100"
-    assert run.data.tags[tracking.LOGGED_THROUGH_TAG] == "100"
+    assert run.data.tags[tracking_outbox.LOGGED_THROUGH_TAG] == "100"
     assert run.data.metrics[UNREACHABLE_METRIC] >= report.unreachable_s
     assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/card.md"]
     assert tracking_outbox.load(storage, tmp_path / "files") is None  # delivered: nothing left to deliver twice
@@ -238,7 +239,7 @@ def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monke
     attempt 2 logs at its own resume step."""
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(tracking, "OUTBOX_DIR", tmp_path / "outbox")
+    monkeypatch.setattr(tracking_logger, "OUTBOX_DIR", tmp_path / "outbox")
     uri = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("attempts")).info.run_id
@@ -263,4 +264,4 @@ def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monke
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == \
         [(s, float(s)) for s in range(1, 11)] + [(11, 111.0), (12, 112.0)]
     assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]
-    assert client.get_run(run_id).data.tags[tracking.LOGGED_THROUGH_TAG] == "12"
+    assert client.get_run(run_id).data.tags[tracking_outbox.LOGGED_THROUGH_TAG] == "12"

@@ -1,4 +1,4 @@
-"""A new sqlite MLflow store is a copy of an empty one (pipelines.mlflow_store): the same database MLflow makes, ready
+"""A new sqlite MLflow store is a copy of an empty one (pipelines.tracking.sqlite_template): the same database MLflow makes, ready
 at once, with the Default experiment's artifacts beside the store."""
 from __future__ import annotations
 

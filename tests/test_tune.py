@@ -14,9 +14,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from pipelines.config import ConfigError
+from pipelines.config import STATE_DIR, ConfigError
 from pipelines.train.config import load_train_config
-from pipelines.tracking import STATE_DIR
 from pipelines.tune.config import load_tune_config
 
 from tests.helpers import BUCKET

@@ -27,7 +27,7 @@ from pipelines.adapt.scoring import comparison_plot, score_adapted
 from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
 from pipelines.cluster.check import check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import ConfigError
+from pipelines.config import STATE_DIR, ConfigError
 from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples
 from pipelines.digits.shards import prepare_digits, write_digit_pairs
@@ -35,7 +35,7 @@ from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
-from pipelines.tracking import STATE_DIR, TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
+from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
 from pipelines.train.trainer import run_exists, torch_trainer
 
 EXAMPLE_CAPTION = "a photo of a dog"

@@ -27,7 +27,7 @@ from models.objective import Objective
 from models.scoring.ann import MeanIndex
 from pipelines.cluster.check import is_local_path
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import ConfigError, InputError
+from pipelines.config import STATE_DIR, ConfigError, InputError
 from pipelines.data.eval_tasks import read_caption_levels, task_paths
 from pipelines.data.reader import read_shards, shard_paths
 from pipelines.storage import fs_path
@@ -39,7 +39,7 @@ from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_emb
                                           write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
 from pipelines.inputs import prepare_inputs
-from pipelines.tracking import STATE_DIR, finish_with_results, resolve_model, start_run, tracking_uri
+from pipelines.tracking import finish_with_results, resolve_model, start_run, tracking_uri
 
 
 def loss_section(cfg: EvaluateDocument, source_config: str | None) -> tuple[str | None, dict]:

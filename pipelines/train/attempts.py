@@ -1,7 +1,7 @@
 """What a run keeps about its attempts in its own storage (`run.storage_path`/NAME/probvlp/, object storage on a
 cluster), so that any node's next attempt knows it without the tracking store: the journal of attempts (why the last
 one ended, where it got to), the failures' one-line errors, the final report, and where rank 0's undelivered MLflow
-calls wait (pipelines.tracking_outbox)."""
+calls wait (pipelines.tracking.outbox)."""
 from __future__ import annotations
 
 import json

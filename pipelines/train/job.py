@@ -14,7 +14,7 @@ from models.objective import loss_name
 from models.registry import tower_config
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import RunStopped
+from pipelines.config import STATE_DIR, RunStopped
 from pipelines.train.config import TrainConfig, TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
@@ -26,7 +26,7 @@ from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
 from pipelines.train.data_health import run_stats_name
-from pipelines.tracking import STATE_DIR, git_commit, tracked_run, tracking_uri
+from pipelines.tracking import git_commit, tracked_run, tracking_uri
 from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
 
 

@@ -135,7 +135,7 @@ class TrainWorker:
         self.attempt = 0
         if self.rank == 0:
             from pipelines.tracking import StepLogger  # deferred: MLflow in rank 0's process only
-            from pipelines.tracking_outbox import load
+            from pipelines.tracking.outbox import load
 
             self.journal = attempts.Journal.open(self.folder, job)
             checkpoint = ray.train.get_checkpoint()
@@ -390,23 +390,23 @@ class TrainWorker:
         if self.logger:
             self.logger.persist(self.outbox_folder)
         start = time.perf_counter()
-        waited = self._wait_for_upload(p.step) if behind else 0.0
+        waited, registered = self._wait_for_upload(p.step) if behind else (0.0, {})
         snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step),
                                     snapshots=self.t.checkpoint_snapshot_dir)
         blocked = time.perf_counter() - start
         self.upload = (p.step, snapshot) if snapshot else None  # a save at once waited for every upload before it
         self.saved_at = time.monotonic()
-        if self.journal:
-            self.journal.update(reached=p.step, **({} if behind else {"checkpoint_step": p.step}))
+        if self.journal:  # one write a save: the upload registered before it, this one's step
+            self.journal.update(reached=p.step, **registered, **({} if behind else {"checkpoint_step": p.step}))
         if self.logger:
             self.logger.log({"checkpoint_blocked_s": blocked, "checkpoint_wait_s": waited}, p.step)
 
-    def _wait_for_upload(self, step: int) -> float:
+    def _wait_for_upload(self, step: int) -> tuple[float, dict[str, Any]]:
         """Every rank, before a snapshot: until the previous checkpoint is uploaded and registered (its snapshot
         folder, which Ray Train deletes once uploaded, still there says so on rank 0, in one line and the journal).
-        Returns the seconds waited."""
+        Returns the seconds waited and the journal's fields for the registered checkpoint (for the caller's write)."""
         if self.upload is None:
-            return 0.0
+            return 0.0, {}
         previous, snapshot = self.upload
         start = time.perf_counter()
         slow = self.rank == 0 and os.path.exists(snapshot)
@@ -417,9 +417,8 @@ class TrainWorker:
             self.journal.update(waiting_for_upload=previous)
         train_state.wait_for_uploads()
         self.upload = None
-        if self.journal:
-            self.journal.update(checkpoint_step=previous, **({"waiting_for_upload": None} if slow else {}))
-        return time.perf_counter() - start
+        registered = {"checkpoint_step": previous, **({"waiting_for_upload": None} if slow else {})}
+        return time.perf_counter() - start, registered
 
     def _checkpoint_name(self, step: int) -> str | None:
         """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.train.state.checkpoint_name)."""

@@ -25,11 +25,11 @@ from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import ConfigError, absolute_path, set_dotted
+from pipelines.config import STATE_DIR, ConfigError, absolute_path, set_dotted
 from pipelines.train.config import TrainDocument
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
-from pipelines.tracking import (STATE_DIR, end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
+from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
 from pipelines.inputs import inputs_of, prepare_inputs
 from pipelines.train.job import joined_cluster, run_pretrain

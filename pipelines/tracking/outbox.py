@@ -2,7 +2,7 @@
 retries while the store is unreachable. What is queued travels with the run, not the node: `persist` writes it to the
 run's storage (`run.storage_path`, object storage on a cluster) at every checkpoint, before a notice's hold and at the
 end, and the next attempt's rank 0 (any node) or the driver delivers it first (`load`). What a store that never came
-back missed stays there for `python -m pipelines.tracking_outbox FOLDER [URI]` (`deliver_kept`).
+back missed stays there for `python -m pipelines.tracking.deliver FOLDER [URI]` (`deliver_kept`).
 
 A restart replays the steps after its checkpoint, some of which an earlier attempt may have delivered already. The
 queue's metrics carry the step the attempt that logged them resumed from (`from`); before its first delivery the
@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -42,7 +41,7 @@ QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEO
 RETRY_MAX_S = 5.0  # the longest pause between two tries: how late a returning server is seen at most
 MEMORY_METRICS = 200_000  # ~40 MB of queued metrics, then the queue continues in a file
 PENDING = "pending.jsonl"  # in a persisted outbox folder: a head line (run, store, seconds unreachable), then the ops
-COMMAND = "python -m pipelines.tracking_outbox"
+COMMAND = "python -m pipelines.tracking.deliver"  # pipelines/tracking/deliver.py
 
 
 def _one_line(err: BaseException) -> str:
@@ -431,19 +430,3 @@ def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, 
         outbox = Outbox(MlflowClient(store), run_id, head.get("uri", shown_uri or store), folder,
                         carried=[*ops, *extra], unreachable_s=head.get("unreachable_s", 0.0), store=store)
         return outbox.close(-1, timeout_s, keep_to=target, summary=False)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2):
-        print(f"usage: {COMMAND} FOLDER [TRACKING_URI]", file=sys.stderr)
-        return 2
-    report = deliver_kept(argv[0], argv[1] if len(argv) > 1 else None)
-    if report.kept_in:
-        print(f"{report.pending} calls still not delivered (the store did not answer); they stay in {argv[0]}")
-        return 1
-    print(f"every kept call delivered from {argv[0]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

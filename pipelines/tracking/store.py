@@ -1,0 +1,92 @@
+"""Where a run's MLflow calls go: the store's URI (a sqlite file in the project's state folder by default, made from
+the template: `sqlite_template`), experiments and their artifact folder, the client a worker logs with, and what
+never reaches the store or the logs (secrets)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+
+from pipelines.config import STATE_DIR
+from pipelines.tracking.sqlite_template import prepare_sqlite_store
+
+
+# Whole words of the key (between ".", "_", "-"): hf_token and db.password are hidden, mixture_tokens is a knob.
+_SECRET_KEY = re.compile(r"(?:^|[._-])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[._-])", re.I)
+
+
+_URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")
+
+
+def tracking_uri(configured: str | None = None) -> str:
+    """Config value, else $MLFLOW_TRACKING_URI, else a sqlite store in the project folder. A sqlite store that does
+    not exist yet is created here, from a copy of an empty one (pipelines.tracking.sqlite_template)."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{STATE_DIR / 'mlflow.db'}"
+    prepare_sqlite_store(uri, sqlite_artifact_root(uri))
+    return uri
+
+
+def hide_credentials(text: str) -> str:
+    """`text` with the user:password of any URI in it replaced by ***."""
+    return _URI_CREDENTIALS.sub(r"\1***@", text)
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Hide values of secret-looking keys and credentials embedded in URIs."""
+    out = {}
+    for key, value in params.items():
+        if _SECRET_KEY.search(key):
+            out[key] = "***"
+        elif isinstance(value, str):
+            out[key] = hide_credentials(value)
+        else:
+            out[key] = value
+    return out
+
+
+def sqlite_artifact_root(uri: str) -> str | None:
+    """`mlartifacts/` beside a sqlite store's file, as an absolute URI (None for other stores).
+
+    MLflow's default for a database store is `./mlruns` of whichever process creates the experiment:
+    Ray workers (other working directories) would scatter a run's artifacts, and a run from a
+    checkout would write into it."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri[len(prefix):] in ("", ":memory:"):
+        return None
+    return (Path(uri[len(prefix):]).resolve().parent / "mlartifacts").as_uri()
+
+
+def experiment_id(client, uri: str, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = sqlite_artifact_root(uri)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def is_local_store(uri: str) -> bool:
+    """A store on this node's disk (sqlite file, plain path), as opposed to a server or database every node reaches."""
+    return uri.startswith(("sqlite:///", "file:")) or "://" not in uri
+
+
+def worker_client(uri: str, run_id: str):
+    """The client a Ray worker logs run `run_id` with: through the run's relay when `tracked_run` started one (a
+    store on the driver's disk, a job that may span nodes), else straight to the store."""
+    if is_local_store(uri):
+        # deferred: Ray loads where runs are logged, not where a job only parses its config
+        import ray
+
+        from pipelines.tracking.relay import RelayClient
+
+        if ray.is_initialized():
+            try:
+                return RelayClient(run_id)
+            except ValueError:  # no relay: a run logged outside tracked_run, on its own node
+                pass
+    return MlflowClient(uri)
