@@ -39,7 +39,7 @@ from models.towers import TowerConfig
 from models.tokenizer import tokenize
 from pipelines.config import ModelConfig
 from pipelines.train.config import TrainDocument
-from pipelines.train.optim import adamw, param_groups
+from pipelines.fit.optim import adamw, param_groups
 
 METHODS = {"CLIP": "clip_tiny", "SigLIP": "siglip_tiny", "ProLIP": "prolip_tiny", "PCME++": "pcmepp_tiny",
            "Llip": "llip_tiny", "ProLIP-Llip": "prolip_llip_tiny"}

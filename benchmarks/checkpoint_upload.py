@@ -41,7 +41,7 @@ def _loop(config: dict) -> None:
     from benchmarks.engine import build_engine, random_batch
     from models.gather import World
     from pipelines.train import state
-    from pipelines.train.state import Progress
+    from pipelines.fit.progress import Progress
     from pipelines.train.step import train_step
 
     torch.set_num_threads(1)

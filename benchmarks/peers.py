@@ -15,7 +15,7 @@ What is timed: one full step (forward, InfoNCE loss, backward, AdamW) of our `cl
 and text widths, depths, heads, patch, image size, context, embedding width) with open_clip's
 ``ClipLoss``, both randomly initialised, stepped round-robin in one process after a warm-up on the
 same images and tokens (open_clip's tokenizer, which this project uses). Each side steps the optimizer its
-trainer uses: ours the fused AdamW of `pipelines.train.optim.adamw`, open_clip's `torch.optim.AdamW` as its
+trainer uses: ours the fused AdamW of `pipelines.fit.optim.adamw`, open_clip's `torch.optim.AdamW` as its
 `open_clip_train` creates it (the per-tensor loop on CPU, foreach on GPU). Two caption sets: "short"
 (digit captions; our text tower drops the padding after the batch's longest caption, open_clip's
 runs the whole context) and "full" (every caption fills the context: the same text work for both).

@@ -47,7 +47,7 @@ from models.tokenizer import tokenize
 from models.towers import TowerConfig, compile_blocks, set_grad_checkpointing
 from pipelines.config import ModelConfig
 from pipelines.train.config import TrainDocument
-from pipelines.train.optim import adamw, param_groups
+from pipelines.fit.optim import adamw, param_groups
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).
 SMALL = TowerConfig(img_size=96, patch_size=16, vision_width=384, vision_depth=6, vision_heads=6, vision_pre_norm=False,

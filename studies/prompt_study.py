@@ -1,6 +1,6 @@
 """Zero-shot prompt weighting with deliberately wrong prompts, on models trained in this process (no Ray):
 the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts" (it reuses the tests' in-process
-digit fits, pipelines/train/in_process.py). Run it as a module:
+digit fits, pipelines/fit/in_process.py). Run it as a module:
 
     .venv/bin/python -m studies.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
     .venv/bin/python -m studies.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps
@@ -31,7 +31,7 @@ from pipelines.config import EvalTask
 from pipelines.train.config import load_train_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, OFF_DOMAIN, mid_captions, specific_captions
 from pipelines.digits.arrays import config_sampler, digit_arrays
-from pipelines.train.in_process import fit_in_process
+from pipelines.fit.in_process import fit_in_process
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
 
@@ -64,7 +64,7 @@ def fit_adapters(clip, steps: int = ADAPTER_STEPS, seed: int = 0) -> dict[str, t
     them; returns the two adapted models (frozen CLIP + adapter)."""
     from pipelines.adapt.config import load_adapt_config
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
-    from pipelines.train.loop import run_steps
+    from pipelines.fit.loop import run_steps
 
     images, _, metas = digit_arrays("train")
     captions = [c for i, m in enumerate(metas) for c in (m["captions"]["specific"][i % 5], m["captions"]["instance"][0])]
@@ -74,7 +74,7 @@ def fit_adapters(clip, steps: int = ADAPTER_STEPS, seed: int = 0) -> dict[str, t
     pairs = torch.stack([zi.repeat_interleave(2, dim=0), zt], dim=1)
     cfg = load_adapt_config(ROOT / "configs" / "probvlm_demo.yaml")
     net = build_adapter_set(cfg, zi.shape[1])
-    fit = AdapterFit(net, cfg.train.lr, cfg.train.weight_decay, steps, seed=seed)
+    fit = AdapterFit(net, cfg.train.model_copy(update={"steps": steps}), seed=seed)
     rng = np.random.default_rng(seed)
     run_steps(fit, (pairs[torch.from_numpy(rng.choice(len(pairs), cfg.train.batch_size, replace=False))]
                     for _ in range(steps)), steps)

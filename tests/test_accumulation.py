@@ -265,7 +265,7 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
 
     from pipelines.train.config import TrainDocument
     from pipelines.train.step import cached_step
-    from pipelines.train.worker import deepspeed_config, full_state_dict
+    from pipelines.train.engine import deepspeed_config, full_state_dict
 
     name, overrides, loss, params = CASES[DS_CASE]
     cfg = TrainDocument.from_dict({"model": {"name": name, "overrides": {**SMALL, **overrides}},
@@ -303,7 +303,7 @@ def _two_workers(rank: int, port: int, out_dir: str) -> None:
     try:
         world = World.current()
         result = {"float64": _float64_methods(rank, world), "deepspeed": {}}
-        from pipelines.train.worker import skip_inference_comm_op
+        from pipelines.train.engine import skip_inference_comm_op
 
         skip_inference_comm_op()
         torch.manual_seed(0)

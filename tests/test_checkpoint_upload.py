@@ -79,7 +79,7 @@ def release(fifo) -> None:
 
 def _agree_on(rank: int, port: int, cases: list[dict], out) -> None:
     from models.gather import World
-    from pipelines.train.step import agree
+    from pipelines.fit.step import agree
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -29,7 +29,7 @@ from pipelines.cluster.local import processes
 from pipelines.config import PROJECT_ROOT, STATE_DIR
 from pipelines.train.config import load_train_config
 from pipelines.cluster.runtime import local_port, port_lock
-from pipelines.train.optim import warmup_cosine
+from pipelines.fit.optim import warmup_cosine
 from pipelines.cluster import services
 from tests.helpers import BUCKET, free_port, wait_for
 from tests.small_runs import SMALL

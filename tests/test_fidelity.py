@@ -836,7 +836,7 @@ def test_bf16_autocast_leaves_heads_mixer_and_pooling_in_float32():
 
 def test_bf16_training_is_deepspeed_torch_autocast():
     from pipelines.train.config import TrainDocument
-    from pipelines.train.worker import deepspeed_config
+    from pipelines.train.engine import deepspeed_config
 
     cfg = TrainDocument.from_dict({"model": {"name": "prolip_tiny"}})
     on, off = deepspeed_config(cfg, True), deepspeed_config(cfg, False)
@@ -849,7 +849,7 @@ import json, os, torch, deepspeed
 from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.train.config import load_train_config
-from pipelines.train.worker import deepspeed_config, skip_inference_comm_op
+from pipelines.train.engine import deepspeed_config, skip_inference_comm_op
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 skip_inference_comm_op()
 torch.manual_seed(0)

@@ -12,10 +12,11 @@ LAYERS = {"models": 0, "pipelines": 1, "jobs": 2}
 # pipelines/ by floor: a module imports its own floor or lower ones. The shared ground (config, tracking, the Ray
 # runtime, progress lines, plotting, object storage paths, compat: Ray's and DeepSpeed's private names), the data readers,
 # downloading, the bundled digits (downloaded, then cut into eval sets), a job's inputs made ready and checked (the
-# digits, the eval tasks' data), evaluating (whose job prepares its inputs), training (which evaluates), and the two
-# over training: tuning (trials are training runs) and the adapter (which trains on a trained model's embeddings).
+# digits, the eval tasks' data), the training core (fit: the loop, the optimizer, the step's rules, the trainer; no
+# DeepSpeed), evaluating (whose job prepares its inputs), training (DeepSpeed's: which evaluates), and the two over
+# training: tuning (trials are training runs) and the adapter (which trains on a trained model's embeddings).
 STAGES = {"config": 0, "compat": 0, "tracking": 0, "storage": 0, "cluster": 0, "progress": 0, "plotting": 0, "data": 1,
-          "download": 2, "digits": 3, "inputs": 4, "evaluate": 5, "train": 6, "tune": 7, "adapt": 7}
+          "download": 2, "digits": 3, "inputs": 4, "fit": 4, "evaluate": 5, "train": 6, "tune": 7, "adapt": 7}
 # Upward imports to go: any other upward import fails; one listed here that no longer occurs fails too, so that the
 # list only shrinks (empty now: a new upward import is a module in the wrong place).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -146,3 +147,33 @@ def test_the_checks_catch_what_they_look_for():
     edges = {"pipelines.data.reader": {"pipelines.train.state", "pipelines.config"},
              "pipelines.train.state": {"pipelines.data.reader", "models.registry"}}
     assert upward_stage_imports(edges) == {("pipelines.data.reader", "pipelines.train.state")}
+
+
+# What the stages over training may take from pipelines.train: a sweep runs pretraining jobs (their driver and
+# config); the adapter nothing (its loop, optimizer, step and trainer are the training core's, pipelines.fit).
+OVER_TRAINING = {"tune": {"pipelines.train.job", "pipelines.train.config"}, "adapt": set()}
+
+
+def test_the_stages_over_training_take_the_core_not_deepspeeds_internals():
+    edges = graph()
+    wrong = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                   if a.split(".")[:2] in (["pipelines", "tune"], ["pipelines", "adapt"])
+                   and b.startswith("pipelines.train.") and b not in OVER_TRAINING[a.split(".")[1]])
+    assert not wrong, "import the training core (pipelines.fit) instead: " + ", ".join(wrong)
+    assert any(b.startswith("pipelines.fit.") for b in edges["pipelines.adapt.loop"])
+
+
+def test_the_training_core_loads_no_deepspeed():
+    """In a fresh Python: every module of pipelines/fit/ imported, and DeepSpeed (hence pipelines.train's engine,
+    state and step) is not among the loaded modules."""
+    import subprocess
+    import sys
+
+    core = sorted(m for m in modules() if m.startswith("pipelines.fit"))
+    assert "pipelines.fit.loop" in core and "pipelines.fit.in_process" in core
+    code = ("import importlib, sys\n"
+            f"for name in {core!r}: importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m.startswith('pipelines.train')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"importing the training core loaded: {out.stdout.strip()[:500]}"

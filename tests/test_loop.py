@@ -1,4 +1,4 @@
-"""The training loop every fit runs (pipelines.train.loop): the place in the data across epochs and resumes, skipped
+"""The training loop every fit runs (pipelines.fit.loop): the place in the data across epochs and resumes, skipped
 non-finite steps, logging and checkpoint points; the adapter's fit on it."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pipelines.train.loop import EmptyEpoch, epoch_batches, run_steps
-from pipelines.train.state import Progress
+from pipelines.fit.loop import EmptyEpoch, epoch_batches, run_steps
+from pipelines.fit.progress import Progress
 
 
 def test_epoch_batches_resume_within_an_epoch_and_stop_on_an_empty_one():
@@ -68,7 +68,7 @@ def test_the_adapter_skips_a_non_finite_step():
 
     cfg = AdaptDocument.model_validate({"source": {"model": "m.safetensors"}, "adapter": {"hidden": 8}})
     torch.manual_seed(0)
-    fit = AdapterFit(build_adapter_set(cfg, 6), lr=1e-2, weight_decay=0.0, steps=4)
+    fit = AdapterFit(build_adapter_set(cfg, 6), cfg.train.model_copy(update={"lr": 1e-2, "steps": 4}))
     good = torch.nn.functional.normalize(torch.randn(8, 2, 6), dim=-1)
     before = {k: v.clone() for k, v in fit.net.state_dict().items()}
     run_steps(fit, iter([torch.full_like(good, math.nan)]), 4, max_bad_batches=2)

@@ -48,7 +48,7 @@ def test_the_hooks_file_is_a_notice_with_its_deadline(no_notice, tmp_path, monke
 
 def test_a_preemption_has_its_own_budget(tmp_path):
     """run.max_preemptions reaches Ray Train's FailureConfig beside run.max_failures; unlimited (-1) by default."""
-    from pipelines.train.trainer import torch_trainer
+    from pipelines.fit.trainer import torch_trainer
 
     def failure_config(*settings):
         cfg = config(tmp_path, str(tmp_path), "budget", *settings)

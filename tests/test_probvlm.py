@@ -75,7 +75,7 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
-    from pipelines.train.loop import run_steps
+    from pipelines.fit.loop import run_steps
 
     cfg = load_adapt_config(CONFIG, ["adapter.hidden=16", "loss.lambda_cross=0.01"])
     g = torch.Generator().manual_seed(0)
@@ -83,7 +83,8 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
 
     def new_fit(seed):
         torch.manual_seed(seed)
-        return AdapterFit(build_adapter_set(cfg, 6), lr=1e-2, weight_decay=0.01, steps=len(batches), seed=3)
+        return AdapterFit(build_adapter_set(cfg, 6), cfg.train.model_copy(update={"lr": 1e-2, "weight_decay": 0.01,
+                                                                       "steps": len(batches)}), seed=3)
 
     straight = new_fit(0)
     lrs = []
@@ -123,7 +124,7 @@ def test_a_new_adapter_head_is_a_module_a_loss_and_one_register_call(tmp_path):
     from models.losses import _LOSSES, register_loss
     from models.probvlm import ADAPTERS, AdapterKind, register_adapter
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
-    from pipelines.train.loop import run_steps
+    from pipelines.fit.loop import run_steps
 
     class Isotropic(nn.Module):  # one learned log variance per input, the mean the frozen embedding
         def __init__(self, dim: int, hidden: int = 8):
@@ -145,7 +146,7 @@ def test_a_new_adapter_head_is_a_module_a_loss_and_one_register_call(tmp_path):
     register_adapter("isotropic", AdapterKind(Isotropic, "isotropic_mls", ("hidden",), method="isotropic_mls"))
     try:
         cfg = load_adapt_config(CONFIG, ["adapter.head=isotropic", "adapter.hidden=4", "adapter.baseline=pfe"])
-        fit = AdapterFit(build_adapter_set(cfg, 6), lr=1e-2, weight_decay=0.0, steps=4)
+        fit = AdapterFit(build_adapter_set(cfg, 6), cfg.train.model_copy(update={"lr": 1e-2, "steps": 4}))
         g = torch.Generator().manual_seed(0)
         before = {k: v.clone() for k, v in fit.net.adapters["adapter"].state_dict().items()}
         run_steps(fit, [torch.nn.functional.normalize(torch.randn(8, 2, 6, generator=g), dim=-1) for _ in range(4)], 4)
@@ -342,16 +343,16 @@ SOURCE_STEPS = 600  # the in-process demo CLIP of the uncertainty behaviours (he
 
 def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     """A repeatable adapted CLIP, all in this process on one thread from fixed seeds (a Ray fit's data order is not
-    fixed): the demo CLIP trained `source_steps` (pipelines/train/in_process.py), each training image paired with its
+    fixed): the demo CLIP trained `source_steps` (pipelines/fit/in_process.py), each training image paired with its
     two retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained `steps` over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
     from pipelines.train.config import load_train_config
     from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
-    from pipelines.train.loop import run_steps
+    from pipelines.fit.loop import run_steps
     from models.tokenizer import tokenize
     from pipelines.digits.arrays import digit_arrays
-    from pipelines.train.in_process import fit_in_process
+    from pipelines.fit.in_process import fit_in_process
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -368,7 +369,7 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
         acfg = load_adapt_config(CONFIG, ["adapter.baseline=none", f"train.steps={steps}", f"run.seed={seed}"])
         torch.manual_seed(acfg.run.seed)
         net = build_adapter_set(acfg, pairs.shape[-1])
-        fit = AdapterFit(net, acfg.train.lr, acfg.train.weight_decay, steps, seed=acfg.run.seed)
+        fit = AdapterFit(net, acfg.train, seed=acfg.run.seed)
         order, size = torch.Generator().manual_seed(acfg.run.seed), acfg.train.batch_size
 
         def epochs():

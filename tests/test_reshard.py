@@ -34,23 +34,12 @@ def _config(world: int, stage: int):
 
 
 def _engine(world: int, stage: int):
-    """The engine the training workers build (pipelines.train.worker), on a tiny CLIP."""
-    import deepspeed
-
-    from pipelines.train import state
-    from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
-    from pipelines.train.worker import deepspeed_config
+    """The engine the training workers build (pipelines.train.engine), on a tiny CLIP."""
+    from pipelines.train.engine import build_engine, training_objective
 
     cfg = _config(world, stage)
     torch.manual_seed(0)
-    objective = training_objective(cfg)
-    t = cfg.train
-    optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
-        config=deepspeed_config(cfg, False), dist_init_required=False)
-    state.use_weights_only_loading(engine)
-    return engine, scheduler
+    return build_engine(cfg, training_objective(cfg))
 
 
 def _train(engine, world: int, steps: int, seed: int) -> None:
@@ -100,8 +89,8 @@ def _phase(rank: int, world: int, port: int, job: dict) -> None:
     """One world of `world` gloo ranks: load `job["load"]` (if any; through reshard), record the state, train, save."""
     from pipelines.storage import fs_path
     from pipelines.train import reshard
-    from pipelines.train.state import Progress
-    from pipelines.train.worker import skip_inference_comm_op
+    from pipelines.fit.progress import Progress
+    from pipelines.train.engine import skip_inference_comm_op
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -196,7 +185,7 @@ def test_resize_records_the_conversion_and_leaves_the_checkpoint_untouched(resiz
 
 def test_training_continues_after_each_resize(resized):
     # the schedule goes on from the restored step: the LR is the warmup + cosine factor at 2 x STEPS and 3 x STEPS
-    from pipelines.train.optim import warmup_cosine
+    from pipelines.fit.optim import warmup_cosine
 
     t = _config(1, resized["stage"]).train
     reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)

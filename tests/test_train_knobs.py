@@ -1,5 +1,5 @@
 """train.grad_checkpointing and train.compile: the same loss and gradients as without, and the config keys reach
-the model the trainer builds (pipelines.train.optim.training_objective, which pipelines.train.worker calls)."""
+the model the trainer builds (pipelines.train.engine.training_objective, which pipelines.train.worker calls)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from models.registry import METHODS
 from models.tokenizer import tokenize
 from pipelines.config import ConfigError
 from pipelines.train.config import TrainDocument
-from pipelines.train.optim import training_objective
+from pipelines.train.engine import training_objective
 
 CAPTIONS = ["the digit seven", "a handwritten digit four", "an odd digit", "a photo of the number three",
             "two", "a drawing of the digit 9 written by hand"]

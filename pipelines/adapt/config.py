@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, absolute_path,
                               format_validation_error, read_config_file)
-from pipelines.train.config import LoopConfig
+from pipelines.fit.config import LoopConfig
 
 
 class SourceConfig(Section):
@@ -88,10 +88,13 @@ class AdaptTrainConfig(LoopConfig):
     num_workers: int = Field(1, ge=1)
     batch_size: int = Field(128, ge=2, description="per worker")
     steps: int = Field(500, ge=1)
-    # Linear warm-up, then cosine annealing to 0 at train.steps (pipelines.train.optim, as pretraining's).
+    # The training core's knobs (pipelines.fit.config.LoopConfig), with the adapter's defaults: no warm-up, no weight
+    # decay, AdamW's usual moments (ProbVLM's official code: torch's defaults), no clipping.
     warmup_steps: int = Field(0, ge=0)
-    # No weight decay on biases and other vectors (pipelines.train.optim.param_groups).
     weight_decay: float = Field(0.0, ge=0)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(0.0, ge=0)
     log_every: int = Field(50, ge=1)
     # A Ray Train checkpoint (adapters, optimizer, step) every this many steps and at the end; the same
     # run.name again resumes from the latest.

@@ -36,7 +36,7 @@ from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
 from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
-from pipelines.train.trainer import run_exists, torch_trainer
+from pipelines.fit.trainer import run_exists, torch_trainer
 
 EXAMPLE_CAPTION = "a photo of a dog"
 

@@ -1,9 +1,9 @@
 """What each Ray Train worker runs for `jobs.adapt`: the adapter (and the optional baseline) on embedding pairs.
 
 The frozen source model is not here at all: the workers see only its embeddings, so no gradient or
-optimizer can reach its weights. The loop is pretraining's (`pipelines.train.loop`: the place in the data, skipped
-non-finite steps, logging points), and so are the optimizer and the schedule (`pipelines.train.optim`); what is the
-adapter's own is its objective (`AdapterSet`), its state and its checkpoint. Rank 0 logs step metrics to MLflow and
+optimizer can reach its weights. The loop, the optimizer, the schedule and the step are the training core's
+(`pipelines.fit`: the place in the data, skipped non-finite steps, logging points, AdamW from the train section); what
+is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow and
 reports a Ray Train checkpoint every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and
 the progress counters (safetensors). A run started again under the same `run.name` gets that checkpoint back from
 Ray Train and continues from its step (a finished one trains no further unless `train.steps` was raised).
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,12 @@ from models.losses import create_loss
 from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
 from pipelines.tracking import StepLogger
-from pipelines.train.loop import epoch_batches, run_steps
-from pipelines.train.optim import adamw, param_groups, warmup_cosine_factor
-from pipelines.train.state import Progress
-from pipelines.train.step import agree
+from pipelines.fit.config import LoopConfig
+from pipelines.fit.loop import epoch_batches, run_steps
+from pipelines.fit.optim import lr_at, optimizer_for
+from pipelines.fit.plain_state import fit_state, load_fit_state
+from pipelines.fit.progress import Progress
+from pipelines.fit.step import plain_step
 
 ADAPTER_FILE = "adapters.safetensors"
 
@@ -65,64 +66,43 @@ def build_adapter_set(cfg, dim: int) -> AdapterSet:
 
 
 class AdapterFit:
-    """The adapters and their optimizer (pretraining's AdamW and warm-up + cosine learning rate), one `step` per batch
-    for `pipelines.train.loop.run_steps`, and the whole training state as a flat dict of tensors (safetensors: no
-    pickle) that `load` restores, so a fit resumes where it stopped."""
+    """The adapters under the training core's optimizer and step (pipelines.fit: AdamW, warm-up + cosine learning
+    rate, clipping, non-finite steps skipped on every rank, all from cfg), one `step` per batch for
+    `pipelines.fit.loop.run_steps`, and the whole training state as a flat dict of tensors (safetensors: no pickle)
+    that `load` restores, so a fit resumes where it stopped."""
 
-    def __init__(self, net: AdapterSet, lr: float, weight_decay: float, steps: int, seed: int = 0, rank: int = 0,
-                 forward: nn.Module | None = None, warmup_steps: int = 0, world: World | None = None):
+    def __init__(self, net: AdapterSet, cfg: LoopConfig, seed: int = 0, rank: int = 0,
+                 forward: nn.Module | None = None, world: World | None = None):
         self.net, self.forward = net, forward or net  # forward: the DDP wrapper on Ray Train workers
-        self.base_lr, self.steps, self.warmup_steps, self.seed, self.rank = lr, steps, warmup_steps, seed, rank
+        self.cfg, self.seed, self.rank = cfg, seed, rank
         self.world = world or World()
-        self.optimizer = adamw(param_groups(net, weight_decay), lr=lr)
+        self.optimizer = optimizer_for(net, cfg)
         self.progress = Progress()
 
     def lr(self) -> float:
-        return self.base_lr * warmup_cosine_factor(self.progress.step, self.warmup_steps, self.steps)
+        return lr_at(self.cfg, self.progress.step)
 
     def step(self, pairs: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """One optimizer step on a (B, 2, D) batch of (image, caption) embedding pairs; None (nothing applied) where
         the loss was not finite on some rank."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr()
         # dropout masks from (seed, rank, step): a resumed fit draws the ones an uninterrupted fit would have
         torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.progress.step)
         out = self.forward(pairs[:, 0], pairs[:, 1])
-        if not agree(out["loss"], self.world)[0]:
-            return None
-        self.optimizer.zero_grad(set_to_none=True)
-        out["loss"].backward()
-        self.optimizer.step()
-        return out
+        return plain_step(out, out["loss"].backward, self.optimizer, list(self.net.parameters()), self.cfg,
+                          self.progress.step, self.world)
 
     def rows(self, pairs: torch.Tensor) -> int:
         return pairs.shape[0] * self.world.size
 
     def state(self) -> dict[str, torch.Tensor]:
-        state = {f"adapters.{k}": v.detach().cpu().contiguous() for k, v in self.net.adapters.state_dict().items()}
-        for i, entries in self.optimizer.state_dict()["state"].items():
-            for key, value in entries.items():
-                state[f"optimizer.{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-        for key, value in asdict(self.progress).items():
-            state[f"progress.{key}"] = torch.tensor(value, dtype=torch.int64)
-        return state
+        return fit_state(self.net.adapters.state_dict(), "adapters.", self.optimizer, self.progress)
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         if "progress.step_count" in state:  # its optimizer entries are numbered in another parameter order
             raise ValueError("an adapter checkpoint of the older layout (its optimizer state in another parameter "
                              "order) does not resume: start the fit under a new run.name")
-        prefix = "adapters."
-        self.net.adapters.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        entries: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in state.items():
-            if key.startswith("optimizer."):
-                _, i, name = key.split(".", 2)
-                entries.setdefault(int(i), {})[name] = value
-        # torch puts each entry where its parameter is (the step count too where the optimizer is fused)
-        self.optimizer.load_state_dict({"state": entries,
-                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
-        self.progress = Progress(**{f.name: int(state[f"progress.{f.name}"]) for f in fields(Progress)
-                                    if f"progress.{f.name}" in state})
+        weights, self.progress = load_fit_state(state, "adapters.", self.optimizer)
+        self.net.adapters.load_state_dict(weights)
 
 
 STATE_FILE = "state.safetensors"
@@ -137,8 +117,7 @@ def adapt_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.run.seed)  # the same initial adapters on every rank
     net = build_adapter_set(cfg, int(config["dim"]))
     model = ray.train.torch.prepare_model(net)  # DDP across workers; the device of this worker
-    fit = AdapterFit(net, t.lr, t.weight_decay, t.steps, cfg.run.seed, rank, forward=model,
-                     warmup_steps=t.warmup_steps, world=world)
+    fit = AdapterFit(net, t, cfg.run.seed, rank, forward=model, world=world)
     checkpoint = ray.train.get_checkpoint()  # set when this run name was trained before (or a worker failed)
     if checkpoint:
         with checkpoint.as_directory() as folder:

@@ -11,28 +11,14 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from pipelines.config import (ConfigError, ExperimentDocument, WorkerResources, format_validation_error,
-                              read_config_file)
-
-
-class LoopConfig(WorkerResources):
-    """What every training job's train section gives the training loop (pipelines.train.loop) beside its workers;
-    each job's section adds its steps and the rest."""
-
-    steps: int
-    lr: float = Field(1e-3, gt=0)
-    # Batches with a NaN/inf loss are skipped and counted; this many in a row stop the fit.
-    max_bad_batches: int = Field(20, ge=1)
-    # Stop (checkpointed, not evaluated) after this step; the same run.name again continues to train.steps.
-    stop_at_step: int | None = Field(None, ge=1)
-
-    @property
-    def last_step(self) -> int:
-        """The step this attempt trains to."""
-        return min(self.steps, self.stop_at_step or self.steps)
+from pipelines.config import ConfigError, ExperimentDocument, format_validation_error, read_config_file
+from pipelines.fit.config import LoopConfig
 
 
 class TrainConfig(LoopConfig):
+    """The pretraining stage's train section: the training core's knobs (LoopConfig: steps, AdamW, schedule, clipping,
+    non-finite policy) and DeepSpeed's workers, batch, precision, checkpoints and evaluation."""
+
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
     # a ZeRO-1/2/3 checkpoint is resharded, pipelines.train.reshard; per-worker batch and learning rate kept:
@@ -42,14 +28,8 @@ class TrainConfig(LoopConfig):
     elastic_resize_interval_s: float = Field(60.0, gt=0)
     batch_size: int = Field(64, ge=1, description="per worker")
     steps: int = Field(1000, ge=1)
-    weight_decay: float = Field(0.2, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-6, gt=0)
-    warmup_steps: int = Field(50, ge=0)
     zero_stage: int = Field(2, ge=0, le=3)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    grad_clip: float = Field(1.0, ge=0)
     # Micro-batches per optimizer step, by feature-cache accumulation (models.accumulate): the loss of each step is
     # that of one batch of grad_accum x batch_size x workers samples (every one a negative of every other), with the
     # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".

@@ -27,7 +27,7 @@ from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
 from pipelines.train.data_health import run_stats_name
 from pipelines.tracking import git_commit, tracked_run, tracking_uri
-from pipelines.train.trainer import eval_dataset_name, run_exists, torch_trainer
+from pipelines.fit.trainer import eval_dataset_name, run_exists, torch_trainer
 
 
 @dataclass

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import ray.train
 from fsspec.implementations.arrow import ArrowFSWrapper
 
 from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loading
+from pipelines.fit.progress import Progress
 from pipelines.storage import fs_path
 from pipelines.train import reshard
 
@@ -37,21 +38,6 @@ SHM = "/dev/shm"
 
 def use_weights_only_loading(engine) -> None:
     use_weights_only_checkpoint_loading(engine)
-
-
-@dataclass
-class Progress:
-    """Where training stands; saved with every checkpoint. `batch_in_epoch` counts micro-batches."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    samples: int = 0
-    skipped_batches: int = 0
-    preemptions: int = 0  # notices of preemption the run saved on (pipelines.train.preemption)
-    notice_streak: int = 0  # notices saved on in a row at the same step (no step trained between them)
-    notice_file_mtime: float = 0.0  # the last notice file a save consumed (a file no newer is not a notice)
-    evaluate_at: int = -1  # a notice's save at an evaluation step, before evaluating: a restart there evaluates first
 
 
 def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = False, name: str | None = None,

@@ -8,19 +8,7 @@ import torch
 
 from models.accumulate import CachedBatch
 from models.gather import World
-
-
-def agree(loss: torch.Tensor, world: World, notice: bool = False, clock: bool = False) -> tuple[bool, bool, bool]:
-    """Collective, once a step: whether the loss is finite on every rank (a NaN/inf on one rank is skipped on all of
-    them, or the ranks' weights part ways), whether any rank has a notice of preemption (pipelines.train.preemption),
-    and whether any rank's clock says a checkpoint is due (train.checkpoint_every_s). The flags ride on the all-reduce
-    the step makes anyway, so every rank saves at the same step."""
-    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, float(notice), float(clock)],
-                         device=loss.device)
-    if world.size > 1:
-        torch.distributed.all_reduce(flags)
-    bad, noticed, due = flags.tolist()
-    return bad == 0, noticed > 0, due > 0
+from pipelines.fit.step import agree
 
 
 def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batches: int, world: World,

@@ -18,12 +18,6 @@ from typing import Any
 import ray.train
 import torch
 
-from models._imports import without
-
-# DeepSpeed tries MLflow for its autotuner as it loads (a second of CPU in every worker): only rank 0 logs, and
-# it imports MLflow itself (pipelines.tracking, below, when it builds its logger).
-with without("mlflow"):
-    import deepspeed
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.gather import World
 from pipelines.train.config import TrainDocument
@@ -36,60 +30,16 @@ from pipelines.train import attempts, export, state as train_state
 from pipelines.train.data_health import DataHealth
 from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
-from pipelines.train.loop import EmptyEpoch, epoch_batches, run_steps
-from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
-from pipelines.train.optim import adamw, param_groups, training_objective, warmup_cosine
+from pipelines.fit.loop import EmptyEpoch, epoch_batches, run_steps
+from pipelines.fit.progress import Progress
+from pipelines.fit.trainer import eval_dataset_name
+from pipelines.train.engine import build_engine, full_state_dict, training_objective
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from pipelines.train.state import Progress
 from pipelines.train.step import train_step
-from pipelines.train.trainer import eval_dataset_name
 
 
 class NoticeLoop(RuntimeError):
     """Notices of preemption in a row without a step trained between them (run.max_notices_without_progress)."""
-
-
-def skip_inference_comm_op() -> None:
-    """On CPU, DeepSpeed's communication backend JIT-compiles its shared-memory all-reduce (C++, about a minute on
-    2 cores, again whenever the build command changes) before the first step. Only its `inference_all_reduce`
-    calls that op; training all-reduces through torch.distributed (gloo), so the build is skipped."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        skip_shm_comm_op_build()
-
-
-def deepspeed_config(cfg: TrainDocument, use_bf16: bool) -> dict[str, Any]:
-    """bf16 is DeepSpeed's torch autocast, not its bf16 engine: the engine casts every parameter to bf16
-    (its keep_in_fp32_modules keeps buffers only), where the sigma heads, the mixer and the losses'
-    scale / bias must stay float32 (models.heads); under autocast the parameters stay float32 and the
-    towers' matmuls run in bf16 (their gradients are reduced in bf16)."""
-    t = cfg.train
-    return {
-        "train_micro_batch_size_per_gpu": t.batch_size,
-        # train.grad_accum is ours (feature-cache accumulation, `cached_step`): DeepSpeed sees one backward per
-        # micro-batch that it must neither divide by the accumulation count nor reduce before the step's last
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
-        "torch_autocast": {"enabled": use_bf16, "dtype": "bfloat16"},
-        # torch's AdamW is a client optimizer: DeepSpeed's fused/CPU Adam would JIT-compile C++ first.
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Complete fp32 weights of `module`, copied to `device` (default: where the parameters live). Collective: all
-    ranks call it, any ZeRO stage (ZeRO-3 gathers the partitions for the copy and releases them after)."""
-    def copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}
-
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return copy(module.state_dict())
-    return copy(module.state_dict())
 
 
 def device_name(device: torch.device) -> str:
@@ -214,7 +164,7 @@ class TrainWorker:
         self.logger.tag(f"probvlp.attempt.{self.attempt}", json.dumps(record))
 
     def _build_engine(self):
-        cfg, t = self.cfg, self.t
+        cfg = self.cfg
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         objective = training_objective(cfg)
         if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
@@ -222,14 +172,7 @@ class TrainWorker:
             if self.rank == 0:
                 print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
                       "own initialisation", flush=True)
-        optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-        skip_inference_comm_op()
-        engine, _, _, scheduler = deepspeed.initialize(
-            model=objective, optimizer=optimizer, lr_scheduler=warmup_cosine(optimizer, t.warmup_steps, t.steps),
-            config=deepspeed_config(cfg, self.use_bf16), dist_init_required=False,
-        )
-        train_state.use_weights_only_loading(engine)
-        return engine, scheduler
+        return build_engine(cfg, objective, self.use_bf16)
 
     def _read_openclip_state(self, source: str) -> dict[str, torch.Tensor]:
         """open_clip downloads into a per-machine cache: one rank per node fetches it, the others then read the cache."""
@@ -273,7 +216,7 @@ class TrainWorker:
                 yield images, tokens
 
     def fit(self) -> None:
-        """The steps to the last, on the training loop every job runs (pipelines.train.loop.run_steps)."""
+        """The steps to the last, on the training loop every job runs (pipelines.fit.loop.run_steps)."""
         p, t = self.progress, self.t
         if p.evaluate_at == p.step and p.step == self.restored_step:  # the notice's save came before its evaluation
             train_state.report({"step": p.step, **self.validate()})

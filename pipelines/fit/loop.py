@@ -5,9 +5,10 @@ was not finite on some rank skipped (nothing applied) and counted, `max_bad_batc
 the samples and the rate, and when to log. `epoch_batches` keeps the place in the data: epochs, and the batches an
 epoch has already given (a resumed fit skips them), in the `Progress` every checkpoint saves. A job plugs in its
 `Fit` (the objective and the optimizer: one `step` of a batch, or None where nothing was applied), its logger (`log`)
-and its checkpoint and evaluation points (`after_step`); the optimizer and the learning-rate schedule are
-`pipelines.train.optim`'s. The pretraining workers (`pipelines.train.worker.TrainWorker`: DeepSpeed), the adapter's
-(`pipelines.adapt.loop.AdapterFit`) and the in-process fit (`pipelines.train.in_process`) are the fits.
+and its checkpoint and evaluation points (`after_step`); the optimizer, the learning-rate schedule and the step's
+rules are `pipelines.fit.optim`'s and `pipelines.fit.step`'s. The pretraining workers (`pipelines.train.worker`:
+DeepSpeed's engine), the adapter's (`pipelines.adapt.loop.AdapterFit`) and the in-process fit
+(`pipelines.fit.in_process`) are the fits.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from pipelines.train.state import Progress
+from pipelines.fit.progress import Progress
 
 
 class EmptyEpoch(RuntimeError):

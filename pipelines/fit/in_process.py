@@ -1,22 +1,23 @@
 """A tiny model trained in this process on the bundled digits (no Ray, no DeepSpeed): the same model, loss,
-optimizer and schedule as a Ray Train fit of the config (pipelines.train.optim), on the same loop
-(pipelines.train.loop.run_steps), single process, for tests and studies that need trained embeddings fast."""
+optimizer, schedule and step as a Ray Train fit of the config (pipelines.fit), on the same loop
+(pipelines.fit.loop.run_steps), single process, for tests and studies that need trained embeddings fast."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from models.accumulate import CachedBatch
+from models.gather import World
 from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.digits.arrays import config_sampler, digit_arrays
-from pipelines.train.config import TrainDocument
-from pipelines.train.loop import run_steps
-from pipelines.train.optim import adamw, param_groups, warmup_cosine
-from pipelines.train.state import Progress
+from pipelines.fit.loop import run_steps
+from pipelines.fit.optim import optimizer_for
+from pipelines.fit.progress import Progress
+from pipelines.fit.step import plain_step
 
 
-def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
+def fit_in_process(cfg, steps: int, batch: int = 128, seed: int = 0, sampler=None, loss_sign: float = 1.0,
                    accum: int = 1, dtype: torch.dtype = torch.float32):
     """cfg's model and loss trained `steps` steps (InProcessFit: the pretraining worker's AdamW and its warm-up +
     cosine schedule over cfg.train.steps, of which a shorter fit runs the first `steps`) on the train split with
@@ -40,37 +41,34 @@ def fit_in_process(cfg: TrainDocument, steps: int, batch: int = 128, seed: int =
             rows = rng.choice(len(images), batch, replace=False)
             yield images[rows], tokenize([sampler.draw(metas[i], "", rng) for i in rows], context)
 
-    run_steps(fit, batches(), steps)
+    run_steps(fit, batches(), steps, max_bad_batches=cfg.train.max_bad_batches)
     return fit.objective.model.float().eval()
 
 
 class InProcessFit:
-    """cfg's objective under the pretraining worker's optimizer (pipelines.train.optim: AdamW, no weight decay on
-    gains, biases and vectors; linear warm-up, then cosine to 0 at cfg.train.steps: the config's run, of which a
-    shorter fit takes the first steps), one `step` per batch for `pipelines.train.loop.run_steps`; every loss is applied
-    (`loss_sign` -1: climbed)."""
+    """cfg's objective under the training core's optimizer and step (pipelines.fit: AdamW, no weight decay on gains,
+    biases and vectors; linear warm-up, then cosine to 0 at cfg.train.steps: the config's run, of which a shorter fit
+    takes the first steps; clipping; a non-finite step skipped), one `step` per batch for
+    `pipelines.fit.loop.run_steps` (`loss_sign` -1: the loss climbed)."""
 
-    def __init__(self, objective, cfg: TrainDocument, accum: int = 1, loss_sign: float = 1.0):
-        t = cfg.train
-        self.objective, self.accum, self.loss_sign, self.grad_clip = objective, accum, loss_sign, t.grad_clip
-        self.optimizer = adamw(param_groups(objective, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-        self.scheduler = warmup_cosine(self.optimizer, t.warmup_steps, t.steps)
+    def __init__(self, objective, cfg, accum: int = 1, loss_sign: float = 1.0):
+        self.objective, self.cfg, self.accum, self.loss_sign = objective, cfg.train, accum, loss_sign
+        self.optimizer = optimizer_for(objective, cfg.train)
         self.progress = Progress()
 
-    def step(self, batch) -> dict[str, torch.Tensor]:
+    def step(self, batch) -> dict[str, torch.Tensor] | None:
         images, tokens = batch
-        self.optimizer.zero_grad(set_to_none=True)
         if self.accum > 1:
             cached = CachedBatch(self.objective, images, tokens, self.accum)
-            cached.backward()
-            out = cached.out
+            out, backward = cached.out, cached.backward
         else:
             out = self.objective(images, tokens)
-            (self.loss_sign * out["loss"]).backward()
-        torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        return out
+
+            def backward() -> None:
+                (self.loss_sign * out["loss"]).backward()
+
+        return plain_step(out, backward, self.optimizer, list(self.objective.parameters()), self.cfg,
+                          self.progress.step, World())
 
     def rows(self, batch) -> int:
         return len(batch[0])

@@ -1,0 +1,43 @@
+"""One step of a fit, as every rank takes it: the ranks agree whether it is applied (`agree`), and a plain fit (no
+DeepSpeed: the adapter's, the in-process one) applies it the way DeepSpeed's engine does for pretraining (backward,
+clipping at cfg.grad_clip, the learning rate of the step, AdamW)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from models.gather import World
+from pipelines.fit.config import LoopConfig
+from pipelines.fit.optim import lr_at
+
+
+def agree(loss: torch.Tensor, world: World, notice: bool = False, clock: bool = False) -> tuple[bool, bool, bool]:
+    """Collective, once a step: whether the loss is finite on every rank (a NaN/inf on one rank is skipped on all of
+    them, or the ranks' weights part ways), whether any rank has a notice of preemption (pipelines.train.preemption),
+    and whether any rank's clock says a checkpoint is due (train.checkpoint_every_s). The flags ride on the all-reduce
+    the step makes anyway, so every rank saves at the same step."""
+    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, float(notice), float(clock)],
+                         device=loss.device)
+    if world.size > 1:
+        torch.distributed.all_reduce(flags)
+    bad, noticed, due = flags.tolist()
+    return bad == 0, noticed > 0, due > 0
+
+
+def plain_step(out: dict[str, torch.Tensor], backward: Callable[[], None], optimizer: torch.optim.Optimizer,
+               parameters: list[torch.nn.Parameter], cfg: LoopConfig, step: int, world: World
+               ) -> dict[str, torch.Tensor] | None:
+    """Apply the step whose forward gave `out`: None (nothing applied) where its loss is not finite on some rank;
+    otherwise `backward()` (the fit's: its loss, its sign, its micro-batches), the gradient clipped to cfg.grad_clip
+    (0: not clipped), the learning rate of optimizer step `step` (from 0), and AdamW's update."""
+    if not agree(out["loss"], world)[0]:
+        return None
+    optimizer.zero_grad(set_to_none=True)
+    backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(parameters, cfg.grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(cfg, step)
+    optimizer.step()
+    return out

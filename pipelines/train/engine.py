@@ -1,0 +1,79 @@
+"""The pretraining workers' DeepSpeed engine: the objective with the training knobs, the training core's AdamW and
+schedule (pipelines.fit.optim), DeepSpeed's config, and the full weights of a (possibly partitioned) module."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from models._imports import without
+from models.objective import Objective, build_training_objective
+from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
+from pipelines.fit.optim import optimizer_for, schedule_for
+from pipelines.train.config import TrainDocument
+from pipelines.train.state import use_weights_only_loading
+
+# DeepSpeed tries MLflow for its autotuner as it loads (a second of CPU in every worker): only rank 0 logs, and
+# it imports MLflow itself (pipelines.tracking, when it builds its logger).
+with without("mlflow"):
+    import deepspeed
+
+
+def training_objective(cfg: TrainDocument) -> Objective:
+    """cfg's model and loss with train.grad_checkpointing and train.compile applied."""
+    return build_training_objective(cfg, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
+
+
+def build_engine(cfg: TrainDocument, objective: torch.nn.Module, use_bf16: bool = False):
+    """(engine, its scheduler): DeepSpeed over `objective` with cfg's AdamW and schedule, checkpoints loaded
+    weights-only. torch.distributed already set up on every rank."""
+    optimizer = optimizer_for(objective, cfg.train)
+    skip_inference_comm_op()
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=objective, optimizer=optimizer, lr_scheduler=schedule_for(optimizer, cfg.train),
+        config=deepspeed_config(cfg, use_bf16), dist_init_required=False)
+    use_weights_only_loading(engine)
+    return engine, scheduler
+
+
+def skip_inference_comm_op() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-compiles its shared-memory all-reduce (C++, about a minute on
+    2 cores, again whenever the build command changes) before the first step. Only its `inference_all_reduce`
+    calls that op; training all-reduces through torch.distributed (gloo), so the build is skipped."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        skip_shm_comm_op_build()
+
+
+def deepspeed_config(cfg: TrainDocument, use_bf16: bool) -> dict[str, Any]:
+    """bf16 is DeepSpeed's torch autocast, not its bf16 engine: the engine casts every parameter to bf16
+    (its keep_in_fp32_modules keeps buffers only), where the sigma heads, the mixer and the losses'
+    scale / bias must stay float32 (models.heads); under autocast the parameters stay float32 and the
+    towers' matmuls run in bf16 (their gradients are reduced in bf16)."""
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        # train.grad_accum is ours (feature-cache accumulation, `cached_step`): DeepSpeed sees one backward per
+        # micro-batch that it must neither divide by the accumulation count nor reduce before the step's last
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "torch_autocast": {"enabled": use_bf16, "dtype": "bfloat16"},
+        # torch's AdamW is a client optimizer: DeepSpeed's fused/CPU Adam would JIT-compile C++ first.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Complete fp32 weights of `module`, copied to `device` (default: where the parameters live). Collective: all
+    ranks call it, any ZeRO stage (ZeRO-3 gathers the partitions for the copy and releases them after)."""
+    def copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}
+
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return copy(module.state_dict())
+    return copy(module.state_dict())
