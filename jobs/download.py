@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summary saved to {cfg.download.output.rstrip('/')}/_summary.json")
 
     try:
-        summary, run_id = run_download(cfg, show)
+        result = run_download(cfg, show)
     except DownloadError as err:
         print(f"download error: {err}", file=sys.stderr)
         return 2
-    if run_id:
-        print(f"MLflow run {run_id} in experiment {cfg.run.experiment!r}")
-    return 0 if summary["shards_complete"] == summary["shards"] else 3
+    if result.mlflow_run_id:
+        print(f"MLflow run {result.mlflow_run_id} in experiment {cfg.run.experiment!r}")
+    return 0 if result.metrics["shards_complete"] == result.metrics["shards"] else 3
 
 
 if __name__ == "__main__":

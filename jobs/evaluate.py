@@ -35,13 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.evaluate.headline import headline  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.evaluate.inference import InferenceOptions
     from pipelines.evaluate.job import run_evaluate
-    from pipelines.tracking import tracking_uri
 
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
     result = run_evaluate(cfg, args.model, Path(args.out) if args.out else None, opts)
-    print(f"results: {result['out'] / 'results.json'}; MLflow run {result['mlflow_run_id']} at "
-          f"{tracking_uri(cfg.tracking.uri)}")
-    for line in headline(result["metrics"]):
+    print(f"results: {result.out / 'results.json'}; MLflow run {result.mlflow_run_id} at {result.mlflow_uri}")
+    for line in headline(result.metrics):
         print(line)
     return 0
 

@@ -26,16 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.tune.job import run_tune  # deferred: a config error answers before Ray and MLflow load
 
     # a ConfigError here: eval data that lacks what a task needs, found once the data is prepared
-    _, parent, summary = run_tune(sweep, base, Path(args.config).read_text(), args.best_config_out)
+    result = run_tune(sweep, base, Path(args.config).read_text(), args.best_config_out)
+    summary = result.summary
     if summary is None:
         print(f"sweep {sweep.tune.name!r} interrupted, its state saved: run the same command again to resume it "
               "(trials that ended are kept)", file=sys.stderr)
         return 130  # the shell's status for Ctrl-C
-    out = summary["best_config_file"]
+    out = result.out
     print(summary["table"].to_string(index=False))
     print(f"best {sweep.tune.metric} = {summary['best_metric']:.4f} with {summary['best_params']}")
     print(f"best config: {out}  (run it: python -m jobs.pretrain --config {out})")
-    print(f"MLflow parent run {parent}")
+    print(f"MLflow parent run {result.mlflow_run_id}")
     return 0
 
 

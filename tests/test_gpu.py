@@ -169,8 +169,8 @@ def sweep_job(tmp: Path, digits_root: str):
                      "scheduler": "fifo", "storage_path": str(tmp / "tune"), "experiment": "gpu-sweeps",
                      "metric": "digits_zeroshot/top1", "mode": "max"}}))
         sweep, base = load_tune_config(path)
-        grid, parent, summary = run_tune(sweep, base, path.read_text(), tmp / "gpu_sweep_best.yaml")
-        return grid, summary, uri
+        result = run_tune(sweep, base, path.read_text(), tmp / "gpu_sweep_best.yaml")
+        return result.grid, result.summary, uri
 
     return job
 

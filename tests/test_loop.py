@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipelines.fit.loop import EmptyEpoch, epoch_batches, run_steps
+from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 
 
@@ -39,24 +39,73 @@ class Counting:
         return 4
 
 
+class Recording(Hooks):
+    """Hooks that write down when the loop called them; `stop_at_log`: the log step whose hook stops the fit."""
+
+    def __init__(self, fit, eval_every=0, checkpoint_every=0, stop_at_log=None, notice_at=()):
+        self.fit, self.eval_every, self.checkpoint_every = fit, eval_every, checkpoint_every
+        self.stop_at_log, self.notice_at, self.calls = stop_at_log, set(notice_at), []
+
+    def on_step(self, step):
+        self.calls.append(("step", step))
+
+    def log(self, out, samples_per_s):
+        self.calls.append(("log", self.fit.progress.step, out["loss"].item()))
+        return self.fit.progress.step == self.stop_at_log
+
+    def noticed(self):
+        return self.fit.progress.step in self.notice_at
+
+    def save_on_notice(self, step, evaluate):
+        self.calls.append(("notice", step, evaluate))
+
+    def evaluate(self, step):
+        self.calls.append(("evaluate", step))
+        return {"top1": 0.5}
+
+    def checkpoint(self, metrics):
+        self.calls.append(("checkpoint", metrics))
+
+    def report(self, metrics):
+        self.calls.append(("report", metrics))
+
+
 def test_run_steps_skips_and_counts_non_finite_steps_logs_and_stops():
-    fit, logged, hooked = Counting(), [], []
+    fit = Counting()
+    hooks = Recording(fit)
     batches = [1.0, math.nan, 2.0, 3.0, math.nan, math.nan, 4.0, 5.0, 6.0, 7.0]
-    run_steps(fit, iter(batches), 5, max_bad_batches=3, micro_batches=2, log_every=2,
-              log=lambda out, rate: logged.append((fit.progress.step, out["loss"].item())),
-              after_step=hooked.append)
+    run_steps(fit, iter(batches), 5, hooks, max_bad_batches=3, micro_batches=2, log_every=2)
     assert fit.applied == [1.0, 2.0, 3.0, 4.0, 5.0]  # the last step reached, nothing drawn after it
     assert (fit.progress.step, fit.progress.samples, fit.progress.skipped_batches) == (5, 20, 6)
+    logged = [(c[1], c[2]) for c in hooks.calls if c[0] == "log"]
     assert logged == [(1, 1.0), (2, 2.0), (4, 4.0), (5, 5.0)]  # the first, every log_every, the last
-    assert hooked == [1, 2, 3, 4, 5]  # every step applied
+    assert [c[1] for c in hooks.calls if c[0] == "step"] == [1, 2, 3, 4, 5]  # every step applied
     run_steps(fit, iter([8.0]), 5)  # at the last step already: nothing more
     assert fit.applied[-1] == 5.0
-    stopped, logged = Counting(), []
-    run_steps(stopped, iter([1.0, 2.0, 3.0]), 10, after_step=lambda step: step == 2)
-    assert stopped.progress.step == 2
-    run_steps(stopped, iter([4.0, 5.0, 6.0, 7.0]), 10, log=lambda out, rate: logged.append(stopped.progress.step)
-              or stopped.progress.step == 4, log_first=False, log_every=2)
-    assert stopped.progress.step == 4 and logged == [4]  # not the first step of this call; a log that stops
+    stopped = Counting()
+    hooks = Recording(stopped, stop_at_log=4)
+    run_steps(stopped, iter([4.0, 5.0, 6.0, 7.0]), 10, hooks, log_first=False, log_every=2)
+    # not the first step (log_first False), every log_every, and the log that stops the fit
+    assert stopped.progress.step == 4 and [c[1] for c in hooks.calls if c[0] == "log"] == [2, 4]
+
+
+def test_the_loop_evaluates_checkpoints_and_saves_on_a_notice_at_its_points():
+    """Every fit's points, decided by the loop: the evaluation every eval_every (reported alone, or with the
+    checkpoint due at the same step), the checkpoint every checkpoint_every, neither at the last step (the job's own
+    end does them); on a notice the save alone, told whether an evaluation was due (it comes after the save); a
+    notice at a step that applied nothing saves the step before."""
+    fit = Counting()
+    hooks = Recording(fit, eval_every=2, checkpoint_every=3, notice_at={4})
+    run_steps(fit, iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]), 7, hooks, log_every=100, log_first=False)
+    points = [c for c in hooks.calls if c[0] not in ("step", "log")]
+    assert points == [("evaluate", 2), ("report", {"step": 2, "top1": 0.5}), ("checkpoint", {"step": 3}),
+                      ("notice", 4, True), ("evaluate", 6), ("checkpoint", {"step": 6, "top1": 0.5})]
+    skipped = Counting()
+    hooks = Recording(skipped, notice_at={1})
+    run_steps(skipped, iter([1.0, math.nan, 2.0]), 3, hooks, max_bad_batches=2)
+    assert [c for c in hooks.calls if c[0] == "notice"] == [("notice", 1, False), ("notice", 1, False)]
+
+
     with pytest.raises(FloatingPointError, match="not finite for 3 batches in a row at step 1"):
         run_steps(Counting(), iter([1.0, math.nan, math.nan, math.nan]), 5, max_bad_batches=3)
 

@@ -59,12 +59,15 @@ def test_adapter_checkpoints_on_this_nodes_disk_are_refused_on_a_cluster_of_seve
     folder every node mounts (ray.shared_paths) pass, as does any folder on a single node. (Whether a cluster spans
     nodes is `spans_nodes`, run on real clusters by tests/test_autoscaling.py.)"""
     from pipelines.adapt.config import load_adapt_config
-    from pipelines.adapt.job import check_storage
+    from pipelines.fit import launch
     from pipelines.config import ConfigError
 
     def adapt_config(*sets: str):
         config = ROOT / "configs" / "probvlm_demo.yaml"
         return load_adapt_config(config, [f"run.storage_path={tmp_path / 'ray'}", *sets]).with_absolute_paths()
+
+    def check_storage(cfg, spans):  # as jobs.adapt checks its storage (pipelines.fit.launch.Launch.start_ray)
+        launch.check_storage(cfg, "the adapter's checkpoints", spans)
 
     with pytest.raises(ConfigError) as err:
         check_storage(adapt_config(), spans=True)

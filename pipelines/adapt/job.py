@@ -25,8 +25,7 @@ from pipelines.adapt.config import AdaptDocument
 from pipelines.adapt.pairs import Pairs, compute_embeddings, has_embeddings, load_pairs
 from pipelines.adapt.scoring import comparison_plot, score_adapted
 from pipelines.adapt.source import AdaptError, Source, file_sha256, resolve_source
-from pipelines.cluster.check import check_storage_reachable, share_paths
-from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.cluster.runtime import local_cpus
 from pipelines.config import STATE_DIR, ConfigError
 from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples
@@ -35,26 +34,24 @@ from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.inference import InferenceOptions, embed_task
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
-from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model, tracked_run, tracking_uri
-from pipelines.fit.trainer import run_exists, torch_trainer
+from pipelines.fit.launch import Launch
+from pipelines.result import JobResult
+from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model
 
 EXAMPLE_CAPTION = "a photo of a dog"
 
 
-@dataclass
-class AdaptResult:
-    out: Path
+@dataclass(kw_only=True)
+class AdaptResult(JobResult):
+    """`metrics`: eval: {task}/{metric}, baseline/{task}/{metric}; `out`: the job's folder."""
+
     model_file: Path | None  # the adapted model (source + adapter); None when stopped at train.stop_at_step
     baseline_file: Path | None
-    metrics: dict[str, float]  # eval: {task}/{metric}, baseline/{task}/{metric}
     train: dict[str, Any]  # the workers' final report (steps, samples/s, ...)
-    mlflow_uri: str
-    mlflow_run_id: str
     source: Source
     pairs: int
     plots: list[Path] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
-    run_name: str = ""  # the same command with this run.name resumes a stopped fit
 
 
 def pair_shards(cfg: AdaptDocument) -> list[str]:
@@ -102,18 +99,15 @@ def check_before_ray(cfg: AdaptDocument, out: Path, uri: str) -> tuple[Source, s
 def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
     """`jobs.adapt`: the source's embeddings, the adapter fitted on them, the adapted model(s) saved, scored and logged,
     under `out` (default .probvlp/adapt/<run name>)."""
-    cfg = cfg.with_absolute_paths()  # Ray workers run in other directories
-    if cfg.run.name is None:
-        cfg.run.name = f"adapt-{time.strftime('%Y%m%d-%H%M%S')}"
+    launch = Launch(cfg, "adapt")
+    cfg, t, uri = launch.cfg, launch.cfg.train, launch.uri
     out = Path(out or STATE_DIR / "adapt" / cfg.run.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    uri = tracking_uri(cfg.tracking.uri)
     source, folder, pairs = check_before_ray(cfg, out, uri)
     width = embedding_width(source.model)
 
-    t = cfg.train
-    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(max(t.num_workers, cfg.embed.actors), t.cpus_per_worker))
-    check_storage(cfg)
+    launch.start_ray(local_cpus(max(t.num_workers, cfg.embed.actors), t.cpus_per_worker),
+                     writes="the adapter's checkpoints")
     from pipelines.adapt.loop import ADAPTER_FILE, adapt_loop  # deferred until init_ray quietened the logs
 
     if cfg.data.source == "digits":
@@ -140,18 +134,15 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
             "mlflow.source.git.commit": git_commit() or ""}
     params = {**cfg.flat(), "source.file": str(source.path), "source.sha256": source.sha256, "data.pairs": len(pairs.image),
               "data.images": pairs.n_images, "data.texts": pairs.n_texts, "embed_dim": width}
-    with tracked_run(uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=params,
-                     config_yaml=cfg.to_yaml(), tags=tags) as run:
-        trainer = torch_trainer(
-            adapt_loop, {"config": cfg.to_dict(), "dim": width, "mlflow_uri": uri, "mlflow_run_id": run.run_id}, cfg,
-            {"train": ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))})
-        result = trainer.fit()
+    common = dict(mlflow_uri=uri, run_name=cfg.run.name, out=out, source=source, pairs=len(pairs.image))
+    with launch.run(params=params, tags=tags) as run:
+        result = launch.fit(adapt_loop, {"dim": width},
+                            {"train": ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))})
         train = dict(result.metrics or {})
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
-        if int(train.get("step", 0)) < t.steps:  # train.stop_at_step: resumable, not scored
-            run.end_status = "KILLED"
-            return AdaptResult(out, None, None, {}, train, uri, run.run_id, source, len(pairs.image), seconds=seconds,
-                               run_name=cfg.run.name)
+        if not launch.end(int(train.get("step", 0))):  # train.stop_at_step: resumable, not scored
+            return AdaptResult(mlflow_run_id=run.run_id, model_file=None, baseline_file=None, train=train,
+                               seconds=seconds, **common)
         with result.checkpoint.as_directory() as folder:  # on object storage: downloaded to a local folder
             state = load_file(str(Path(folder) / ADAPTER_FILE))
         heads = {"adapter": cfg.adapter.head, **({"baseline": cfg.adapter.baseline} if cfg.adapter.baseline != "none" else {})}
@@ -171,18 +162,8 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
                 from err
         seconds["evaluate"] = time.perf_counter() - clock
         log_adapter_results(run, metrics, plots, {**train, **{f"seconds_{k}": v for k, v in seconds.items()}}, out)
-    return AdaptResult(out, files["adapter"], files.get("baseline"), metrics, train, uri, run.run_id,
-                       source, len(pairs.image), plots, seconds, cfg.run.name)
-
-
-def check_storage(cfg: AdaptDocument, spans: bool | None = None) -> None:
-    """Before any worker starts: a ConfigError (one line) when the adapter's Ray Train storage is a folder on this
-    node's disk and the cluster spans nodes (`spans`, None: this cluster's; the workers' checkpoints go there)."""
-    share_paths(cfg.ray.shared_paths)
-    check_storage_reachable("run.storage_path", cfg.run.storage_path,
-                            "Ray Train writes the adapter's checkpoints there: set it to object storage, e.g. "
-                            "--set run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's "
-                            "environment)", spans)
+    return AdaptResult(metrics=metrics, mlflow_run_id=run.run_id, model_file=files["adapter"],
+                       baseline_file=files.get("baseline"), train=train, plots=plots, seconds=seconds, **common)
 
 
 def save_models(cfg: AdaptDocument, source: Source, heads: dict[str, str], models: dict, out: Path) -> dict[str, Path]:

@@ -27,7 +27,7 @@ from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
 from pipelines.tracking import StepLogger
 from pipelines.fit.config import LoopConfig
-from pipelines.fit.loop import epoch_batches, run_steps
+from pipelines.fit.loop import Hooks, epoch_batches, run_steps
 from pipelines.fit.optim import lr_at, optimizer_for
 from pipelines.fit.plain_state import fit_state, load_fit_state
 from pipelines.fit.progress import Progress
@@ -108,6 +108,49 @@ class AdapterFit:
 STATE_FILE = "state.safetensors"
 
 
+class AdapterHooks(Hooks):
+    """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow, and
+    every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state."""
+
+    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None):
+        self.fit, self.t, self.logger = fit, cfg.train, logger
+        self.checkpoint_every = self.t.checkpoint_every
+        self.first_step, self.start, self.loss = fit.progress.step, time.perf_counter(), float("nan")
+
+    def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
+        p = self.fit.progress
+        self.loss = out["loss"].item()
+        if self.logger:
+            self.logger.log({**{k: v.item() for k, v in out.items()}, "lr": self.fit.lr(), "samples_per_s": samples_per_s,
+                             "epoch": p.epoch, "skipped_batches": p.skipped_batches}, p.step)
+        return False
+
+    def checkpoint(self, metrics: dict[str, Any]) -> None:
+        self.save(final=False)
+
+    def save(self, final: bool) -> None:
+        """Every rank reports; rank 0's report carries the checkpoint (the adapters are the same on every rank)."""
+        p, world = self.fit.progress, self.fit.world
+        seconds = time.perf_counter() - self.start
+        done = p.step - self.first_step
+        metrics = {"step": p.step, "epoch": p.epoch, "samples": p.samples, "skipped_batches": p.skipped_batches,
+                   "steps_this_run": done, "train_seconds": seconds,
+                   "samples_per_s": done * self.t.batch_size * world.size / seconds if done else 0.0, "loss": self.loss}
+        if world.rank != 0:
+            ray.train.report(metrics)
+            return
+        if final:
+            self.logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, p.step)
+        self.logger.flush()
+        with tempfile.TemporaryDirectory() as tmp:
+            state = self.fit.state()
+            save_file(state, str(Path(tmp) / STATE_FILE))
+            # the adapters alone, as the driver builds the adapted models from them
+            save_file({k.removeprefix("adapters."): v for k, v in state.items() if k.startswith("adapters.")},
+                      str(Path(tmp) / ADAPTER_FILE))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
 def adapt_loop(config: dict[str, Any]) -> None:
     cfg = adapt_config_from_dict(config["config"])
     t = cfg.train
@@ -122,10 +165,9 @@ def adapt_loop(config: dict[str, Any]) -> None:
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    p, first_step, last_step = fit.progress, fit.progress.step, t.last_step
     logger = StepLogger(config["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
+    hooks = AdapterHooks(fit, cfg, logger)
     shard = ray.train.get_dataset_shard("train")
-    start, loss = time.perf_counter(), float("nan")
 
     def pairs(epoch: int):
         for batch in shard.iter_torch_batches(batch_size=t.batch_size, drop_last=True, device=fit_device(net),
@@ -133,40 +175,9 @@ def adapt_loop(config: dict[str, Any]) -> None:
                                               local_shuffle_seed=cfg.run.seed + epoch):
             yield batch["data"].float()
 
-    def log(out: dict[str, torch.Tensor], rate: float) -> None:
-        nonlocal loss
-        loss = out["loss"].item()
-        if logger:
-            logger.log({**{k: v.item() for k, v in out.items()}, "lr": fit.lr(), "samples_per_s": rate,
-                        "epoch": p.epoch, "skipped_batches": p.skipped_batches}, p.step)
-
-    def report(final: bool) -> None:
-        seconds = time.perf_counter() - start
-        done = p.step - first_step
-        metrics = {"step": p.step, "epoch": p.epoch, "samples": p.samples, "skipped_batches": p.skipped_batches,
-                   "steps_this_run": done, "train_seconds": seconds,
-                   "samples_per_s": done * t.batch_size * world.size / seconds if done else 0.0, "loss": loss}
-        if rank != 0:
-            ray.train.report(metrics)
-            return
-        if final:
-            logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, p.step)
-        logger.flush()
-        with tempfile.TemporaryDirectory() as tmp:
-            state = fit.state()
-            save_file(state, str(Path(tmp) / STATE_FILE))
-            # the adapters alone, as the driver builds the adapted models from them
-            save_file({k.removeprefix("adapters."): v for k, v in state.items() if k.startswith("adapters.")},
-                      str(Path(tmp) / ADAPTER_FILE))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-
-    def after_step(step: int) -> None:
-        if step < last_step and step % t.checkpoint_every == 0:
-            report(final=False)
-
-    run_steps(fit, epoch_batches(pairs, p), last_step, max_bad_batches=t.max_bad_batches, log=log,
-              log_every=t.log_every, after_step=after_step)
-    report(final=True)
+    run_steps(fit, epoch_batches(pairs, fit.progress), t.last_step, hooks, max_bad_batches=t.max_bad_batches,
+              log_every=t.log_every)
+    hooks.save(final=True)
 
 
 def fit_device(net: nn.Module) -> torch.device:

@@ -28,18 +28,21 @@ from pipelines.download.shard import TMP_DIR, shard_done, shard_name
 from pipelines.download.summary import summarize_download
 from pipelines.storage import fs_path, write_bytes_atomic
 from pipelines.download.scheduler import run_parts
+from pipelines.result import JobResult
 
 SUMMARY_FILE = "_summary.json"
 
 
-def run_download(cfg: DownloadDocument, show: Callable[[dict[str, Any]], None] = lambda summary: None,
-                 ) -> tuple[dict[str, Any], str | None]:
+def run_download(cfg: DownloadDocument, show: Callable[[dict[str, Any]], None] = lambda summary: None) -> JobResult:
     """`jobs.download`: Ray started (or joined), the shards downloaded, the summary given to `show`, then logged to
-    MLflow when tracking is set; returns (summary, MLflow run id or None)."""
+    MLflow when tracking is set. `metrics`: the summary (pipelines.download.summary); `out`: download.output;
+    `mlflow_run_id` None without tracking."""
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     summary = download_shards(cfg.download)
     show(summary)  # before MLflow is reached: a tracking store that fails leaves the summary on screen
-    return summary, log_download(cfg, summary)
+    uri, run_id = log_download(cfg, summary)
+    return JobResult(metrics=summary, mlflow_uri=uri, mlflow_run_id=run_id, run_name=cfg.run.name,
+                     out=cfg.download.output)
 
 
 def download_shards(cfg: DownloadConfig, local_only: bool = False, log=print) -> dict[str, Any]:
@@ -70,10 +73,10 @@ def download_shards(cfg: DownloadConfig, local_only: bool = False, log=print) ->
     return summary
 
 
-def log_download(cfg: DownloadDocument, summary: dict[str, Any]) -> str | None:
+def log_download(cfg: DownloadDocument, summary: dict[str, Any]) -> tuple[str | None, str | None]:
     """One MLflow run per download invocation, when tracking is configured (tracking.uri or $MLFLOW_TRACKING_URI)."""
     if not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
-        return None
+        return None, None
     # deferred: MLflow loads only when tracking is set
     from pipelines.tracking import finish_with_results, git_commit, start_run, tracking_uri
 
@@ -85,4 +88,4 @@ def log_download(cfg: DownloadDocument, summary: dict[str, Any]) -> str | None:
     for reason, n in summary["failed_by_reason"].items():
         numeric[f"failed.{re.sub(r'[^0-9A-Za-z_.-]+', '_', reason).strip('_')[:200]}"] = float(n)
     finish_with_results(uri, run_id, numeric, texts={"download_summary.json": json.dumps(summary, indent=1)})
-    return run_id
+    return uri, run_id

@@ -13,6 +13,7 @@ import json
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_emb
                                           write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
 from pipelines.inputs import prepare_inputs
+from pipelines.result import JobResult
 from pipelines.tracking import finish_with_results, resolve_model, start_run, tracking_uri
 
 
@@ -80,10 +82,18 @@ def model_name(path: Path) -> str:
         return (f.metadata() or {})["model"]
 
 
-def run_evaluate(cfg: EvaluateDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> dict[str, Any]:
+@dataclass(kw_only=True)
+class EvaluateResult(JobResult):
+    """`metrics`: {task}/{metric} and the reader's counts; `out`: results.json, skipped.json, the plots."""
+
+    records: list[dict[str, Any]]  # results.json's rows: task, metric, value
+    results: dict[str, Any]  # each task's full result (pipelines.evaluate.tasks.score_task)
+    skipped: dict[str, dict]  # what the reader skipped, per task
+
+
+def run_evaluate(cfg: EvaluateDocument, model_ref: str, out: Path | None, opts: InferenceOptions) -> EvaluateResult:
     """`jobs.evaluate`: the model (a file, runs:/<run_id>/model or a run id; InputError when none is there) on
-    every task of cfg.eval, under `out` (None: .probvlp/eval/<time>); returns {"metrics", "records", "results",
-    "mlflow_run_id", "skipped", "out"}."""
+    every task of cfg.eval, under `out` (None: .probvlp/eval/<time>)."""
     check_loss_section(cfg)
     out = Path(out or STATE_DIR / "eval" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -94,10 +104,10 @@ def run_evaluate(cfg: EvaluateDocument, model_ref: str, out: Path | None, opts: 
     # a local Ray keeps CPUs beside the actors for reading and decoding (ignored when joining a cluster)
     init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(opts.concurrency, 1))
     prepare_inputs(cfg)
-    return {**evaluate_tasks(cfg, source, out, opts), "out": out}
+    return evaluate_tasks(cfg, source, out, opts)
 
 
-def evaluate_tasks(cfg: EvaluateDocument, source: dict, out: Path, opts: InferenceOptions) -> dict[str, Any]:
+def evaluate_tasks(cfg: EvaluateDocument, source: dict, out: Path, opts: InferenceOptions) -> EvaluateResult:
     """Every task of cfg.eval on the resolved model `source` (`pipelines.tracking.resolve_model`)."""
     model = load_model(source["model"])
     tasks = cfg.resolved_tasks()
@@ -128,7 +138,8 @@ def evaluate_tasks(cfg: EvaluateDocument, source: dict, out: Path, opts: Inferen
                        tags)
     finish_with_results(uri, run_id, metrics, [(out / "results.json", "eval"), (out / "skipped.json", "data"),
                                                *((png, "plots") for png in plots)])
-    return {"metrics": metrics, "records": records, "results": results, "mlflow_run_id": run_id, "skipped": skipped}
+    return EvaluateResult(metrics=metrics, mlflow_uri=uri, mlflow_run_id=run_id, run_name=cfg.run.name, out=out,
+                          records=records, results=results, skipped=skipped)
 
 
 def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
@@ -145,20 +156,21 @@ def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
 
 
 def run_embed(model_ref: str, data: str, split: str | None, out: str | Path, opts: InferenceOptions,
-                 tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> str | Path:
+                 tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> JobResult:
     """`jobs.embed`: {out}/images (one row per readable sample), {out}/skipped.json, with `texts` the distinct
-    captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns the images folder.
+    captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns `out` (no metrics,
+    no MLflow run).
     `out`: a local folder, or a URI on object storage (the parquet written there by Ray Data, the other files here
     first, then copied)."""
     with tempfile.TemporaryDirectory(prefix="probvlp_embed_") as tmp:
         here = Path(out) if is_local_path(str(out)) else Path(tmp)
-        folder = _embed(model_ref, data, split, out, here, opts, tracking, texts, index, log)
+        _embed(model_ref, data, split, out, here, opts, tracking, texts, index, log)
         if here != Path(out):
             fs, path = fs_path(str(out))
             for name in ("skipped.json", "images.faiss"):
                 if (here / name).is_file():
                     fs.put_file(str(here / name), f"{path}/{name}")
-    return folder
+    return JobResult(out=out)
 
 
 def _embed(model_ref: str, data: str, split: str | None, out: str | Path, here: Path, opts: InferenceOptions,

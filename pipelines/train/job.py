@@ -1,7 +1,7 @@
-"""`jobs.pretrain` on the driver: data, MLflow run, Ray Train TorchTrainer (workers: `pipelines.train.worker`)."""
+"""`jobs.pretrain` on the driver: what is pretraining's own (inputs, datasets, the workers' loop
+`pipelines.train.worker`, the final report's errors) on the training stages' launcher (`pipelines.fit.launch`)."""
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -12,9 +12,9 @@ from ray.data import ExecutionOptions
 
 from models.objective import loss_name
 from models.registry import tower_config
-from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
-from pipelines.cluster.runtime import init_ray, local_cpus
-from pipelines.config import STATE_DIR, RunStopped
+from pipelines.cluster.check import spans_nodes
+from pipelines.cluster.runtime import local_cpus
+from pipelines.config import STATE_DIR
 from pipelines.train.config import TrainConfig, TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
@@ -26,18 +26,16 @@ from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
 from pipelines.train.data_health import run_stats_name
-from pipelines.tracking import git_commit, tracked_run, tracking_uri
-from pipelines.fit.trainer import eval_dataset_name, run_exists, torch_trainer
+from pipelines.fit.launch import Launch
+from pipelines.fit.trainer import eval_dataset_name
+from pipelines.result import JobResult
+from pipelines.tracking import git_commit
 
 
-@dataclass
-class PretrainResult:
-    metrics: dict[str, Any]
-    mlflow_uri: str
-    mlflow_run_id: str
+@dataclass(kw_only=True)
+class PretrainResult(JobResult):
     experiment: str
-    run_name: str
-    checkpoint_path: str | None
+    checkpoint_path: str | None  # the run's final DeepSpeed checkpoint (Ray Train's)
     registered_version: str | None = None  # tracking.register_as: the Model Registry version of this run
 
 
@@ -70,11 +68,6 @@ def run_tags(cfg: TrainDocument, extra_tags: dict[str, str] | None) -> dict[str,
             "mlflow.source.git.commit": git_commit() or "", **(extra_tags or {})}
 
 
-def joined_cluster(cfg: TrainDocument) -> bool:
-    """Whether this driver joins a running cluster (whose autoscaler may add nodes) rather than starting a local Ray."""
-    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-
-
 def without_checkpoints(t: TrainConfig, spans: bool) -> str | None:
     """The one line for a run on a cluster (`spans`: its workers may be on other nodes) that never checkpoints before
     its end: a lost node then loses the whole run. None otherwise."""
@@ -94,16 +87,9 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     default now), from which rank 0 times the start-up to its first step (MLflow `startup_s`); `inputs_ready`: the
     caller ran `prepare_inputs` on this config's inputs (a sweep's driver, once for all its trials)."""
     started_at = time.time() if started_at is None else started_at
-    if cfg.run.name is None:
-        cfg.run.name = f"{cfg.run.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = cfg.with_absolute_paths()  # what the workers get: they run in other directories
-    t = cfg.train
-    init_ray(cfg.ray.address, cfg.ray.num_cpus or local_cpus(t.max_workers, t.cpus_per_worker))
-    check_cluster_holds_a_worker(t.worker_resources, joined=joined_cluster(cfg) if joined is None else joined)
-    share_paths(cfg.ray.shared_paths)
-    check_storage_reachable("run.storage_path", cfg.run.storage_path,
-                            "Ray Train writes every worker's checkpoints there: set it to object storage, e.g. "
-                            "--set run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's environment)")
+    launch = Launch(cfg, cfg.run.experiment)
+    cfg, t = launch.cfg, launch.cfg.train
+    launch.start_ray(local_cpus(t.max_workers, t.cpus_per_worker), writes="every worker's checkpoints", joined=joined)
     warning = without_checkpoints(t, spans_nodes())
     if warning:
         print(warning, flush=True)
@@ -112,34 +98,25 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     if not inputs_ready:
         prepare_inputs(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     context_length = tower_config(cfg.model.name, **cfg.model.overrides).context_length  # the workers build the model
-    uri = tracking_uri(cfg.tracking.uri)
-    with tracked_run(uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=cfg.flat(),
-                     config_yaml=cfg.to_yaml(), tags=run_tags(cfg, extra_tags),
-                     register_as=cfg.tracking.register_as) as run:
+    with launch.run(params=cfg.flat(), tags=run_tags(cfg, extra_tags), register_as=cfg.tracking.register_as) as run:
         # what rank 0 leaves undelivered at the end: delivered by this driver once the workers are released
         run.pending_in, run.flush_timeout_s = outbox_folder(cfg.run.storage_path, cfg.run.name), cfg.tracking.flush_timeout_s
         job = uuid.uuid4().hex  # tells a restart within this job from a later command on the same run
         datasets = build_datasets(cfg, context_length, run.run_id)
         worker_read = {k: v for k, v in datasets.items() if isinstance(v, WorkerShards)}
-        trainer = torch_trainer(
+        result = launch.fit(
             train_loop,
-            {"config": cfg.to_dict(), "mlflow_run_id": run.run_id, "mlflow_uri": uri, "worker_datasets": worker_read,
+            {"worker_datasets": worker_read,
              "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
              # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
              "failure_marker": str(STATE_DIR / "injected_failures" / f"{run.run_id}.done"),
              "job_started_at": started_at, "job": job},
-            cfg, {k: v for k, v in datasets.items() if k not in worker_read}, callbacks,
-            ray.train.DataConfig(datasets_to_split=[] if "train" in worker_read else ["train"],
-                                 execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
-                                 enable_shard_locality=not cfg.data.deterministic))
-        try:
-            result = trainer.fit()
-        except Exception:
+            {k: v for k, v in datasets.items() if k not in worker_read}, callbacks=callbacks,
+            dataset_config=ray.train.DataConfig(datasets_to_split=[] if "train" in worker_read else ["train"],
+                                                execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
+                                                enable_shard_locality=not cfg.data.deterministic),
             # a run the workers stopped on purpose: their one line, not Ray's traceback
-            stopped = stop_reason(run_folder(cfg.run.storage_path, cfg.run.name), job, "NoticeLoop")
-            if stopped:
-                raise RunStopped(f"{stopped} (MLflow run {run.run_id} FAILED)") from None
-            raise
+            stopped=lambda: stop_reason(run_folder(cfg.run.storage_path, cfg.run.name), job, "NoticeLoop"))
         metrics = dict(result.metrics or {})
         # the final report comes after the final checkpoint, whose metrics are Ray Train's result
         final = load_json(f"{run_folder(cfg.run.storage_path, cfg.run.name)}/final_report.json") or {}
@@ -150,8 +127,7 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
         if metrics.get("eval_error"):
             raise EvaluationError(f"{metrics['eval_error']} (the trained model is saved: runs:/{run.run_id}/model, "
                                   f"MLflow run {run.run_id} FAILED)")
-        if metrics.get("step", 0) < t.steps:
-            run.end_status = "KILLED"
-    checkpoint = result.checkpoint.path if result.checkpoint else None
-    return PretrainResult(metrics, uri, run.run_id, cfg.run.experiment, cfg.run.name, checkpoint,
-                          run.registered_version)
+        launch.end(metrics.get("step", 0))
+    return PretrainResult(metrics=metrics, mlflow_uri=launch.uri, mlflow_run_id=run.run_id, run_name=cfg.run.name,
+                          experiment=cfg.run.experiment, checkpoint_path=result.checkpoint.path if result.checkpoint else None,
+                          registered_version=run.registered_version)

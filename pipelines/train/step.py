@@ -55,3 +55,23 @@ def train_step(engine, images: torch.Tensor, tokens: torch.Tensor, grad_accum: i
     engine.backward(out["loss"])
     engine.step()
     return out, agreed[1], agreed[2]
+
+
+class DeepSpeedFit:
+    """The pretraining engine as the loop's Fit (pipelines.fit.loop): one `train_step` per batch, this rank's flags
+    (`flags()`: a notice, the checkpoint clock) on its all-reduce, and what every rank agreed there (`noticed`,
+    `clock_due`) for the loop's hooks."""
+
+    def __init__(self, engine, progress, grad_accum: int, world: World, flags: Callable[[], tuple[bool, bool]]):
+        self.engine, self.progress, self.grad_accum, self.world, self.flags = engine, progress, grad_accum, world, flags
+        self.noticed = self.clock_due = False
+        self.rows_in_step = 0  # this rank's rows in the last step (its contrastive batch is this x the world)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """One optimizer step, or None where the loss was not finite on some rank (skipped on every rank)."""
+        self.rows_in_step = batch[1].shape[0]
+        out, self.noticed, self.clock_due = train_step(self.engine, *batch, self.grad_accum, self.world, *self.flags())
+        return out
+
+    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return batch[1].shape[0] * self.world.size

@@ -1,9 +1,11 @@
 """What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
 rank-0 MLflow logging. The driver side is `pipelines.train.job`.
 
-The worker coordinates; its pieces live beside it: one optimizer step (`step`), checkpoints and the saved progress
-(`state`), evaluation on rank 0 (`evaluation`, the only one that imports the evaluate stage), the saved model
-(`export`), the data's health and wait (`data_health`, `data_wait`)."""
+The loop is the training core's (pipelines.fit.loop.run_steps): the DeepSpeed engine is its Fit (`step.DeepSpeedFit`)
+and the worker its Hooks (logging, evaluation, checkpoints, a notice's save). Its pieces live beside it: the engine
+(`engine`), checkpoints (`state`), evaluation on rank 0 (`evaluation`, the only one that imports the evaluate stage),
+the saved model (`export`), the data's health and wait (`data_health`, `data_wait`), notices (`preemption`), the
+attempts' journal (`attempts`), an injected failure (`faults`)."""
 from __future__ import annotations
 
 import importlib
@@ -13,7 +15,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray.train
 import torch
@@ -30,12 +32,13 @@ from pipelines.train import attempts, export, state as train_state
 from pipelines.train.data_health import DataHealth
 from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
-from pipelines.fit.loop import EmptyEpoch, epoch_batches, run_steps
+from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from pipelines.train.step import train_step
+from pipelines.train.faults import fail_once
+from pipelines.train.step import DeepSpeedFit
 
 
 class NoticeLoop(RuntimeError):
@@ -47,10 +50,12 @@ def device_name(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
-class TrainWorker:
-    """One worker's state for a run: engine, data shard, progress, rank-0 logger."""
+class TrainWorker(Hooks):
+    """One worker's run: its DeepSpeed fit (`DeepSpeedFit`: the engine's steps), its data, and the loop's hooks
+    (pipelines.fit.loop.Hooks: rank 0's logging, the evaluation, checkpoints behind training, a notice's save).
+    `fault`: called with each step applied (train.fail_once_at_step: pipelines.train.faults)."""
 
-    def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, failure_marker: str | None,
+    def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, fault: Callable[[int], None] | None = None,
                  job_started_at: float | None = None, job: str = ""):
         self.cfg, self.t = cfg, cfg.train
         # first: a SIGTERM from here on is a notice (before the engine is built and the checkpoint restored)
@@ -62,7 +67,8 @@ class TrainWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
         if not self.use_gpu:
             torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
-        self.failure_marker = failure_marker
+        self.fault = fault
+        self.eval_every, self.checkpoint_every = self.t.eval_every, self.t.checkpoint_every
         self.wait = DataWait()
         self.tasks = cfg.resolved_tasks()
         self.world = World.current()
@@ -74,12 +80,11 @@ class TrainWorker:
         train_state.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
         self.upload: tuple[int, str] | None = None  # the checkpoint whose upload may be in flight: (step, snapshot)
         self.saved_at = time.monotonic()  # the clock of train.checkpoint_every_s (restarted by fit and every save)
-        self.clock_due = False
         self.checkpoint_names: set[str] = set()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
         self.notice.taken_file_mtime = self.progress.notice_file_mtime
-        self.noticed = False
+        self.ds_fit = DeepSpeedFit(self.engine, self.progress, self.t.grad_accum, self.world, self._flags)
         self.audit = open(cfg.run.audit_steps_to, "a") if cfg.run.audit_steps_to and self.rank == 0 else None
         self.logger = self.journal = self.heartbeat = None
         self.attempt = 0
@@ -227,27 +232,16 @@ class TrainWorker:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         self.wait.start()
         self.saved_at = time.monotonic()
-        run_steps(self, self.wait.timed(self.steps_input()), self.last_step, max_bad_batches=t.max_bad_batches,
-                  micro_batches=t.grad_accum, on_step=self._on_step, log=self._at_log_step, log_every=t.log_every,
-                  log_first=False, after_step=self._after_step)
+        run_steps(self.ds_fit, self.wait.timed(self.steps_input()), self.last_step, self,
+                  max_bad_batches=t.max_bad_batches, micro_batches=t.grad_accum, log_every=t.log_every, log_first=False)
 
-    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """One optimizer step (pipelines.train.step), or None where the loss was not finite on some rank (a bad batch,
-        an overflow: skipped on every rank and counted, not applied); a notice of preemption saves. Whether a
-        checkpoint is due by the clock is agreed at the step too (any rank's clock)."""
-        self.rows_in_step = batch[1].shape[0]
+    def _flags(self) -> tuple[bool, bool]:
+        """This rank's two flags for the step's all-reduce: a notice of preemption, and a checkpoint due by the clock
+        (train.checkpoint_every_s)."""
         every_s = self.t.checkpoint_every_s
-        clock = bool(every_s) and time.monotonic() - self.saved_at >= every_s
-        out, self.noticed, self.clock_due = train_step(self.engine, *batch, self.t.grad_accum, self.world,
-                                                       self.notice.pending(), clock)
-        if out is None and self.noticed:  # nothing applied at this step: the state of the step before is saved
-            self.save_on_notice({"step": self.progress.step})
-        return out
+        return self.notice.pending(), bool(every_s) and time.monotonic() - self.saved_at >= every_s
 
-    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
-        return batch[1].shape[0] * self.world.size
-
-    def _on_step(self, step: int) -> None:
+    def on_step(self, step: int) -> None:
         if self.audit:  # what this attempt really applied (the engine's own count)
             self.audit.write(f"{self.attempt} {self.engine.global_steps} {time.time():.3f}\n")
             self.audit.flush()
@@ -255,32 +249,31 @@ class TrainWorker:
             self.heartbeat.step = step
         if self.job_started_at is not None:
             self._first_step()
+        if self.fault:
+            self.fault(step)
 
-    def _at_log_step(self, out: dict[str, torch.Tensor], rate: float) -> bool:
+    def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
         """Every rank at a log step: True (stop) where the data check failed, else rank 0 logs the step."""
         if self._data_check():
             return True
         if self.logger:
-            self._log_step(out, self.rows_in_step, rate)
+            self._log_step(out, self.ds_fit.rows_in_step, samples_per_s)
         return False
 
-    def _after_step(self, step: int) -> bool:
-        """The injected failure, then (before the last step) the evaluation, checkpoint or save on a notice due."""
-        t = self.t
-        self._maybe_fail(step)
-        if step >= self.last_step:
-            return True
-        due_eval = bool(t.eval_every) and step % t.eval_every == 0
-        due_checkpoint = (bool(t.checkpoint_every) and step % t.checkpoint_every == 0) or self.clock_due
-        if self.noticed:  # save first: the evaluation may take the whole deadline
-            self.save_on_notice({"step": step}, evaluate=due_eval)
-            return False
-        metrics = {"step": step, **(self.validate() if due_eval else {})}
-        if due_checkpoint:
-            self.checkpoint(metrics, behind=True)
-        elif due_eval:
-            train_state.report(metrics)
-        return False
+    def noticed(self) -> bool:
+        return self.ds_fit.noticed
+
+    def checkpoint_due(self) -> bool:
+        return self.ds_fit.clock_due
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.validate()
+
+    def checkpoint(self, metrics: dict[str, Any]) -> None:
+        self.save(metrics, behind=True)
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        train_state.report(metrics)
 
     def _log_step(self, out: dict[str, torch.Tensor], rows: int, rate: float) -> None:
         """Rank 0: the step's loss and its parts, learning rate, throughput, data wait and skips, logged and shown."""
@@ -313,17 +306,7 @@ class TrainWorker:
         self.data_error = verdict[0]
         return self.data_error is not None
 
-    def _maybe_fail(self, step: int) -> None:
-        if self.t.fail_once_at_step != step or self.rank != self.world.size - 1 or not self.failure_marker:
-            return
-        marker = Path(self.failure_marker)
-        if marker.exists():
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(str(step))
-        raise RuntimeError(f"injected failure at step {step} (train.fail_once_at_step)")
-
-    def checkpoint(self, metrics: dict[str, Any], behind: bool = False) -> None:
+    def save(self, metrics: dict[str, Any], behind: bool = False) -> None:
         """Every rank: the checkpoint, with what rank 0 has not delivered to MLflow yet beside it in the run's
         storage (the next attempt delivers it first, from any node). `behind` (the periodic ones): the loop goes on
         once the shard's snapshot is written on this node, its upload behind training, after the previous upload is
@@ -373,14 +356,14 @@ class TrainWorker:
         self.checkpoint_names.add(name)
         return name
 
-    def save_on_notice(self, metrics: dict[str, Any], evaluate: bool = False) -> None:
+    def save_on_notice(self, step: int, evaluate: bool = False) -> None:
         """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
         checkpoint at once (registered only once every rank's part is in, so a save that the machine's end cuts
         short is never resumed from), the notice's file taken, the evaluation due at this step after it, what rank 0
         has not delivered into the run's storage, then wait for Ray Train's restart. Logged: `preemptions`,
         `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds). Past
         run.max_notices_without_progress notices in a row at one step, the run stops (NoticeLoop)."""
-        p = self.progress
+        p, metrics = self.progress, {"step": step}
         notice = self.notice.take()
         if self.world.size > 1:  # every rank's sources (a SIGTERM reaches one process), the earliest deadline
             known: list = [None] * self.world.size
@@ -493,10 +476,10 @@ class TrainWorker:
         p = self.progress
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
         if self.data_error:  # the driver raises BadDataError
-            return self.checkpoint({**report, **(self._data_report() if self.data_health else {}),
+            return self.save({**report, **(self._data_report() if self.data_health else {}),
                                     "data_error": self.data_error})
         if self.restored_step != p.step:
-            self.checkpoint(dict(report))
+            self.save(dict(report))
         watcher = threading.Event()
         threading.Thread(target=self._watch_notices, args=(watcher,), daemon=True, name="probvlp-notices").start()
         try:
@@ -556,7 +539,8 @@ def train_loop(config: dict[str, Any]) -> None:
     use_worker_datasets(config.get("worker_datasets", {}))
     worker = None
     try:
-        worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], config.get("failure_marker"),
+        fault = fail_once(cfg.train.fail_once_at_step, config.get("failure_marker"))
+        worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], fault,
                              config.get("job_started_at"), config.get("job", ""))
         worker.fit()
         worker.finish()

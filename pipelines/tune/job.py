@@ -14,6 +14,7 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -32,7 +33,9 @@ from pipelines.progress import ProgressLine
 from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
                                 tracking_uri)
 from pipelines.inputs import inputs_of, prepare_inputs
-from pipelines.train.job import joined_cluster, run_pretrain
+from pipelines.fit.launch import joined_cluster
+from pipelines.result import JobResult
+from pipelines.train.job import run_pretrain
 from pipelines.tune.asha import ResumableASHA
 from pipelines.tune.config import SweepDocument, trial_config
 
@@ -96,12 +99,19 @@ def check_sweep_reaches_its_nodes(base: TrainDocument, storage: str) -> None:
                           "reaches")
 
 
+@dataclass(kw_only=True)
+class TuneResult(JobResult):
+    """`mlflow_run_id`: the sweep's parent run; `out`: the best config's file (None when interrupted)."""
+
+    grid: Any  # Tune's ResultGrid
+    summary: dict[str, Any] | None  # summarize_sweep's table, best params and metric; None: interrupted (Ctrl-C)
+
+
 def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
-             best_config_out: str | Path | None = None):
-    """`jobs.tune`: run (or resume) the sweep; returns (ResultGrid, parent MLflow run id, summary dict), the best
-    config written to `best_config_out` (default .probvlp/tune/<name>_best.yaml; summary["best_config_file"]). The
-    summary is None when the sweep was interrupted (Ctrl-C): Tune saved its state, and running the same command again
-    resumes it."""
+             best_config_out: str | Path | None = None) -> TuneResult:
+    """`jobs.tune`: run (or resume) the sweep, the best config written to `best_config_out` (default
+    .probvlp/tune/<name>_best.yaml; summary["best_config_file"]). The summary is None when the sweep was interrupted
+    (Ctrl-C): Tune saved its state, and running the same command again resumes it."""
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
@@ -142,14 +152,16 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
                            run_config=tune.RunConfig(name=s.name, storage_path=root,
                                                      callbacks=[trial_progress(s.num_samples, s.metric)]))
     grid, interrupted = fit_noting_ctrl_c(tuner)
+    result = TuneResult(mlflow_uri=uri, mlflow_run_id=parent, run_name=s.name, grid=grid, summary=None)
     if interrupted:  # Tune saved the experiment with trials still to run: nothing to summarise yet
-        return grid, parent, None
+        return result
     summary = summarize_sweep(grid, sweep, base, uri, parent)
     out = Path(best_config_out or STATE_DIR / "tune" / f"{s.name}_best.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(summary["best_config"].to_yaml())
     summary["best_config_file"] = out
-    return grid, parent, summary
+    result.summary, result.out, result.metrics = summary, out, {s.metric: summary["best_metric"]}
+    return result
 
 
 def fit_noting_ctrl_c(tuner):
