@@ -9,6 +9,8 @@
 #           its times under the tests' load)                    (test ~6 min on an H200, 2026-11-26)
 #   accum   benchmarks.accumulation --gpu: a 16k contrastive batch by 64 micro-batches of 256 (TA s; four
 #           methods took ~280 s on an H200, so six need ~7 min)
+#   ckpt    benchmarks.checkpoint_upload on the node's CPUs, local storage (TK s): the 2 workers' steps/s with
+#           checkpoints behind training against none, where cores are left for the upload (on 2 cores they are not)
 # e.g. `bash benchmarks/on_gpu.sh bench`, then `bash benchmarks/on_gpu.sh test accum`.
 cd "$(dirname "$0")/.." || exit 2
 out=${OUT:-gpu-out}; work=/tmp/gpu-work; rm -rf "$work"; mkdir -p "$work" "$out"
@@ -51,3 +53,8 @@ elif has accum; then
   timeout "${TA:-420}" python3 -m benchmarks.accumulation --gpu > "$work/accumulation.log" 2>&1; say "accumulation rc $?"
 fi
 has accum && grep "^|" "$work/accumulation.log" | tee -a "$work/summary.txt"
+if has ckpt; then
+  timeout "${TK:-400}" python3 -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 24 --every 8 \
+    --storages local > "$work/checkpoint_upload.log" 2>&1; say "checkpoint_upload rc $?"
+  quiet "$work/checkpoint_upload.log" | grep "^|\|rror" | tee -a "$work/summary.txt" | tail -20
+fi

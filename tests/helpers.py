@@ -156,11 +156,6 @@ def registered(run_folder: Path) -> list[str]:
         return []
 
 
-def saved(run_folder: Path) -> list[Path]:
-    """Ray Train's checkpoint folders of a run, oldest first."""
-    return sorted(p for p in run_folder.glob("checkpoint_*") if p.is_dir())
-
-
 def jpeg(seed: int, size=(48, 40)) -> bytes:
     """A JPEG of random pixels, the same for the same seed."""
     arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
