@@ -126,3 +126,38 @@ def test_the_adapter_skips_a_non_finite_step():
     run_steps(fit, iter([good]), 1)
     after = fit.net.state_dict()
     assert fit.progress.step == 1 and not all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_every_fit_takes_the_learning_rate_clipping_and_adamw_of_its_loop_config():
+    """One LoopConfig, the same rules: a plain fit's step (the adapter's, the in-process fit's: pipelines.fit.step)
+    sets the learning rate DeepSpeed's scheduler gives the engine at each step (schedule_for), clips the gradient to
+    grad_clip (0: not at all), and its AdamW has the config's betas, epsilon and weight decay; a step whose loss is
+    not finite applies nothing."""
+    from models.gather import World
+    from pipelines.fit.config import LoopConfig
+    from pipelines.fit.optim import optimizer_for, schedule_for
+    from pipelines.fit.step import plain_step
+
+    cfg = LoopConfig(steps=9, lr=0.1, warmup_steps=3, beta1=0.8, beta2=0.9, eps=1e-5, weight_decay=0.3, grad_clip=0.5)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    optimizer = optimizer_for(net, cfg)
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in optimizer.param_groups] == \
+        [((0.8, 0.9), 1e-5, 0.3), ((0.8, 0.9), 1e-5, 0.0)]  # the bias takes no weight decay
+    reference = schedule_for(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr), cfg)
+    for step in range(cfg.steps):
+        out = {"loss": (net(torch.randn(8, 4)) * 100).pow(2).mean()}
+        assert plain_step(out, out["loss"].backward, optimizer, list(net.parameters()), cfg, step, World()) is out
+        assert optimizer.param_groups[0]["lr"] == reference.get_last_lr()[0]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in net.parameters()]))
+        assert norm <= cfg.grad_clip * (1 + 1e-5)
+        reference.optimizer.step()
+        reference.step()
+    before = [p.detach().clone() for p in net.parameters()]
+    bad = {"loss": torch.tensor(float("nan"))}
+    assert plain_step(bad, lambda: None, optimizer, list(net.parameters()), cfg, cfg.steps, World()) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    unclipped = cfg.model_copy(update={"grad_clip": 0.0})
+    out = {"loss": (net(torch.randn(8, 4)) * 100).pow(2).mean()}
+    plain_step(out, out["loss"].backward, optimizer, list(net.parameters()), unclipped, 0, World())
+    assert torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in net.parameters()])) > 1
