@@ -89,7 +89,7 @@ class AdaptTrainConfig(LoopConfig):
     batch_size: int = Field(128, ge=2, description="per worker")
     steps: int = Field(500, ge=1)
     # The training core's knobs (pipelines.fit.config.LoopConfig), with the adapter's defaults: no warm-up, no weight
-    # decay, AdamW's usual moments (ProbVLM's official code: torch's defaults), no clipping.
+    # decay, torch's own AdamW moments and epsilon, no clipping (a small head on frozen embeddings).
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     beta2: float = Field(0.999, ge=0, lt=1)
