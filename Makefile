@@ -33,8 +33,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 tests
 
 # The tests on nodes that share no disk (marker cluster: a local autoscaling cluster, isolated raylets, S3 on
-# loopback) and the outage of a tracking server under a running job, in one pytest process and never beside other
-# Ray work: their nodes, servers and jobs take both cores.
+# loopback; their fixtures in tests/multinode.py) and the outage of a tracking server under a running job, in one
+# pytest process and never beside other Ray work: their nodes, servers and jobs take both cores.
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m "cluster and not long" --durations=0 tests
 

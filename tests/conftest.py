@@ -1,4 +1,5 @@
-"""Shared fixtures: a local Ray on 127.0.0.1 and throwaway MLflow stores."""
+"""Shared fixtures: a local Ray on 127.0.0.1 and throwaway MLflow stores; the S3 server, the nodes that share no disk
+and their servers in tests/multinode.py."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import BUCKET, DEMO_STEPS, files_under, written_between
+from tests.helpers import DEMO_STEPS, files_under, written_between
 from tests.pace import ENV, MOST, scaled, set_factor, slowness
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,8 @@ _WRITTEN = pytest.StashKey[list]()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The S3 server, the nodes that share no disk and the MLflow servers (tests/multinode.py), for every test module
+pytest_plugins = ["tests.multinode"]
 
 
 @pytest.fixture(scope="session")
@@ -61,29 +64,6 @@ def ray_local(s3):
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """moto's S3 server on 127.0.0.1 with the bucket BUCKET (tests.helpers); its endpoint and credentials in this process's
-    environment while the session runs (jobs and local clusters started by the tests inherit them, as a cloud node
-    has its instance role): an s3fs filesystem on it."""
-    import s3fs
-
-    from pipelines.cluster import services
-    from tests.helpers import free_port
-
-    port = free_port()
-    env = services.s3_env(f"http://127.0.0.1:{port}")
-    server = services.start_s3(port, tmp_path_factory.mktemp("s3") / "log", [BUCKET])
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield s3fs.S3FileSystem()
-    finally:
-        for k, v in before.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        services.stop(server)
-
-
 @pytest.fixture
 def mlflow_uri(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -96,17 +76,6 @@ def digits_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("digits")
     write_digit_shards(root, image_size=32, shard_size=500)
     return str(root)
-
-
-@pytest.fixture(scope="session")
-def digits_on_s3(s3, digits_root) -> str:
-    """`digits_root`'s shards and eval sets on the tests' S3, what a cluster's nodes read (none sees the head's copy).
-    In one pytest process (`make test-cluster`) they are the files `straight_small_run` trained on."""
-    from pipelines.digits.shards import write_digit_eval_sets
-
-    write_digit_eval_sets(digits_root)  # what the digits source adds to its shards (idempotent)
-    s3.put(digits_root, f"{BUCKET}/digits", recursive=True)
-    return f"s3://{BUCKET}/digits"
 
 
 @pytest.fixture(scope="session")
@@ -208,7 +177,7 @@ PENDING: tuple[str, ...] = ()  # node-id prefixes; none at the moment
 
 # Fixtures that start Ray, a Ray head or a server, or train: a test using one is `slow` (not in `make test-fast`).
 SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray_head", "mlflow_server", "downloaded",
-                 "site", "local_cluster", "two_node_ray", "straight_small_run"}
+                 "site", "local_cluster", "two_node_ray", "restartable_mlflow", "straight_small_run"}
 
 
 # Session fixtures that train or download: under pytest-xdist (`make test` runs two workers) every module using one

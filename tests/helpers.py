@@ -1,4 +1,4 @@
-"""Helpers shared by test modules (fixtures live in conftest.py)."""
+"""Helpers shared by test modules (fixtures live in conftest.py and multinode.py)."""
 from __future__ import annotations
 
 import io
@@ -17,7 +17,7 @@ from tests.pace import scaled, slowness
 ROOT = Path(__file__).resolve().parent.parent
 # Steps of the demo CLIP that `trained_clip` trains once per pytest run.
 DEMO_STEPS = 300
-# The tests' object-storage bucket: conftest's `s3` fixture creates it on its S3 server.
+# The tests' object-storage bucket: tests/multinode.py's `s3` fixture creates it on its S3 server.
 BUCKET = "probvlp-test"
 
 

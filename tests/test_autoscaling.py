@@ -1,12 +1,13 @@
 """A local autoscaling cluster made from ray_cluster.yaml's node types (pipelines.cluster.local: Ray's autoscaler, every
 worker node a raylet on this machine in a mount namespace of its own, so the nodes share no disk), its head with 0
 CPUs and token auth, all on 127.0.0.1, with what its nodes share: an S3-protocol store (moto) and an `mlflow server`
-with its artifacts there (pipelines.cluster.services). Used through `ray job submit`: a node sees no file of the head
-or of another node; the demo travels with `--working-dir` (its bundled digits sent through Ray, its sqlite store
-reached through the driver); a download writes its shards to S3 from the nodes; a training job from S3 with its
-checkpoints on S3 and its results on the server scales the cluster up, survives the loss of a worker node bit-exactly,
-its model is evaluated on the cluster and loaded from the server, and the idle nodes go away; a two-trial sweep keeps
-its state on S3; a GPU job says why it waits; the jobs API refuses a client without the token."""
+with its artifacts there (pipelines.cluster.services; the fixtures and helpers in tests/multinode.py). Used through
+`ray job submit`: a node sees no file of the head or of another node; the demo travels with `--working-dir` (its
+bundled digits sent through Ray, its sqlite store reached through the driver); a download writes its shards to S3 from
+the nodes; a training job from S3 with its checkpoints on S3 and its results on the server scales the cluster up,
+survives the loss of a worker node bit-exactly, its model is evaluated on the cluster and loaded from the server, and
+the idle nodes go away; a two-trial sweep keeps its state on S3; a GPU job says why it waits; the jobs API refuses a
+client without the token."""
 from __future__ import annotations
 
 import json
@@ -27,81 +28,20 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
 from models.model_file import load_model
-from pipelines.cluster import services
 from pipelines.cluster.file_server import LoopbackServer
-from pipelines.cluster.local import LocalCluster, processes, start
 from pipelines.config import STATE_DIR
 from pipelines.download.plan import bucket_of
 from pipelines.tracking import model_file
-from tests.helpers import BUCKET, free_port, jpeg, tracebacks, wait_for
+from tests.helpers import BUCKET, jpeg, tracebacks, wait_for
+from tests.multinode import BIN, alive_workers, dashboard, nodes, submit, train_worker_raylets
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 from tests.pace import scaled
 
 # `make test-cluster`: nodes that share no disk, run alone (never beside other Ray work)
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 # The run that conftest's straight_small_run trains uninterrupted (test_scale's bit-exact resume compares with it too).
 RUN = [*REFERENCE, "train.log_every=5", "run.max_failures=2"]
-
-
-@pytest.fixture(scope="module")
-def local_cluster(s3, tmp_path_factory):
-    # 2 CPUs a node: the training's two workers and Ray Data's tasks on few nodes (each node is a raylet and its agents)
-    cluster = start(tmp_path_factory.mktemp("local_cluster"), idle_timeout_minutes=0.1, cpus_per_node=2)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(s3, tmp_path_factory):
-    """`mlflow server` on 127.0.0.1: sqlite backend, artifacts proxied to the S3 store (clients upload through the
-    server, which alone needs the store's credentials)."""
-    tmp_path = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    proc = services.start_mlflow(port, tmp_path, f"s3://{BUCKET}/mlflow", {})
-    try:
-        yield f"http://127.0.0.1:{port}", tmp_path
-    finally:
-        services.stop(proc)
-
-
-def dashboard(cluster: LocalCluster, path: str) -> dict:
-    """GET `path` of the dashboard's HTTP API, with the token (a request, where the `ray` CLI would start a Python)."""
-    with urllib.request.urlopen(cluster.api_request(path), timeout=scaled(30)) as response:
-        return json.load(response)
-
-
-def nodes(cluster: LocalCluster) -> list[dict]:
-    """The cluster's nodes from the state API."""
-    return dashboard(cluster, "/api/v0/nodes?limit=1000")["data"]["result"]["result"]
-
-
-def alive_workers(cluster: LocalCluster) -> set[str]:
-    return {n["node_id"] for n in nodes(cluster) if n["state"] == "ALIVE" and not n["is_head_node"]}
-
-
-def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
-    """raylet pid -> node id, for the nodes whose raylet runs a Ray Train worker (its child process)."""
-    ours = set(cluster.pids())
-    table = {pid: (ppid, cmd) for pid, ppid, cmd in processes() if pid in ours}
-    raylets = {}
-    for pid, (ppid, cmd) in table.items():
-        if cmd.startswith("ray::RayTrainWorker") and ppid in table and "--node_id=" in table[ppid][1]:
-            raylets[ppid] = table[ppid][1].split("--node_id=")[1].split()[0]
-    return raylets
-
-
-def submit(cluster: LocalCluster, args: list[str], log: Path, *options: str) -> subprocess.Popen:
-    """`ray job submit`, the CLI streaming the job's log (without --no-wait it exits 1 if the job fails). No
-    --working-dir: the fake nodes share one runtime-env folder, and a removed node's cleanup (lost, or idle) deletes
-    the unpacked working dir under the other nodes' processes; the project is installed in the venv every node runs,
-    and every path is absolute."""
-    return subprocess.Popen([str(BIN / "ray"), "job", "submit", *options, "--", "python", *args],
-                            cwd=ROOT, env=cluster.client_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
 def job_args(tmp: Path, digits_root: str, name: str, *extra: str, tracking: str | None = None) -> list[str]:

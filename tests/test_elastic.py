@@ -1,18 +1,16 @@
-"""Elastic training on nodes that share no disk: a 0-CPU head (ray.cluster_utils, the job's driver, its sqlite MLflow
-store and Ray Train's controller) and worker nodes that are raylets in mount namespaces of their own
-(pipelines.cluster.isolated: a private, empty /tmp and project data folder each), added and removed by the test as an
-autoscaler and a lost machine would. The digits and the checkpoints live on the tests' S3 server (conftest's `s3`);
-rank 0, on a worker node, logs through the driver's relay. A run with train.num_workers [1, 2] and one worker per
-node shrinks to one worker when a node is lost and grows back to two when a node is added again, from the last
-checkpoint each time; a node lost after a notice of preemption (a drain by Ray, SIGTERM to its training workers)
+"""Elastic training on nodes that share no disk (tests/multinode.py's `two_node_ray`): a 0-CPU head (ray.cluster_utils,
+the job's driver, its sqlite MLflow store and Ray Train's controller) and worker nodes that are raylets in mount
+namespaces of their own (pipelines.cluster.isolated: a private, empty /tmp and project data folder each), added and
+removed by the test as an autoscaler and a lost machine would. The digits and the checkpoints live on the tests' S3
+server (`s3`); rank 0, on a worker node, logs through the driver's relay. A run with train.num_workers [1, 2] and one
+worker per node shrinks to one worker when a node is lost and grows back to two when a node is added again, from the
+last checkpoint each time; a node lost after a notice of preemption (a drain by Ray, SIGTERM to its training workers)
 costs no step: the run resumes from the checkpoint all ranks saved at the notice."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,14 +22,10 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipelines.cluster.isolated import start_node, stop_node
-from pipelines.cluster.local import processes
-from pipelines.config import PROJECT_ROOT, STATE_DIR
 from pipelines.train.config import load_train_config
-from pipelines.cluster.runtime import local_port, port_lock
 from pipelines.fit.optim import warmup_cosine
-from pipelines.cluster import services
-from tests.helpers import BUCKET, free_port, wait_for
+from tests.helpers import BUCKET, wait_for
+from tests.multinode import Cluster, MlflowServer, Node, drain, ray_temp_dir, seen_by
 from tests.small_runs import SMALL
 from tests.zero_state import gathered_partitions, universal_state
 from tests.pace import scaled
@@ -52,88 +46,6 @@ ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every
            "run.max_failures=4"]
 
 
-def ray_temp_dir() -> str:
-    return f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
-
-
-class Node:
-    """A worker node with `cpus` CPUs: a raylet in a mount namespace of its own (pipelines.cluster.isolated), its
-    own process group, so that killing the group is a machine switched off."""
-
-    def __init__(self, gcs_address: str, cpus: float, log: Path):
-        self.node_id = secrets.token_hex(28)
-        self.process = start_node(gcs_address, ["/tmp", str(STATE_DIR)], cpus, {}, {},
-                                  [str(PROJECT_ROOT), sys.prefix], self.node_id, "elastic-worker", log)
-
-    def pids(self) -> dict[int, str]:
-        """pid -> command line of this node's processes (its raylet, agents and workers)."""
-        table = list(processes())
-        ours, grew = {self.process.pid}, True
-        while grew:
-            more = {pid for pid, ppid, _ in table if ppid in ours} - ours
-            ours |= more
-            grew = bool(more)
-        return {pid: cmd for pid, _, cmd in table if pid in ours}
-
-    def train_workers(self) -> set[int]:
-        return {pid for pid, cmd in self.pids().items() if cmd.startswith("ray::RayTrainWorker")}
-
-    def kill(self) -> None:
-        """Every process of the node at once (SIGKILL), as when its machine is switched off."""
-        stop_node(self.process, graceful=False, wait_s=scaled(30), strays=list(self.pids()))
-
-
-class Cluster:
-    """The head and the worker nodes of the test; `add()` a node, `lose(node)` one."""
-
-    def __init__(self, head, folder: Path):
-        self.head, self.folder, self.nodes = head, folder, []
-        self.address = head.address
-
-    def add(self, cpus: float = 3) -> Node:
-        node = Node(self.address, cpus, self.folder / "nodes.log")
-        self.nodes.append(node)
-        return node
-
-    def lose(self, node: Node) -> None:
-        node.kill()
-        self.nodes.remove(node)
-
-    def alive(self) -> set[str]:
-        return {n["NodeID"] for n in self.head.global_state.node_table() if n["Alive"]}
-
-    def shutdown(self) -> None:
-        for node in list(self.nodes):
-            self.lose(node)
-        self.head.shutdown()
-
-
-@pytest.fixture
-def two_node_ray(s3, tmp_path, monkeypatch):
-    """A head with no CPUs (its dashboard on 127.0.0.1) and two isolated 3-CPU worker nodes."""
-    from ray.cluster_utils import Cluster as RayCluster
-
-    # Right after a node loss Ray Train still counts the lost node for ~20 s and asks for 2 workers; on a cloud
-    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 10 s here (the job's driver passes
-    # it to the Train controller) keeps the test short and leaves a loaded machine time to place the workers of a
-    # regrown group.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
-    temp_dir = ray_temp_dir()
-    with port_lock():  # the dashboard's port is taken by the head before another local Ray looks
-        dashboard = local_port()
-        head = RayCluster(initialize_head=True, head_node_args={
-            "node_ip_address": "127.0.0.1", "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": dashboard, "temp_dir": temp_dir})
-    cluster = Cluster(head, tmp_path)
-    try:
-        nodes = [cluster.add(), cluster.add()]
-        wait_for("two worker nodes", lambda: {n.node_id for n in nodes} <= cluster.alive(), 120, 0.5)
-        yield cluster, f"http://127.0.0.1:{dashboard}"
-    finally:
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def registered(s3, run_folder: str) -> list[str]:
     """Checkpoints Ray Train has registered (listed in its snapshot file on S3), which a restart resumes from."""
     s3.invalidate_cache()
@@ -142,12 +54,6 @@ def registered(s3, run_folder: str) -> list[str]:
         return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
     except (OSError, ValueError, KeyError):  # not written yet (FileNotFoundError), or caught mid-write
         return []
-
-
-def seen_by(pid: int, *paths: Path) -> dict[str, bool]:
-    """Which of `paths` the process `pid` sees, in its own view of the filesystem (/proc/<pid>/root: its node's, in
-    a mount namespace of its own)."""
-    return {str(p): os.path.lexists(f"/proc/{pid}/root{p}") for p in paths}
 
 
 def world_sizes(client: MlflowClient) -> list[int]:
@@ -191,18 +97,6 @@ def regrown(sizes: list[int]) -> bool:
     return shrunk is not None and 2 in sizes[shrunk + 1:]
 
 
-def drain(cluster: Cluster, node_id: str, reason: str, deadline_s: float | None = None) -> None:
-    """What Ray's autoscaler does to a node it is about to lose (`ray drain-node` by hand): `reason` PREEMPTION with
-    the seconds left (a spot reclaim), or IDLE_TERMINATION (an idle node scaled down). It kills nothing."""
-    from ray._raylet import GcsClient
-    from ray.core.generated import autoscaler_pb2
-
-    deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
-    accepted, why = GcsClient(address=cluster.address).drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value(reason), "tests/test_elastic.py", deadline_ms)
-    assert accepted, why
-
-
 def notices(client: MlflowClient) -> dict[int, dict]:
     """The run's notices of preemption so far: the step each was saved at -> its record (pipelines.train.worker)."""
     experiment = client.get_experiment_by_name("test-elastic")
@@ -231,23 +125,7 @@ def journal(s3, storage: str) -> list[dict]:
         return []
 
 
-class Outage:
-    """The tracking server of the preemption scenario, stopped across the drain and started again on the same
-    database and port after the restart trained a step."""
-
-    def __init__(self, tmp_path: Path):
-        self.port, self.folder = free_port(), tmp_path / "mlflow"
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.process = self.start()
-
-    def start(self):
-        return services.start_mlflow(self.port, self.folder, str(self.folder / "artifacts"), {})
-
-    def stop(self) -> None:
-        services.stop(self.process)
-
-
-def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, going, outage: Outage, s3,
+def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, going, outage: MlflowServer, s3,
                         storage: str) -> None:
     """An idle node (no CPUs: no training worker) drained as the autoscaler scales it down, which the run must not
     notice; then, with the tracking server stopped, `node` drained with reason PREEMPTION and a deadline: the run's
@@ -266,7 +144,7 @@ def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, goin
     cluster.lose(node)
     wait_for("a step trained by the restart with the tracking server away", lambda: going() and any(
         a["from_step"] == noticed and a["reached"] > noticed for a in journal(s3, storage)), 300, 1)
-    outage.process = outage.start()
+    outage.start()
     TIMES["up"] = time.time()
 
 
@@ -352,7 +230,8 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
 
 
 @pytest.mark.timeout(900)
-def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, digits_on_s3, digits_root, tmp_path):
+def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, digits_on_s3, digits_root, tmp_path,
+                                                            restartable_mlflow):
     """Two workers on the two nodes checkpoint (ZeRO-2, every 10 steps). An idle node is drained as the autoscaler
     scales one down: the run does not notice. One worker's node is drained with reason PREEMPTION and a deadline:
     both ranks save at the next step, and at the deadline the node is killed; Ray Train restarts from that step with
@@ -364,14 +243,7 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     (docs/SCALING.md, "Elastic training" and "Preemption"). The job is then stopped: how a run ends is tested on
     fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long; a
     SIGTERM'd run that ends bit for bit as an uninterrupted one in tests/test_preemption.py."""
-    outage = Outage(tmp_path)
-    try:
-        preemption_scenario(two_node_ray, s3, digits_on_s3, digits_root, tmp_path, outage)
-    finally:
-        outage.stop()
-
-
-def preemption_scenario(two_node_ray, s3, digits_on_s3, digits_root, tmp_path: Path, outage: "Outage") -> None:
+    outage = restartable_mlflow
     storage = f"{BUCKET}/elastic/{tmp_path.name}"
     client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
                              [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,

@@ -1,5 +1,5 @@
 """Object storage without a server between: MLflow artifacts written by the client straight to S3 (moto's server,
-tests/conftest.py's `s3`), and jobs.adapt's refusal of a local checkpoint folder on a cluster of several nodes.
+tests/multinode.py's `s3`), and jobs.adapt's refusal of a local checkpoint folder on a cluster of several nodes.
 jobs.embed and jobs.adapt on S3: tests/test_evaluation.py and tests/test_probvlm.py."""
 from __future__ import annotations
 

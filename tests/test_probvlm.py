@@ -322,7 +322,7 @@ def adapt_clip(trained_clip, digits_root, tmp, name: str, steps: int, extra: tup
     return res, result, digits_root, tmp
 
 
-ON_S3 = f"{BUCKET}/adapt"  # the module's jobs.adapt run reads and writes object storage (tests/conftest.py's s3)
+ON_S3 = f"{BUCKET}/adapt"  # the module's jobs.adapt run reads and writes object storage (tests/multinode.py's s3)
 
 
 @pytest.fixture(scope="module")

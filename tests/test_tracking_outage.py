@@ -20,7 +20,6 @@ from mlflow import MlflowClient
 import pipelines.tracking as tracking
 import pipelines.tracking.logger as tracking_logger
 import pipelines.tracking.outbox as tracking_outbox
-from pipelines.cluster import services
 from pipelines.tracking import StepLogger, deliver
 from pipelines.tracking.outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG
 from tests.helpers import free_port, wait_for
@@ -89,7 +88,7 @@ def run_of(client: MlflowClient, name: str) -> str | None:
 # job, whose timing the other worker's Ray runs would stretch.
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_path, monkeypatch):
+def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_path, monkeypatch, restartable_mlflow):
     """The server stops while the job trains; SIGTERM reaches a training worker during the outage (run.max_failures
     0: only a preemption may restart it); the restart trains on with the server still away (it never reads the
     store); the server comes back after the restart's first step. Then a second job of the same server: the server
@@ -98,91 +97,85 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
     applied (run.audit_steps_to) and every step's metrics as lists (a step logged twice fails)."""
     for key, value in CLIENT_BUDGET.items():  # this process's client too: the test never waits minutes on it
         monkeypatch.setenv(key, value)
-    server_dir = tmp_path / "server"
-    port = free_port()
-    artifacts = str(server_dir / "artifacts")
-    server = services.start_mlflow(port, server_dir, artifacts, {})
-    uri = f"http://127.0.0.1:{port}"
+    server = restartable_mlflow  # stopped and started again under the jobs
+    uri = server.uri
     client = MlflowClient(uri)
     audit = tmp_path / "steps.txt"
     common = [f"data.root={digits_root}", f"tracking.uri={uri}", f"run.storage_path={tmp_path / 'ray'}",
               f"run.experiment={EXPERIMENT}", *SMALL, "train.log_every=1", "train.num_workers=2",
               "run.max_failures=0"]
-    try:
-        job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}",
-                                        "train.checkpoint_every=50", "run.sigterm_grace_s=3",
-                                        f"run.audit_steps_to={audit}"], "outage")
-        with ended(job):
-            rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
-            wait_for("the first steps' metrics in MLflow",
-                     lambda: job.poll() is not None or loss_steps(client, rid), timeout_s=300)
-            assert job.poll() is None, log.read_text()[-3000:]
-            down_at = time.time()
-            services.stop(server)
-            reached = max(s for s, _ in audited(audit)[1])
-            wait_for("steps trained with the server away",
-                     lambda: max(s for s, _ in audited(audit)[1]) >= reached + 5, 60, 0.1)
-            sigterm_at = time.time()
-            os.kill(train_workers()[-1], signal.SIGTERM)
-            wait_for("the restart's first step", lambda: job.poll() is not None or 2 in audited(audit), 300, 0.2)
-            assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
-            server = services.start_mlflow(port, server_dir, artifacts, {})  # same database, same port
-            up_at = time.time()
-            rc = job.wait(timeout=scaled(600))
-            output = log.read_text()
-            assert rc == 0, output[-5000:]
+    job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}",
+                                    "train.checkpoint_every=50", "run.sigterm_grace_s=3",
+                                    f"run.audit_steps_to={audit}"], "outage")
+    with ended(job):
+        rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
+        wait_for("the first steps' metrics in MLflow",
+                 lambda: job.poll() is not None or loss_steps(client, rid), timeout_s=300)
+        assert job.poll() is None, log.read_text()[-3000:]
+        down_at = time.time()
+        server.stop()
+        reached = max(s for s, _ in audited(audit)[1])
+        wait_for("steps trained with the server away",
+                 lambda: max(s for s, _ in audited(audit)[1]) >= reached + 5, 60, 0.1)
+        sigterm_at = time.time()
+        os.kill(train_workers()[-1], signal.SIGTERM)
+        wait_for("the restart's first step", lambda: job.poll() is not None or 2 in audited(audit), 300, 0.2)
+        assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
+        server.start()  # same database, same port
+        up_at = time.time()
+        rc = job.wait(timeout=scaled(600))
+        output = log.read_text()
+        assert rc == 0, output[-5000:]
 
-        run = client.get_run(rid)
-        assert run.info.status == "FINISHED"
-        ran = audited(audit)
-        applied = sorted(s for steps in ran.values() for s, _ in steps)
-        twice = len(applied) - len(set(applied))
-        assert set(applied) == set(range(1, STEPS + 1)) and twice <= 1, ran.keys()
-        # every metric logged at each step exactly once, in order (not the one-offs)
-        per_step = {key: [m.step for m in client.get_metric_history(rid, key)] for key in run.data.metrics}
-        per_step = {key: steps for key, steps in per_step.items() if len(steps) > 1}
-        for key in ("loss", "lr", "samples_per_s", "data_wait_frac"):
-            assert sorted(per_step[key]) == list(range(1, STEPS + 1)), f"{key}: a step missing or logged twice"
-        notices = [k for k in run.data.tags if k.startswith("probvlp.preemption.step_")]
-        assert len(notices) == 1, notices
-        restart = json.loads(run.data.tags["probvlp.attempt.2"])
-        assert "notice of preemption (SIGTERM)" in restart["why"] and restart["steps_again"] == 0, restart
-        assert "[restart] attempt 2 of run outage, after a notice of preemption (SIGTERM)" in output
-        # the outage as both attempts saw it: attempt 1's share travelled with its queue
-        [unreachable] = client.get_metric_history(rid, UNREACHABLE_METRIC)
-        assert sigterm_at - down_at <= unreachable.value <= up_at - down_at + scaled(30)
-        assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
-        assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
-        first_after = min(t for _, t in ran[2])
-        print(f"SIGTERM {sigterm_at - down_at:.1f} s into the outage; steps applied twice: {twice}; the restart's "
-              f"first step {first_after - sigterm_at:.1f} s after the SIGTERM; server back {up_at - down_at:.0f} s "
-              f"after it went; tracking_unreachable_s {unreachable.value}")
+    run = client.get_run(rid)
+    assert run.info.status == "FINISHED"
+    ran = audited(audit)
+    applied = sorted(s for steps in ran.values() for s, _ in steps)
+    twice = len(applied) - len(set(applied))
+    assert set(applied) == set(range(1, STEPS + 1)) and twice <= 1, ran.keys()
+    # every metric logged at each step exactly once, in order (not the one-offs)
+    per_step = {key: [m.step for m in client.get_metric_history(rid, key)] for key in run.data.metrics}
+    per_step = {key: steps for key, steps in per_step.items() if len(steps) > 1}
+    for key in ("loss", "lr", "samples_per_s", "data_wait_frac"):
+        assert sorted(per_step[key]) == list(range(1, STEPS + 1)), f"{key}: a step missing or logged twice"
+    notices = [k for k in run.data.tags if k.startswith("probvlp.preemption.step_")]
+    assert len(notices) == 1, notices
+    restart = json.loads(run.data.tags["probvlp.attempt.2"])
+    assert "notice of preemption (SIGTERM)" in restart["why"] and restart["steps_again"] == 0, restart
+    assert "[restart] attempt 2 of run outage, after a notice of preemption (SIGTERM)" in output
+    # the outage as both attempts saw it: attempt 1's share travelled with its queue
+    [unreachable] = client.get_metric_history(rid, UNREACHABLE_METRIC)
+    assert sigterm_at - down_at <= unreachable.value <= up_at - down_at + scaled(30)
+    assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
+    assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
+    first_after = min(t for _, t in ran[2])
+    print(f"SIGTERM {sigterm_at - down_at:.1f} s into the outage; steps applied twice: {twice}; the restart's "
+          f"first step {first_after - sigterm_at:.1f} s after the SIGTERM; server back {up_at - down_at:.0f} s "
+          f"after it went; tracking_unreachable_s {unreachable.value}")
 
-        # the end of a run with the server away: released at once, one line, delivered later by the command it names
-        job, log = start_job(tmp_path, [*common, "run.name=end", f"train.steps={END_STEPS}",
-                                        "tracking.flush_timeout_s=3"], "end")
-        with ended(job):
-            rid = wait_for("the second job's MLflow run", lambda: run_of(client, "end"), timeout_s=300)
-            wait_for("~90% of the second run in MLflow", lambda: job.poll() is not None or
-                     max(loss_steps(client, rid) or [0]) >= END_STEPS * 9 // 10, 300, 0.1)
-            services.stop(server)
-            rc = job.wait(timeout=scaled(300))
-            output = log.read_text()
-            assert rc == 0, output[-5000:]
-        [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
-        command = line.split("deliver them with: ")[1].strip()
-        assert command.startswith("python -m pipelines.tracking.deliver ") and "pending" in line
-        server = services.start_mlflow(port, server_dir, artifacts, {})
-        assert client.get_run(rid).info.status == "RUNNING"
-        delivered = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True,
-                                   env={**os.environ, **CLIENT_BUDGET}, timeout=scaled(120))
-        assert delivered.returncode == 0, delivered.stdout + delivered.stderr
-        run = client.get_run(rid)
-        assert run.info.status == "FINISHED"
-        assert [m.step for m in client.get_metric_history(rid, "loss")] == list(range(1, END_STEPS + 1))
-        assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel"}
-    finally:
-        services.stop(server)
+    # the end of a run with the server away: released at once, one line, delivered later by the command it names
+    job, log = start_job(tmp_path, [*common, "run.name=end", f"train.steps={END_STEPS}",
+                                    "tracking.flush_timeout_s=3"], "end")
+    with ended(job):
+        rid = wait_for("the second job's MLflow run", lambda: run_of(client, "end"), timeout_s=300)
+        wait_for("~90% of the second run in MLflow", lambda: job.poll() is not None or
+                 max(loss_steps(client, rid) or [0]) >= END_STEPS * 9 // 10, 300, 0.1)
+        server.stop()
+        rc = job.wait(timeout=scaled(300))
+        output = log.read_text()
+        assert rc == 0, output[-5000:]
+    [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
+    command = line.split("deliver them with: ")[1].strip()
+    assert command.startswith("python -m pipelines.tracking.deliver ") and "pending" in line
+    server.start()
+    assert client.get_run(rid).info.status == "RUNNING"
+    delivered = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True,
+                               env={**os.environ, **CLIENT_BUDGET}, timeout=scaled(120))
+    assert delivered.returncode == 0, delivered.stdout + delivered.stderr
+    run = client.get_run(rid)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(rid, "loss")] == list(range(1, END_STEPS + 1))
+    assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel"}
 
 
 def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later(tmp_path, monkeypatch, capsys):

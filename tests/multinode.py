@@ -1,0 +1,280 @@
+"""The tests' nodes that share no disk and the servers they share, all on 127.0.0.1, registered for every test module
+(tests/conftest.py's pytest_plugins):
+
+- `s3` (session): moto's S3 server with the bucket tests.helpers.BUCKET, its endpoint in the environment that jobs,
+  nodes and the one-node Ray inherit; `digits_on_s3` (session): the digits' shards and eval sets on it.
+- `local_cluster` (module): a local autoscaling cluster of ray_cluster.yaml's node types (pipelines.cluster.local), its
+  0-CPU head with token auth, worker nodes that the autoscaler starts and stops; `submit` a job to it, read its nodes
+  with `nodes`, `alive_workers`, `dashboard`.
+- `two_node_ray` (per test): (`Cluster`, dashboard URL): a 0-CPU head (ray.cluster_utils, its session in
+  `ray_temp_dir()`) and two isolated 3-CPU worker `Node`s (pipelines.cluster.isolated: a mount namespace each, a private
+  /tmp and project state folder; `seen_by` checks it); the test adds and loses nodes (`Cluster.add`, `Cluster.lose`,
+  `drain` for a notice first) as an autoscaler would and as machines are lost.
+- `mlflow_server` (module): `mlflow server` with its artifacts on S3, as (URI, its folder).
+- `restartable_mlflow` (per test): an `MlflowServer` with its artifacts on its own disk, which the test may `stop()`
+  and `start()` again on the same port and database (an outage).
+
+A new multi-node test is one function in the `cluster` tier (`make test-cluster`: one pytest process, never beside
+other Ray work) that asks for what it needs:
+
+    @pytest.mark.cluster
+    def test_a_run_outlives_a_lost_node(two_node_ray, restartable_mlflow, digits_on_s3, tmp_path):
+        cluster, api = two_node_ray  # a job reaches it with RAY_ADDRESS=cluster.address
+        ...  # start the job (tracking.uri=restartable_mlflow.uri); cluster.lose(cluster.nodes[-1]); cluster.add()
+
+Loaded with conftest for every test, even those with no Ray: what imports Ray is imported where it is used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pipelines.cluster import services
+from tests.helpers import BUCKET, free_port, wait_for
+from tests.pace import scaled
+
+if TYPE_CHECKING:
+    from pipelines.cluster.local import LocalCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 with the bucket BUCKET (tests.helpers); its endpoint and credentials in this
+    process's environment while the session runs (jobs and local clusters started by the tests inherit them, as a
+    cloud node has its instance role): an s3fs filesystem on it."""
+    import s3fs
+
+    port = free_port()
+    env = services.s3_env(f"http://127.0.0.1:{port}")
+    server = services.start_s3(port, tmp_path_factory.mktemp("s3") / "log", [BUCKET])
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield s3fs.S3FileSystem()
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        services.stop(server)
+
+
+@pytest.fixture(scope="session")
+def digits_on_s3(s3, digits_root) -> str:
+    """`digits_root`'s shards and eval sets on the tests' S3, what a cluster's nodes read (none sees the head's copy).
+    In one pytest process (`make test-cluster`) they are the files `straight_small_run` trained on."""
+    from pipelines.digits.shards import write_digit_eval_sets
+
+    write_digit_eval_sets(digits_root)  # what the digits source adds to its shards (idempotent)
+    s3.put(digits_root, f"{BUCKET}/digits", recursive=True)
+    return f"s3://{BUCKET}/digits"
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1: a sqlite store in `folder`, artifacts proxied to `artifacts` (default: a folder
+    in `folder`). `stop()` and `start()` again keep its port and database, as a tracking server that goes away and
+    comes back."""
+
+    def __init__(self, folder: Path, artifacts: str | None = None):
+        self.port, self.folder = free_port(), folder
+        self.artifacts = artifacts or str(folder / "artifacts")
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.process = services.start_mlflow(self.port, self.folder, self.artifacts, {})
+
+    def stop(self) -> None:
+        services.stop(self.process)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(s3, tmp_path_factory):
+    """`mlflow server` on 127.0.0.1: sqlite backend, artifacts proxied to the S3 store (clients upload through the
+    server, which alone needs the store's credentials)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"), f"s3://{BUCKET}/mlflow")
+    try:
+        yield server.uri, server.folder
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def restartable_mlflow(tmp_path):
+    """An `MlflowServer` of the test's own in tmp_path/mlflow, stopped at its end whatever the test left it in."""
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def local_cluster(s3, tmp_path_factory):
+    from pipelines.cluster.local import start
+
+    # 2 CPUs a node: the training's two workers and Ray Data's tasks on few nodes (each node is a raylet and its agents)
+    cluster = start(tmp_path_factory.mktemp("local_cluster"), idle_timeout_minutes=0.1, cpus_per_node=2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def dashboard(cluster: LocalCluster, path: str) -> dict:
+    """GET `path` of the dashboard's HTTP API, with the token (a request, where the `ray` CLI would start a Python)."""
+    with urllib.request.urlopen(cluster.api_request(path), timeout=scaled(30)) as response:
+        return json.load(response)
+
+
+def nodes(cluster: LocalCluster) -> list[dict]:
+    """The cluster's nodes from the state API."""
+    return dashboard(cluster, "/api/v0/nodes?limit=1000")["data"]["result"]["result"]
+
+
+def alive_workers(cluster: LocalCluster) -> set[str]:
+    return {n["node_id"] for n in nodes(cluster) if n["state"] == "ALIVE" and not n["is_head_node"]}
+
+
+def train_worker_raylets(cluster: LocalCluster) -> dict[int, str]:
+    """raylet pid -> node id, for the nodes whose raylet runs a Ray Train worker (its child process)."""
+    from pipelines.cluster.local import processes
+
+    ours = set(cluster.pids())
+    table = {pid: (ppid, cmd) for pid, ppid, cmd in processes() if pid in ours}
+    raylets = {}
+    for pid, (ppid, cmd) in table.items():
+        if cmd.startswith("ray::RayTrainWorker") and ppid in table and "--node_id=" in table[ppid][1]:
+            raylets[ppid] = table[ppid][1].split("--node_id=")[1].split()[0]
+    return raylets
+
+
+def submit(cluster: LocalCluster, args: list[str], log: Path, *options: str) -> subprocess.Popen:
+    """`ray job submit`, the CLI streaming the job's log (without --no-wait it exits 1 if the job fails). No
+    --working-dir: the fake nodes share one runtime-env folder, and a removed node's cleanup (lost, or idle) deletes
+    the unpacked working dir under the other nodes' processes; the project is installed in the venv every node runs,
+    and every path is absolute."""
+    return subprocess.Popen([str(BIN / "ray"), "job", "submit", *options, "--", "python", *args],
+                            cwd=ROOT, env=cluster.client_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def ray_temp_dir() -> str:
+    """The Ray session folder of `two_node_ray`'s head."""
+    return f"/tmp/probvlp_el_{os.getpid()}"  # short: Ray's socket paths must fit
+
+
+class Node:
+    """A worker node with `cpus` CPUs: a raylet in a mount namespace of its own (pipelines.cluster.isolated), its
+    own process group, so that killing the group is a machine switched off."""
+
+    def __init__(self, gcs_address: str, cpus: float, log: Path):
+        from pipelines.cluster.isolated import start_node
+        from pipelines.config import PROJECT_ROOT, STATE_DIR
+
+        self.node_id = secrets.token_hex(28)
+        self.process = start_node(gcs_address, ["/tmp", str(STATE_DIR)], cpus, {}, {},
+                                  [str(PROJECT_ROOT), sys.prefix], self.node_id, "elastic-worker", log)
+
+    def pids(self) -> dict[int, str]:
+        """pid -> command line of this node's processes (its raylet, agents and workers)."""
+        from pipelines.cluster.local import processes
+
+        table = list(processes())
+        ours, grew = {self.process.pid}, True
+        while grew:
+            more = {pid for pid, ppid, _ in table if ppid in ours} - ours
+            ours |= more
+            grew = bool(more)
+        return {pid: cmd for pid, _, cmd in table if pid in ours}
+
+    def train_workers(self) -> set[int]:
+        return {pid for pid, cmd in self.pids().items() if cmd.startswith("ray::RayTrainWorker")}
+
+    def kill(self) -> None:
+        """Every process of the node at once (SIGKILL), as when its machine is switched off."""
+        from pipelines.cluster.isolated import stop_node
+
+        stop_node(self.process, graceful=False, wait_s=scaled(30), strays=list(self.pids()))
+
+
+class Cluster:
+    """The head and the worker nodes of the test; `add()` a node, `lose(node)` one."""
+
+    def __init__(self, head, folder: Path):
+        self.head, self.folder, self.nodes = head, folder, []
+        self.address = head.address
+
+    def add(self, cpus: float = 3) -> Node:
+        node = Node(self.address, cpus, self.folder / "nodes.log")
+        self.nodes.append(node)
+        return node
+
+    def lose(self, node: Node) -> None:
+        node.kill()
+        self.nodes.remove(node)
+
+    def alive(self) -> set[str]:
+        return {n["NodeID"] for n in self.head.global_state.node_table() if n["Alive"]}
+
+    def shutdown(self) -> None:
+        for node in list(self.nodes):
+            self.lose(node)
+        self.head.shutdown()
+
+
+@pytest.fixture
+def two_node_ray(s3, tmp_path, monkeypatch):
+    """A head with no CPUs (its dashboard on 127.0.0.1) and two isolated 3-CPU worker nodes."""
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from pipelines.cluster.runtime import local_port, port_lock
+
+    # Right after a node loss Ray Train still counts the lost node for ~20 s and asks for 2 workers; on a cloud
+    # cluster Ray's 60 s wait for them runs out and it asks again for what fits. 10 s here (the job's driver passes
+    # it to the Train controller) keeps the test short and leaves a loaded machine time to place the workers of a
+    # regrown group.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+    temp_dir = ray_temp_dir()
+    with port_lock():  # the dashboard's port is taken by the head before another local Ray looks
+        dashboard = local_port()
+        head = RayCluster(initialize_head=True, head_node_args={
+            "node_ip_address": "127.0.0.1", "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard, "temp_dir": temp_dir})
+    cluster = Cluster(head, tmp_path)
+    try:
+        nodes = [cluster.add(), cluster.add()]
+        wait_for("two worker nodes", lambda: {n.node_id for n in nodes} <= cluster.alive(), 120, 0.5)
+        yield cluster, f"http://127.0.0.1:{dashboard}"
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def drain(cluster: Cluster, node_id: str, reason: str, deadline_s: float | None = None) -> None:
+    """What Ray's autoscaler does to a node it is about to lose (`ray drain-node` by hand): `reason` PREEMPTION with
+    the seconds left (a spot reclaim), or IDLE_TERMINATION (an idle node scaled down). It kills nothing."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
+    accepted, why = GcsClient(address=cluster.address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value(reason), "tests/multinode.py", deadline_ms)
+    assert accepted, why
+
+
+def seen_by(pid: int, *paths: Path) -> dict[str, bool]:
+    """Which of `paths` the process `pid` sees, in its own view of the filesystem (/proc/<pid>/root: its node's, in
+    a mount namespace of its own)."""
+    return {str(p): os.path.lexists(f"/proc/{pid}/root{p}") for p in paths}
