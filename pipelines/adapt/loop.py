@@ -77,6 +77,7 @@ class AdapterFit:
         self.cfg, self.seed, self.rank = cfg, seed, rank
         self.world = world or World()
         self.optimizer = optimizer_for(net, cfg)
+        self.parameters = list(net.parameters())  # what the step clips
         self.progress = Progress()
 
     def lr(self) -> float:
@@ -88,8 +89,8 @@ class AdapterFit:
         # dropout masks from (seed, rank, step): a resumed fit draws the ones an uninterrupted fit would have
         torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.progress.step)
         out = self.forward(pairs[:, 0], pairs[:, 1])
-        return plain_step(out, out["loss"].backward, self.optimizer, list(self.net.parameters()), self.cfg,
-                          self.progress.step, self.world)
+        return plain_step(out, out["loss"].backward, self.optimizer, self.parameters, self.cfg, self.progress.step,
+                          self.world)
 
     def rows(self, pairs: torch.Tensor) -> int:
         return pairs.shape[0] * self.world.size

@@ -54,6 +54,7 @@ class InProcessFit:
     def __init__(self, objective, cfg, accum: int = 1, loss_sign: float = 1.0):
         self.objective, self.cfg, self.accum, self.loss_sign = objective, cfg.train, accum, loss_sign
         self.optimizer = optimizer_for(objective, cfg.train)
+        self.parameters, self.world = list(objective.parameters()), World()  # what the step clips; one process
         self.progress = Progress()
 
     def step(self, batch) -> dict[str, torch.Tensor] | None:
@@ -67,8 +68,7 @@ class InProcessFit:
             def backward() -> None:
                 (self.loss_sign * out["loss"]).backward()
 
-        return plain_step(out, backward, self.optimizer, list(self.objective.parameters()), self.cfg,
-                          self.progress.step, World())
+        return plain_step(out, backward, self.optimizer, self.parameters, self.cfg, self.progress.step, self.world)
 
     def rows(self, batch) -> int:
         return len(batch[0])
