@@ -90,8 +90,8 @@ def test_params_hide_secrets_and_show_every_knob():
 
 def test_a_restart_does_not_write_steps_mlflow_already_has(tmp_path):
     """A worker wrote steps 1-10 (flushed with the step-10 checkpoint) but the run restarted from step 5, whose
-    checkpoint was the last registered: the replay of steps 6-10 is not written again, step 11 on is. A restart
-    at the last step writes what its end adds at that step (the final evaluation)."""
+    checkpoint was the last registered: the replay of steps 6-10 is not written again (what it adds there is), step 11
+    on is. A restart at the last step writes what its end adds at that step (the final evaluation)."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
     experiment = client.create_experiment("restarts")
@@ -101,11 +101,12 @@ def test_a_restart_does_not_write_steps_mlflow_already_has(tmp_path):
         first.log({"loss": float(step)}, step)
     first.flush()
     replay = StepLogger(uri, run_id, flush_every=None, resumed_from=5)
-    for step in range(6, 13):
-        replay.log({"loss": 100.0 + step}, step)
+    for step in range(6, 13):  # step 10's evaluation: the first worker had written the loss there, not that
+        replay.log({"loss": 100.0 + step, **({"val/top1": 0.5} if step == 10 else {})}, step)
     replay.flush()
     history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
     assert history == [(s, float(s)) for s in range(1, 11)] + [(11, 111.0), (12, 112.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val/top1")] == [(10, 0.5)]
     end = StepLogger(uri, run_id, flush_every=None, resumed_from=12)
     end.log({"eval/top1": 0.9}, 12)
     end.flush()

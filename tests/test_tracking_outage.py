@@ -228,8 +228,9 @@ def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monke
     """Attempt 1 delivers steps 1-10 as it logs them (not held for a checkpoint) and dies after step 10; its
     checkpoint of step 5 carried what it had not delivered then. Attempt 2 resumes from step 5 with the store away:
     its logger starts without the store (the thread reads what was delivered once the store is back), and MLflow
-    ends with every step once: 1-10 from attempt 1 (its replays 6-10 dropped), 11-12 from attempt 2, and the metric
-    attempt 2 logs at its own resume step."""
+    ends with every step once: 1-10 from attempt 1 (its replays 6-10 dropped), 11-12 from attempt 2, the metric
+    attempt 2 logs at its own resume step, and the one it logs at attempt 1's last step that attempt 1 never logged
+    (the final evaluation of a run whose node went after its last step)."""
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(tracking_logger, "OUTBOX_DIR", tmp_path / "outbox")
@@ -250,11 +251,13 @@ def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monke
                         carried=tracking_outbox.load(storage, tmp_path / "f", 5))
     second.log({"preemption_steps_lost": 5.0}, 5)
     for step in range(6, 13):
-        second.log({"loss": 100.0 + step}, step)
+        # step 10 was attempt 1's last: it delivered the loss there, not what came after it (an evaluation's metrics)
+        second.log({"loss": 100.0 + step, **({"top1": 0.5} if step == 10 else {})}, step)
     assert not second.outbox.reachable()
     second.outbox.client = MlflowClient(uri)  # the store is back (at another address here)
     assert second.outbox.wait(scaled(30))
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == \
         [(s, float(s)) for s in range(1, 11)] + [(11, 111.0), (12, 112.0)]
     assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "top1")] == [(10, 0.5)]
     assert client.get_run(run_id).data.tags[tracking_outbox.LOGGED_THROUGH_TAG] == "12"

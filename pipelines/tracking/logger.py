@@ -26,7 +26,7 @@ class StepLogger:
 
     Otherwise (the adapter's fit, tests) metrics are buffered and written in batches of `flush_every` (one MLflow call
     per flush), each flush recording the last step written (tag probvlp.logged_through); a restart from
-    `resumed_from` reads it once and skips the steps up to it."""
+    `resumed_from` reads the run once and skips of each key the replayed steps MLflow has."""
 
     def __init__(self, uri: str, run_id: str, flush_every: int | None = 500, resumed_from: int = 0, *,
                  background: bool = False, flush_timeout_s: float = 600.0,
@@ -34,6 +34,7 @@ class StepLogger:
         self.client, self.run_id, self.flush_every = worker_client(uri, run_id), run_id, flush_every
         self.buffer: list = []
         self.logged_through, self.resumed_from = -1, resumed_from
+        self.delivered: dict[str, int] = {}
         self.last_step = resumed_from
         self.flush_timeout_s = flush_timeout_s
         self.report: OutboxReport | None = None
@@ -43,7 +44,9 @@ class StepLogger:
             self.outbox = Outbox(self.client, run_id, hide_credentials(uri), OUTBOX_DIR / f"{run_id}-{os.getpid()}",
                                  replay_from=resumed_from, carried=ops, unreachable_s=head.get("unreachable_s", 0.0))
         elif resumed_from > 0:
-            self.logged_through = int(self.client.get_run(run_id).data.tags.get(LOGGED_THROUGH_TAG, -1))
+            data = self.client.get_run(run_id).data
+            self.logged_through = int(data.tags.get(LOGGED_THROUGH_TAG, -1))
+            self.delivered = {m.key: m.step for m in data.to_proto().metrics}  # each key's latest step in MLflow
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -51,9 +54,10 @@ class StepLogger:
         if self.outbox:
             self.outbox.put_metrics([Metric(k, float(v), now, step) for k, v in metrics.items()])
             return
-        if self.resumed_from < step <= self.logged_through:
-            return  # a replayed step that MLflow has from before the restart
-        self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        # a replayed step's metrics that MLflow has from before the restart are left out (per key: the attempt that
+        # logged the step's loss may have died before its evaluation)
+        self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
+                        if not (self.resumed_from < step <= self.delivered.get(k, -1))]
         if self.flush_every is not None and len(self.buffer) >= self.flush_every:
             self.flush()
 

@@ -7,8 +7,8 @@ back missed stays there for `python -m pipelines.tracking.deliver FOLDER [URI]` 
 A restart replays the steps after its checkpoint, some of which an earlier attempt may have delivered already. The
 queue's metrics carry the step the attempt that logged them resumed from (`from`); before its first delivery the
 thread reads the run once: its `probvlp.logged_through` tag (the highest step delivered, written with every batch of
-metrics) and each metric's latest step, and drops the metrics of steps after `from` up to that one, and at `from`
-itself those the store has there already (`_kept`). The restart itself never waits for the
+metrics) and each metric's latest step, and drops of the metrics from `from` on those whose key the store has at that
+step or later (`_kept`). The restart itself never waits for the
 store: the read is the thread's, and it is retried as any delivery is. Redelivering a call is harmless (MLflow keeps one
 copy of a metric with the same key, value, step and time; a tag or an artifact is overwritten), so a copy persisted
 while the call was in flight may go twice."""
@@ -65,13 +65,15 @@ def metrics_op(metrics: list[Metric], replay_from: int) -> dict:
 
 
 def _kept(op: dict, state: dict) -> list[list]:
-    """A metrics op's entries that are not replays of what an earlier attempt delivered: steps after the op's `from`
-    up to the run's horizon, and at `from` itself the keys the store already holds at that step or later (a restart
-    at the last step evaluating again). An op filtered by the attempt that knew the horizon keeps its entries."""
+    """A metrics op's entries that are not replays of what an earlier attempt delivered: of the steps from the op's
+    `from` on, those whose key the store holds at that step or later. Per key, not up to the run's horizon: an attempt
+    that delivered the last step's loss and died before the final evaluation did not deliver the evaluation's metrics
+    at that step (delivery is in order, so a key's latest step bounds what was delivered of it). An op filtered by the
+    attempt that knew the store's steps keeps its entries."""
     if op.get("filtered"):
         return op["metrics"]
-    low, high, latest = op.get("from", -1), state["horizon"], state["latest"]
-    return [m for m in op["metrics"] if not (low < m[3] <= high or (m[3] == low and latest.get(m[0], -1) >= low))]
+    low, latest = op.get("from", -1), state["latest"]
+    return [m for m in op["metrics"] if not (m[3] >= low and latest.get(m[0], -1) >= m[3])]
 
 
 def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s: float, state: dict) -> None:
