@@ -75,7 +75,7 @@ def _loop(config: dict) -> None:
               "blocked_s": sum(blocked) / len(blocked) if blocked else 0.0}
     if mode != "never":  # one save of each kind alone: its parts
         with tempfile.TemporaryDirectory(dir=state.snapshot_root(engine)) as tmp:
-            result["snapshot_s"] = _timed(lambda: engine.save_checkpoint(tmp, tag=state.TAG))
+            result["snapshot_s"] = _timed(lambda: state.write_shard(engine, tmp, progress))
             result["checkpoint_bytes"] = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
         result["sync_save_s"] = _timed(lambda: state.save(engine, progress, {"step": progress.step}))
         t0 = time.perf_counter()
