@@ -46,13 +46,16 @@ def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = 
     """Every rank writes its DeepSpeed shard to a folder of this node (`snapshots`, below); Ray Train uploads the
     ranks' files into one checkpoint, the folder `name` of the run's storage (rank 0's name counts; None: Ray's).
     `behind`: returns once the shard is written and hands the upload to Ray Train (returns the snapshot's folder,
-    which Ray Train deletes once uploaded); otherwise returns once the checkpoint is uploaded and every earlier upload
-    is done too (Ray Train reports in order)."""
+    which Ray Train deletes once uploaded); otherwise returns once Ray Train has registered the checkpoint (every
+    rank's part uploaded) and every earlier one."""
     tmp = tempfile.mkdtemp(prefix=f"{SNAPSHOTS}{os.getpid()}-", dir=snapshot_root(engine, snapshots))
     if not behind:
         try:
             write_shard(engine, tmp, progress)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
+            # registered, not only uploaded: a notice's hold right after would otherwise race the controller's next
+            # poll of the workers, and the restart would resume from the checkpoint before
+            wait_for_uploads()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return None
