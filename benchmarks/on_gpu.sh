@@ -54,7 +54,7 @@ elif has accum; then
 fi
 has accum && grep "^|" "$work/accumulation.log" | tee -a "$work/summary.txt"
 if has ckpt; then
-  timeout "${TK:-400}" python3 -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 24 --every 8 \
+  timeout "${TK:-400}" python3 -m benchmarks.checkpoint_upload --model prolip_vit_b16 --steps 24 --every 6 \
     --storages local > "$work/checkpoint_upload.log" 2>&1; say "checkpoint_upload rc $?"
-  quiet "$work/checkpoint_upload.log" | grep "^|\|rror" | tee -a "$work/summary.txt" | tail -20
+  quiet "$work/checkpoint_upload.log" | grep "^{\|^|\|rror" | tee -a "$work/summary.txt" | tail -20
 fi
