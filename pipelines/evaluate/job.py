@@ -156,7 +156,7 @@ def data_report(stats_names: dict[str, str], out: Path) -> dict[str, dict]:
 
 
 def run_embed(model_ref: str, data: str, split: str | None, out: str | Path, opts: InferenceOptions,
-                 tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> JobResult:
+              tracking: str | None = None, texts: bool = True, index: str | None = None, log=print) -> JobResult:
     """`jobs.embed`: {out}/images (one row per readable sample), {out}/skipped.json, with `texts` the distinct
     captions' embeddings in {out}/texts, with `index` a faiss index in {out}/images.faiss. Returns `out` (no metrics,
     no MLflow run).
@@ -174,7 +174,7 @@ def run_embed(model_ref: str, data: str, split: str | None, out: str | Path, opt
 
 
 def _embed(model_ref: str, data: str, split: str | None, out: str | Path, here: Path, opts: InferenceOptions,
-                  tracking: str | None, texts: bool, index: str | None, log) -> str | Path:
+           tracking: str | None, texts: bool, index: str | None, log) -> None:
     """`run_embed` with the files other than the parquet (source model, skipped.json, index) written in `here`."""
     try:
         source = resolve_model(model_ref, tracking_uri(tracking), here / "source")
@@ -203,4 +203,3 @@ def _embed(model_ref: str, data: str, split: str | None, out: str | Path, here: 
         if captions:
             written = write_text_embeddings(str(source["model"]), captions, out, opts)
             log(f"{len(captions)} caption embeddings in {written}")
-    return folder
