@@ -5,5 +5,5 @@
 LoopConfig), `step` (the ranks' agreement on a step, and a plain fit's step: agree, backward, clip, schedule, apply),
 `plain_state` (a plain fit's checkpoint as safetensors tensors), `trainer` (the Ray Train TorchTrainer of a job),
 `launch` (the driver's steps every training stage takes) and `in_process` (a fit in this process, for tests and
-studies). No DeepSpeed here: pipelines.train adds its engine's
-step, state and resharding; pipelines.adapt its adapters."""
+studies). No DeepSpeed here: pipelines.train adds its engine's step, state and resharding; pipelines.adapt its
+adapters."""

@@ -9,7 +9,7 @@ from mlflow.entities import Metric, RunTag
 
 from pipelines.config import STATE_DIR
 from pipelines.tracking.outbox import (BATCH, COMMAND, LOGGED_THROUGH_TAG, UNREACHABLE_METRIC, Outbox,
-                                       OutboxReport)
+                                       OutboxReport, replayed)
 from pipelines.tracking.store import hide_credentials, worker_client
 
 
@@ -57,7 +57,7 @@ class StepLogger:
         # a replayed step's metrics that MLflow has from before the restart are left out (per key: the attempt that
         # logged the step's loss may have died before its evaluation)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
-                        if not (self.resumed_from < step <= self.delivered.get(k, -1))]
+                        if not replayed(k, step, self.resumed_from, self.delivered)]
         if self.flush_every is not None and len(self.buffer) >= self.flush_every:
             self.flush()
 

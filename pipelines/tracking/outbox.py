@@ -73,7 +73,13 @@ def _kept(op: dict, state: dict) -> list[list]:
     if op.get("filtered"):
         return op["metrics"]
     low, latest = op.get("from", -1), state["latest"]
-    return [m for m in op["metrics"] if not (m[3] >= low and latest.get(m[0], -1) >= m[3])]
+    return [m for m in op["metrics"] if not replayed(m[0], m[3], low, latest)]
+
+
+def replayed(key: str, step: int, resumed_from: int, latest: dict[str, int]) -> bool:
+    """Whether the metric `key` at `step`, logged by an attempt that resumed from `resumed_from`, is a replay of one an
+    earlier attempt delivered: the store (`latest`: each key's latest step there) holds the key at that step or later."""
+    return step >= resumed_from and latest.get(key, -1) >= step
 
 
 def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s: float, state: dict) -> None:
