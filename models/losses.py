@@ -434,13 +434,29 @@ def soft_bce(logits: torch.Tensor, labels: torch.Tensor, n_cols: int,
     return (softplus - labels * logits).sum() / (logits.shape[0] * n_cols)
 
 
+# A tie between logits is decided within this many units in the last place of the row's largest (at_least)
+TIE_ULPS = 64
+
+
+def at_least(values: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """values >= reference (a column per row), where a value equal to the reference up to rounding counts as equal.
+
+    The same caption twice in a batch scores exactly the ground truth's logit in exact arithmetic; computed, the two
+    differ by a few ulps whose sign depends on the CPU's vector kernels, the device and how the batch was split
+    (feature-cache accumulation). A tie is therefore decided within TIE_ULPS ulps of the row's largest logit
+    (float64 1.4e-14, float32 7.6e-6 of it): features moved by 16 ulps each still decide every tie alike
+    (tests/test_accumulation.py), and a real gap between two captions' logits is far wider."""
+    scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    return values >= reference - TIE_ULPS * torch.finfo(values.dtype).eps * scale
+
+
 def pseudo_match(logits: torch.Tensor, labels: torch.Tensor,
                  softplus: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PCME++ pseudo-positive loss of the rows, and pseudo-positives per row (mean)."""
     with torch.no_grad():
         # PCME++ Sec. 2.3: columns scoring >= the row's ground truth get the ground truth's label
         gt_label, gt_idx = labels.max(dim=1)
-        pp = logits >= logits.gather(1, gt_idx[:, None])
+        pp = at_least(logits, logits.gather(1, gt_idx[:, None]))
         pp_labels = torch.where(pp, gt_label[:, None].expand_as(labels), labels)
         n_pseudo = (pp.sum(1) - 1).to(logits.dtype).mean()
     return soft_bce(logits, pp_labels, logits.shape[1], softplus), n_pseudo

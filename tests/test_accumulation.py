@@ -104,6 +104,112 @@ def test_k_micro_batches_give_the_loss_and_gradients_of_one_batch(case):
         assert ref_out["inclusion_masked"] > 0  # the masked copies took part
 
 
+def nudged(features: dict[str, torch.Tensor], ulps: int, seed: int) -> dict[str, torch.Tensor]:
+    """Each floating feature moved by up to `ulps` units in the last place, up or down at random: what other
+    kernels, another device or another split of the batch do to a value that is the same in exact arithmetic."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, value in features.items():
+        if not value.is_floating_point():
+            out[key] = value
+            continue
+        value = value.detach()
+        for _ in range(ulps):
+            toward = torch.where(torch.rand(value.shape, generator=g) < 0.5, -torch.inf, torch.inf).to(value.dtype)
+            value = torch.where(torch.rand(value.shape, generator=g) < 0.5, torch.nextafter(value, toward), value)
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("dtype", [f64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", ["pcmepp", "pcmepp_official"])
+def test_a_tie_between_logits_is_decided_alike_whatever_the_rounding(case, dtype):
+    """The rows' captions repeat (12 rows, 10 captions): a repeated caption scores exactly its ground truth's logit in
+    exact arithmetic, and PCME++'s pseudo-positives (logit >= the ground truth's) must decide that tie alike under
+    any rounding. Features moved by a few ulps (as AVX-512 kernels, a GPU or a micro-batch's shorter padding move
+    them; here by up to 16 ulps) give the loss and pseudo-positive count of the features as computed, within
+    float64's 1e-10 (float32: 1e-5 relative)."""
+    images, tokens = inputs(MICRO * K)
+    assert len(set(map(tuple, tokens.tolist()))) < len(tokens)  # a caption twice: the ties this test is about
+    obj, images = objective(case).to(dtype), images.to(dtype)
+    torch.manual_seed(5)
+    images, draws, batch_out = obj.model.draw(images, tokens)
+    with torch.no_grad():
+        features = obj.model.features(images, tokens, draws)
+        ref = obj.loss(obj.model.pair_out({**features, **batch_out}, World.current()))
+        assert ref["n_pseudo"] > 0
+        tol = 1e-10 if dtype == f64 else 1e-5 * ref["loss"].abs().item()
+        for seed in range(4):
+            got = obj.loss(obj.model.pair_out({**nudged(features, 16, seed), **batch_out}, World.current()))
+            assert got["n_pseudo"] == ref["n_pseudo"], (seed, got["n_pseudo"], ref["n_pseudo"])
+            assert abs(got["loss"] - ref["loss"]).item() <= tol, (seed, got["loss"], ref["loss"])
+
+
+# ATen's CPU kernel sets, lowest first (ATEN_CPU_CAPABILITY forces one for a process, up to what the CPU has)
+CAPABILITIES = ("default", "avx2", "avx512")
+
+
+def offered_capabilities() -> list[str]:
+    """The kernel sets this CPU offers: those up to its native one (torch.backends.cpu.get_cpu_capability())."""
+    native = torch.backends.cpu.get_cpu_capability().lower()
+    return list(CAPABILITIES[: CAPABILITIES.index(native) + 1]) if native in CAPABILITIES else ["default", native]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("capability", [c for c in offered_capabilities()
+                                        if c != torch.backends.cpu.get_cpu_capability().lower()])
+def test_exact_under_every_cpu_kernel_set(capability):
+    """The exactness tests above, in a process forced to each kernel set this CPU offers below its native one (the
+    native one runs them in this process): a machine without AVX-512 still meets the kind of difference AVX-512
+    kernels make, as the default kernels round otherwise than AVX2's. Every method's loss and gradients, and the
+    pseudo-positives' ties."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip().lower() == capability, probe.stdout  # the process really runs those kernels
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                          f"{__file__}::test_k_micro_batches_give_the_loss_and_gradients_of_one_batch",
+                          f"{__file__}::test_a_tie_between_logits_is_decided_alike_whatever_the_rounding"],
+                         env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    passed = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert run.returncode == 0 and f"{len(CASES) + 4} passed" in passed, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+# On a GPU (`make test-gpu`): float64 as exact as on a CPU; float32 (TF32 off) within its rounding, relative to each
+# tensor's largest value: cuBLAS / cuDNN pick their algorithms by shape, so a micro-batch's rows round otherwise than
+# the whole batch's (bf16 is a precision choice, not an exactness claim).
+GPU_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch: `make test-gpu`")
+@pytest.mark.parametrize("dtype", list(GPU_TOLERANCE), ids=str)
+def test_k_micro_batches_give_one_batch_on_the_gpu(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    tol, worst = GPU_TOLERANCE[dtype], {}
+    images, tokens = inputs(MICRO * K)
+    images, tokens = images.cuda().to(dtype), tokens.cuda()
+    for case in CASES:
+        ref = objective(case).to("cuda", dtype)
+        got = copy.deepcopy(ref)
+        ref_out, _ = one_pass(ref, images, tokens, seed=5)
+        got_out, _ = cached(got, images, tokens, seed=5)
+        ref_g, got_g = grads(ref), grads(got)
+        assert set(ref_g) == set(got_g), case
+        errs = [((got_out[k] - ref_out[k]).abs().max() / ref_out[k].abs().max().clamp_min(1)).item() for k in ref_out
+                if ref_out[k].is_floating_point()]
+        scale = max(g.abs().max() for g in ref_g.values())  # the largest gradient: a near-zero one is not its own unit
+        errs += [((got_g[n] - g).abs().max() / scale).item() for n, g in ref_g.items()]
+        worst[case] = max(errs)
+    print(f"\n{dtype} on {torch.cuda.get_device_name()}: largest relative difference per method {worst}")
+    assert all(err <= tol for err in worst.values()), worst
+
+
 def test_the_masked_rows_and_msda_partners_span_micro_batches():
     """The draws are made over the whole batch: with k micro-batches, masked rows fall in several of them (some in
     none) and MSDA partners cross micro-batch borders; the one-batch reference above saw the same draws."""
