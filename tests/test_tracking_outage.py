@@ -201,7 +201,15 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_l
     logger.artifact(tmp_path / "card.md", "model")
     (tmp_path / "card.md").unlink()  # the caller's temporary file goes away: the outbox holds a copy
     storage = str(tmp_path / "storage" / "run" / "tracking_outbox")
-    report = logger.close(keep_to=storage)  # returns while the store is away: flush_timeout_s is the driver's
+    # released while the store is away (flush_timeout_s, 600 s, is the driver's wait): the close returns long before
+    import threading
+
+    closed: dict = {}
+    closing = threading.Thread(target=lambda: closed.setdefault("report", logger.close(keep_to=storage)), daemon=True)
+    closing.start()
+    closing.join(scaled(60))
+    assert "report" in closed, "rank 0's close waited for a store that is away instead of handing its queue over"
+    report = closed["report"]
     assert report.kept_in == storage and report.unreachable_s > 0
     assert report.undelivered == {"metrics": 200, "tags": 4, "artifacts": 1, "other": 1}  # other: the summary
     assert "handed over" in capsys.readouterr().out

@@ -1,0 +1,194 @@
+"""The mutation list: every rule of docs/SCALING.md's guarantees and of the fault-tolerance code, a small patch that
+removes it, and the tests that must then fail. `make test-mutants` (`python -m tests.mutants`) applies each patch to a
+scratch copy of the checkout, runs its tests there and prints killed / survived; it exits 1 unless every mutant is
+killed. A mutant "survives" when its tests still pass: the rule is then unguarded, whatever the docs say.
+
+A rule added to the product gets its mutant here, with the test that catches it. `tests/test_mutants.py` (make
+test-fast) checks that each patch still applies to the tree exactly once and that each named test exists, so the list
+cannot go stale silently.
+
+    python -m tests.mutants                 # every mutant
+    python -m tests.mutants --only replay   # those whose name contains "replay"
+    python -m tests.mutants --list          # the list, nothing run
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str
+    path: str  # relative to the checkout
+    old: str  # occurs exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids: at least one must fail
+
+    def apply(self, root: Path) -> None:
+        file = root / self.path
+        text = file.read_text()
+        if text.count(self.old) != 1:
+            raise ValueError(f"{self.name}: the patch's text occurs {text.count(self.old)} times in {self.path}")
+        file.write_text(text.replace(self.old, self.new))
+
+
+MUTANTS = [
+    Mutant("replay-per-key",
+           "a restart's metrics are dropped as replays per key, not up to the run's highest delivered step",
+           "pipelines/tracking/outbox.py",
+           "return step >= resumed_from and latest.get(key, -1) >= step",
+           "return step >= resumed_from and max(latest.values(), default=-1) >= step",
+           ("tests/test_tracking_outage.py::test_a_restart_neither_reads_the_store_nor_logs_a_step_twice",
+            "tests/test_pretrain.py::test_a_restart_does_not_write_steps_mlflow_already_has")),
+    Mutant("replay-dropped",
+           "a restart's replayed steps are dropped, not delivered twice",
+           "pipelines/tracking/outbox.py",
+           "return step >= resumed_from and latest.get(key, -1) >= step",
+           "return False",
+           ("tests/test_tracking_outage.py::test_a_restart_neither_reads_the_store_nor_logs_a_step_twice",
+            "tests/test_pretrain.py::test_a_restart_does_not_write_steps_mlflow_already_has")),
+    Mutant("crc-restored",
+           "the snapshot's CRC-32 switch is set back to the process's own after the save",
+           "pipelines/train/state.py",
+           "        torch.serialization.set_crc32_options(before)\n",
+           "        pass\n",
+           ("tests/test_reshard.py::test_the_shards_are_written_without_checksums_and_the_option_is_left_as_it_was",)),
+    Mutant("crc-off",
+           "the snapshot is written without torch.save's CRC-32 records",
+           "pipelines/train/state.py",
+           "    torch.serialization.set_crc32_options(False)\n",
+           "    torch.serialization.set_crc32_options(True)\n",
+           ("tests/test_reshard.py::test_the_shards_are_written_without_checksums_and_the_option_is_left_as_it_was",)),
+    Mutant("core-imports",
+           "the stage-neutral training core (pipelines/fit) loads no DeepSpeed",
+           "pipelines/fit/loop.py",
+           "import time\n",
+           "import time\nimport deepspeed  # noqa: F401\n",
+           ("tests/test_imports.py::test_the_training_core_loads_no_deepspeed",)),
+    Mutant("cut-short-removed",
+           "a restart removes the checkpoint folders that uploads cut short (never registered) past its step",
+           "pipelines/train/state.py",
+           "            fs.rm(path, recursive=True)\n",
+           "            pass\n",
+           ("tests/test_checkpoint_upload.py::test_a_restart_removes_only_the_uploads_cut_short",)),
+    Mutant("cut-short-only",
+           "a restart removes only later attempts' folders past its step, never the one it resumed from",
+           "pipelines/train/state.py",
+           'if match and int(match["step"]) > resumed_step and int(match["attempt"]) < attempt:',
+           'if match and int(match["step"]) >= resumed_step and int(match["attempt"]) < attempt:',
+           ("tests/test_checkpoint_upload.py::test_a_restart_removes_only_the_uploads_cut_short",)),
+    Mutant("notice-file-taken",
+           "a notice file is taken (renamed) by the save it caused: no later attempt reads it again",
+           "pipelines/train/preemption.py",
+           '            os.replace(self.file, f"{self.file}.taken")\n',
+           "            pass\n",
+           ("tests/test_preemption.py::test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once",)),
+    Mutant("notice-file-once",
+           "a notice file no newer than the last one taken is no notice (the checkpoint keeps its time)",
+           "pipelines/train/preemption.py",
+           "    if st.st_mtime <= taken_mtime:\n        return False\n",
+           "",
+           ("tests/test_preemption.py::test_the_hooks_file_is_a_notice_with_its_deadline",)),
+    Mutant("outbox-at-notice",
+           "a notice's save hands rank 0's undelivered metrics to the run's storage before the hold",
+           "pipelines/train/worker.py",
+           "        if self.logger:\n            self.logger.persist(self.outbox_folder)\n        self.notice.hold(",
+           "        self.notice.hold(",
+           ("tests/test_tracking_outage.py::test_a_preemption_during_a_tracking_outage_loses_nothing",)),
+    Mutant("released-at-once",
+           "at the end of a run with the store away, rank 0 hands its queue over and is released at once",
+           "pipelines/tracking/outbox.py",
+           "                if while_reachable and self.down_since is not None:\n                    break\n",
+           "",
+           ("tests/test_tracking_outage.py::"
+            "test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later",)),
+]
+
+
+def scratch_copy(dest: Path) -> None:
+    """The checkout's tracked and untracked files (not those git ignores: .venv, caches, state) under `dest`."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[int, str]:
+    """pytest over `tests` in `root`, whose packages shadow the checkout's (PYTHONPATH, and the working directory
+    that tests/conftest.py and Ray's workers put first); its exit status and output's tail."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:xdist", "-p", "no:cacheprovider",
+           "-m", "not gpu", *tests]
+    try:
+        out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        return 124, (err.stdout or b"")[-2000:].decode(errors="replace") if isinstance(err.stdout, bytes) else ""
+    return out.returncode, (out.stdout + out.stderr)[-3000:]
+
+
+def failed_tests(output: str) -> list[str]:
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="run the mutants whose name contains this")
+    ap.add_argument("--list", action="store_true", help="print the list and run nothing")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for one mutant's tests")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if args.only in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:22s} {m.path}: {m.rule}\n{'':22s} killed by {', '.join(m.tests)}")
+        return 0
+    rows, start = [], time.monotonic()
+    base = Path(tempfile.mkdtemp(prefix="probvlp_mutants_"))
+    try:
+        pristine = base / "pristine"
+        scratch_copy(pristine)
+        # the scratch copy, not the checkout, is what the tests import
+        probe = subprocess.run([sys.executable, "-c", "import pipelines; print(pipelines.__file__)"], cwd=pristine,
+                               env={**os.environ, "PYTHONPATH": str(pristine)}, capture_output=True, text=True)
+        if not probe.stdout.strip().startswith(str(pristine)):
+            print(f"the scratch copy does not shadow the checkout: pipelines is {probe.stdout.strip()}")
+            return 2
+        for m in chosen:
+            tree = base / m.name
+            shutil.copytree(pristine, tree)
+            m.apply(tree)
+            began = time.monotonic()
+            rc, output = run_tests(tree, m.tests, args.timeout)
+            verdict = "killed" if rc == 1 else "survived" if rc == 0 else f"error (pytest exit {rc})"
+            rows.append((m, verdict, failed_tests(output), time.monotonic() - began))
+            print(f"{m.name}: {verdict} in {rows[-1][3]:.0f} s{': ' + ', '.join(rows[-1][2]) if rows[-1][2] else ''}",
+                  flush=True)
+            if verdict != "killed":
+                print(output[-1500:], flush=True)
+            shutil.rmtree(tree, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n| mutant | rule removed | file | verdict | failed test | s |\n|---|---|---|---|---|---|")
+    for m, verdict, failed, seconds in rows:
+        print(f"| {m.name} | {m.rule} | {m.path} | {verdict} | {', '.join(failed) or '-'} | {seconds:.0f} |")
+    killed = sum(v == "killed" for _, v, _, _ in rows)
+    print(f"\n{killed} of {len(rows)} mutants killed in {time.monotonic() - start:.0f} s")
+    return 0 if killed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
