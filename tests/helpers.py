@@ -121,12 +121,43 @@ def wait_http(url: str, proc, timeout: float = 120) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
-def pretrain_beside(cfg, action):
+class Hold:
+    """A point of a run where rank 0 stops until the test releases it (pipelines.train.faults.hold_at, tests only):
+    what the test does "during" that point then happens there whatever the machine's speed. `folder` (created) holds
+    the files through which the worker and the test talk: on rank 0's node, this machine."""
+
+    def __init__(self, folder: Path, point: str | None = None):
+        from pipelines.train.faults import FINAL_EVALUATION
+
+        self.folder, self.point = Path(folder), point or FINAL_EVALUATION
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def armed(self) -> dict[str, str]:
+        return {self.point: str(self.folder)}
+
+    def held(self) -> int:
+        """How many times rank 0 has stopped there so far (each attempt that reached the point once)."""
+        from pipelines.train.faults import held_file
+
+        path = held_file(self.folder, self.point)
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def release(self) -> None:
+        """Rank 0 goes on, now and at every later stop there."""
+        from pipelines.train.faults import released_file
+
+        released_file(self.folder, self.point).touch()
+
+
+def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
     """`jobs.pretrain`'s run of `cfg` while `action()` (what a test does to the run: a notice, a kill) runs in a thread;
-    the thread's error, raised once the run has ended (`action` must not leave the run waiting for ever). Returns the
-    run's result."""
+    the thread's error, raised once the run has ended. `holds`: points where rank 0 stops until `action` releases
+    them (handed to the workers in the training loop's config, as no job of the product does); whatever way `action`
+    ends, they are released then, so that the run never waits for ever. Returns the run's result."""
     import threading
 
+    from pipelines.fit.launch import Launch
+    from pipelines.train.faults import HOLDS
     from pipelines.train.job import run_pretrain
 
     errors: list[BaseException] = []
@@ -136,10 +167,24 @@ def pretrain_beside(cfg, action):
             action()
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
+        finally:
+            for hold in holds:
+                hold.release()
+
+    fit = Launch.fit
+    armed = {point: folder for hold in holds for point, folder in hold.armed().items()}
+
+    def fit_with_holds(self, loop, loop_config, *args, **kwargs):
+        return fit(self, loop, {**loop_config, HOLDS: armed}, *args, **kwargs)
 
     thread = threading.Thread(target=act, daemon=True)
     thread.start()
-    result = run_pretrain(cfg)
+    if holds:
+        Launch.fit = fit_with_holds
+    try:
+        result = run_pretrain(cfg)
+    finally:
+        Launch.fit = fit
     thread.join()
     if errors:
         raise errors[0]

@@ -132,7 +132,7 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[int
     """pytest over `tests` in `root`, whose packages shadow the checkout's (PYTHONPATH, and the working directory
     that tests/conftest.py and Ray's workers put first); its exit status and output's tail."""
     env = {**os.environ, "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:xdist", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
            "-m", "not gpu", *tests]
     try:
         out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)

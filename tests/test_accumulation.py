@@ -171,7 +171,7 @@ def test_exact_under_every_cpu_kernel_set(capability):
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip().lower() == capability, probe.stdout  # the process really runs those kernels
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                           f"{__file__}::test_k_micro_batches_give_the_loss_and_gradients_of_one_batch",
                           f"{__file__}::test_a_tie_between_logits_is_decided_alike_whatever_the_rounding"],
                          env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from mlflow import MlflowClient
 
 from pipelines.train import preemption
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from tests.helpers import pretrain_beside, registered, wait_for
+from tests.helpers import Hold, pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
 
 
@@ -76,10 +75,12 @@ def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpo
     """SIGTERM, then SIGKILL a moment later (a grace period shorter than the save: the machine goes during it). A
     checkpoint counts only once every rank's part is in (Ray Train registers it when every rank's ray.train.report
     has returned), so the restart resumes from one that was registered, whole (REFERENCE's every 5 steps, or the
-    notice's if it finished first), and the run ends bit for bit as an uninterrupted one."""
+    notice's if it finished first), and the run ends bit for bit as an uninterrupted one. Rank 0 is held in the final
+    evaluation (a Hold) until the kill is done: however fast the run, it cannot end before the worker is killed."""
     data = straight_small_run["data_root"]
     cfg = config(tmp_path, data, "short", *REFERENCE, "train.log_every=1", "run.max_failures=1", "run.sigterm_grace_s=0")
     seen: list[list[str]] = []
+    end = Hold(tmp_path / "hold")
 
     def terminate_a_worker() -> None:
         try:
@@ -95,12 +96,7 @@ def test_a_deadline_shorter_than_the_save_resumes_from_the_last_complete_checkpo
         except BaseException as error:
             seen.append(error)
 
-    thread = threading.Thread(target=terminate_a_worker, daemon=True)
-    thread.start()
-    from pipelines.train.job import run_pretrain
-
-    result = run_pretrain(cfg)
-    thread.join()
+    result = pretrain_beside(cfg, terminate_a_worker, holds=(end,))
     assert not any(isinstance(s, BaseException) for s in seen), seen
     run = MlflowClient(result.mlflow_uri).get_run(result.mlflow_run_id)
     resumed = int(run.data.tags["probvlp.resumed_from_step"])
@@ -131,10 +127,11 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     """The hook's file is there before the run starts (a notice before step 1, at an evaluation step: every step is
     one here): both ranks save at step 1, then evaluate, then wait for Ray Train's restart (a preemption: with
     run.max_failures=0 the run still ends well), which resumes at step 1; the file is taken by that save (renamed),
-    so the restart trains on instead of saving again. When the final checkpoint is saved the file appears again,
-    during the final evaluation: the restart only evaluates and saves the model. Counted by the steps each attempt
-    applied (run.audit_steps_to): every step exactly once; MLflow holds every step's metrics once, the evaluation's
-    too; and the run ends bit for bit on an uninterrupted run's state (REFERENCE)."""
+    so the restart trains on instead of saving again. The file appears again during the final evaluation (after the
+    final checkpoint), which rank 0 is held in (a Hold) until Ray Train's restart has come: the notice is seen there
+    whatever the evaluation's speed, and the restart only evaluates and saves the model. Counted by the steps each
+    attempt applied (run.audit_steps_to): every step exactly once; MLflow holds every step's metrics once, the
+    evaluation's too; and the run ends bit for bit on an uninterrupted run's state (REFERENCE)."""
     notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 40
     notice.write_text("0\n")  # the seconds left: none (a notice read after its deadline still gets its save)
     # the digits' zero-shot task alone: an evaluation at each of the 40 steps, none of them more than it needs
@@ -144,16 +141,23 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
                  "train.log_every=1", "run.max_failures=0", "run.sigterm_grace_s=2", f"run.notice_file={notice}",
                  f"run.audit_steps_to={audit}")
 
-    def notice_in_the_final_evaluation() -> None:
-        wait_for("the final checkpoint", lambda: any(a.get("checkpoint_step") == steps
-                                                     for a in journal(tmp_path / "ray", "edges")), 300, 0.1)
-        notice.write_text("1\n")  # a second left: Ray Train restarts the run before the evaluation ends
+    final_evaluation = Hold(tmp_path / "hold")  # rank 0 stops there until the notice's restart has come
 
-    result = pretrain_beside(cfg, notice_in_the_final_evaluation)
+    def notice_in_the_final_evaluation() -> None:
+        wait_for("rank 0 in the final evaluation", final_evaluation.held, 300, 0.1)
+        assert any(a.get("checkpoint_step") == steps for a in journal(tmp_path / "ray", "edges")), \
+            "rank 0 was in the final evaluation before the final checkpoint"
+        notice.write_text("1\n")  # a second left
+        # the restart comes while rank 0 is still held in the evaluation; pretrain_beside releases it once this returns
+        wait_for("the restart after the notice in the final evaluation",
+                 lambda: len(journal(tmp_path / "ray", "edges")) >= 3, 300, 0.1)
+
+    result = pretrain_beside(cfg, notice_in_the_final_evaluation, holds=(final_evaluation,))
     ran = audited(audit)
     assert ran == {1: [1], 2: list(range(2, steps + 1))}, ran  # every step once; the third attempt trains nothing
     attempts = journal(tmp_path / "ray", "edges")
     assert [a["from_step"] for a in attempts] == [0, 1, steps], attempts
+    assert final_evaluation.held() == 2  # attempt 2, which the restart ended there, and attempt 3, which went on
     assert attempts[0]["notice"]["step"] == 1 and attempts[0]["notice"]["sources"] == ["file"]
     assert not notice.exists() and (tmp_path / "notice.taken").exists()
     client = MlflowClient(result.mlflow_uri)

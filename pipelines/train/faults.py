@@ -1,12 +1,30 @@
-"""Fault injection for trying a run's recovery (train.fail_once_at_step): one worker raises once when a step is
-applied, once per MLflow run, as a crashed worker would; Ray Train restarts the group from the last checkpoint
-(run.max_failures). Outside the worker's own code: it is handed the hook, which the run's config alone turns on."""
+"""Faults put into a run on purpose, to try its recovery, outside the worker's own code: the worker is handed each
+hook, None unless something outside the product's jobs turns it on, and calls it where the fault belongs.
+
+- train.fail_once_at_step (`fail_once`): one worker raises once when a step is applied, once per MLflow run, as a
+  crashed worker would; Ray Train restarts the group from the last checkpoint (run.max_failures). The run's config
+  alone turns it on.
+- Holds (`hold_at`, tests only): rank 0 stops at a named point of the run (FINAL_EVALUATION: the final evaluation,
+  after the final checkpoint and the saved model) until the test lets it go. What a test does "during" that point (a
+  notice, a kill) then happens there by construction, whatever the machine's speed: the phase cannot end before the
+  test has acted and seen the run's answer. Turned on by the training loop's config (key HOLDS: point -> a folder),
+  which no job of the product sets: a test adds it (tests/helpers.py, `pretrain_beside(..., holds=...)`). Off, it is
+  one dictionary look-up per attempt and a None hook; the worker calls it once per attempt, never in a step.
+"""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Callable
 
 import ray.train
+
+# The training loop's config key that turns holds on (point -> folder), and the points the worker holds at.
+HOLDS = "holds"
+FINAL_EVALUATION = "final_evaluation"
+# How often a held rank 0 looks for its release.
+HOLD_POLL_S = 0.05
 
 
 def fail_once(step: int | None, marker: str | None) -> Callable[[int], None] | None:
@@ -24,3 +42,33 @@ def fail_once(step: int | None, marker: str | None) -> Callable[[int], None] | N
         raise RuntimeError(f"injected failure at step {applied} (train.fail_once_at_step)")
 
     return fault
+
+
+def held_file(folder: str | Path, point: str) -> Path:
+    """Written by rank 0 as it stops at `point` (a line per stop: pid and time): the proof that the phase runs."""
+    return Path(folder) / f"{point}.held"
+
+
+def released_file(folder: str | Path, point: str) -> Path:
+    """Written by the test to let rank 0 go on from `point` (now and at every later stop there)."""
+    return Path(folder) / f"{point}.released"
+
+
+def hold_at(points: dict[str, str] | None) -> Callable[[str], None] | None:
+    """The hook of rank 0 (None on the others, or with no point armed, as in every job of the product): at a point of
+    `points` (point -> a folder on rank 0's node), it writes `held_file` and waits until `released_file` exists;
+    at any other point it returns at once. A restart that kills the held worker ends the wait with it."""
+    if not points or ray.train.get_context().get_world_rank() != 0:
+        return None
+
+    def hold(point: str) -> None:
+        folder = points.get(point)
+        if folder is None:
+            return
+        with open(held_file(folder, point), "a") as f:
+            f.write(f"{os.getpid()} {time.time():.3f}\n")
+        print(f"[fault] rank 0 held at {point} until {released_file(folder, point)} exists", flush=True)
+        while not released_file(folder, point).exists():
+            time.sleep(HOLD_POLL_S)
+
+    return hold

@@ -37,7 +37,7 @@ from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from pipelines.train.faults import fail_once
+from pipelines.train.faults import FINAL_EVALUATION, HOLDS, fail_once, hold_at
 from pipelines.train.step import DeepSpeedFit
 
 
@@ -53,10 +53,11 @@ def device_name(device: torch.device) -> str:
 class TrainWorker(Hooks):
     """One worker's run: its DeepSpeed fit (`DeepSpeedFit`: the engine's steps), its data, and the loop's hooks
     (pipelines.fit.loop.Hooks: rank 0's logging, the evaluation, checkpoints behind training, a notice's save).
-    `fault`: called with each step applied (train.fail_once_at_step: pipelines.train.faults)."""
+    `fault`: called with each step applied (train.fail_once_at_step); `hold`: rank 0's, called at the final
+    evaluation (tests only): both pipelines.train.faults."""
 
     def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, fault: Callable[[int], None] | None = None,
-                 job_started_at: float | None = None, job: str = ""):
+                 job_started_at: float | None = None, job: str = "", hold: Callable[[str], None] | None = None):
         self.cfg, self.t = cfg, cfg.train
         # first: a SIGTERM from here on is a notice (before the engine is built and the checkpoint restored)
         self.notice = Notice(cfg.run.sigterm_grace_s, file=cfg.run.notice_file)
@@ -67,7 +68,7 @@ class TrainWorker(Hooks):
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
         if not self.use_gpu:
             torch.set_num_threads(max(1, int(self.t.cpus_per_worker)))
-        self.fault = fault
+        self.fault, self.hold = fault, hold
         self.eval_every, self.checkpoint_every = self.t.eval_every, self.t.checkpoint_every
         self.wait = DataWait()
         self.tasks = cfg.resolved_tasks()
@@ -524,6 +525,8 @@ class TrainWorker(Hooks):
             tmp = Path(tmp)
             probe = self.evaluation.probe(objective.model)
             export.save_trained_model(self.logger, self.cfg, objective.model, weights, loss_weights, probe, tmp)
+            if self.hold:
+                self.hold(FINAL_EVALUATION)
             metrics, results, error = self.evaluation.final(objective, self.progress.step)
             export.save_model_card(self.logger, self.cfg, metrics, self.progress.step, tmp)
             if error:
@@ -541,7 +544,7 @@ def train_loop(config: dict[str, Any]) -> None:
     try:
         fault = fail_once(cfg.train.fail_once_at_step, config.get("failure_marker"))
         worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], fault,
-                             config.get("job_started_at"), config.get("job", ""))
+                             config.get("job_started_at"), config.get("job", ""), hold_at(config.get(HOLDS)))
         worker.fit()
         worker.finish()
     except BaseException as err:
