@@ -100,7 +100,7 @@ MUTANTS = [
            "pipelines/train/preemption.py",
            "    if st.st_mtime <= taken_mtime:\n        return False\n",
            "",
-           ("tests/test_preemption.py::test_the_hooks_file_is_a_notice_with_its_deadline",)),
+           ("tests/test_preemption.py::test_a_notice_file_no_newer_than_the_one_taken_is_no_notice",)),
     Mutant("outbox-at-notice",
            "a notice's save hands rank 0's undelivered metrics to the run's storage before the hold",
            "pipelines/train/worker.py",
@@ -114,6 +114,21 @@ MUTANTS = [
            "",
            ("tests/test_tracking_outage.py::"
             "test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later",)),
+    Mutant("one-upload-in-flight",
+           "a periodic save behind training first waits for the previous upload to be registered: one in flight",
+           "pipelines/train/worker.py",
+           "        train_state.wait_for_uploads()\n        self.upload = None\n",
+           "        self.upload = None\n",
+           ("tests/test_checkpoint_upload.py::"
+            "test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_from_the_one_before",)),
+    Mutant("outbox-at-checkpoint",
+           "every periodic checkpoint carries rank 0's undelivered metrics into the run's storage (a node lost hard "
+           "during an outage costs none)",
+           "pipelines/train/worker.py",
+           "        p = self.progress\n        if self.logger:\n            self.logger.persist(self.outbox_folder)\n"
+           "        start = time.perf_counter()\n",
+           "        p = self.progress\n        start = time.perf_counter()\n",
+           ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
 ]
 
 
