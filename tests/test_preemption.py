@@ -45,6 +45,17 @@ def test_the_hooks_file_is_a_notice_with_its_deadline(no_notice, tmp_path, monke
     assert taken["sources"] == ["file", "slurm USR1"] and 9 < taken["deadline_in_s"] <= 10
 
 
+def test_a_notice_file_no_newer_than_the_one_taken_is_no_notice(no_notice, tmp_path):
+    """A notice file that its save could not take away (renamed) stays on the node: a worker handed the time of the
+    last file taken (from the checkpoint) ignores a file that old, and sees a newer one again."""
+    path = tmp_path / "notice"
+    path.write_text("0\n")
+    written = os.stat(path).st_mtime
+    assert not Notice(sigterm_grace_s=None, taken_file_mtime=written, file=str(path)).pending()
+    os.utime(path, (written + 5, written + 5))  # written again after the one taken
+    assert Notice(sigterm_grace_s=None, taken_file_mtime=written, file=str(path)).pending()
+
+
 def test_a_preemption_has_its_own_budget(tmp_path):
     """run.max_preemptions reaches Ray Train's FailureConfig beside run.max_failures; unlimited (-1) by default."""
     from pipelines.fit.trainer import torch_trainer
