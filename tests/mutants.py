@@ -129,6 +129,25 @@ MUTANTS = [
            "        start = time.perf_counter()\n",
            "        p = self.progress\n        start = time.perf_counter()\n",
            ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
+    Mutant("guard-at-start",
+           "attempts that end before their first step, past run.max_notices_without_progress in a row, stop the run "
+           "with one line (NoticeLoop) instead of restarting for ever",
+           "pipelines/train/worker.py",
+           "            self._check_progress()\n",
+           "",
+           ("tests/test_guard_notice_loop.py::test_attempts_that_end_before_their_first_step_stop_the_run",)),
+    Mutant("guard-notice-streak",
+           "notices at every attempt's first step, past run.max_notices_without_progress, stop the run (NoticeLoop)",
+           "pipelines/train/worker.py",
+           "        if p.notice_streak > limit:\n",
+           "        if False:\n",
+           ("tests/test_guard_notice_loop.py::test_a_notice_at_every_attempts_first_step_stops_the_run_in_one_line",)),
+    Mutant("save-at-once-registered",
+           "a save at once (a notice's, the final one) returns only once Ray Train registered it (COMMITTED)",
+           "pipelines/train/state.py",
+           "            wait_for_uploads()\n",
+           "            pass\n",
+           ("tests/test_registered_notice_save.py::test_a_notices_save_returns_only_once_ray_train_registered_it",)),
 ]
 
 

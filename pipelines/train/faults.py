@@ -5,11 +5,13 @@ hook, None unless something outside the product's jobs turns it on, and calls it
   crashed worker would; Ray Train restarts the group from the last checkpoint (run.max_failures). The run's config
   alone turns it on.
 - Holds (`hold_at`, tests only): rank 0 stops at a named point of the run (FINAL_EVALUATION: the final evaluation,
-  after the final checkpoint and the saved model) until the test lets it go. What a test does "during" that point (a
-  notice, a kill) then happens there by construction, whatever the machine's speed: the phase cannot end before the
-  test has acted and seen the run's answer. Turned on by the training loop's config (key HOLDS: point -> a folder),
-  which no job of the product sets: a test adds it (tests/helpers.py, `pretrain_beside(..., holds=...)`). Off, it is
-  one dictionary look-up per attempt and a None hook; the worker calls it once per attempt, never in a step.
+  after the final checkpoint and the saved model; ATTEMPT_START: an attempt that has begun, its journal entry written
+  and its progress checked, before its first step) until the test lets it go, at every stop or at one (the n-th
+  stop there, counted over the attempts). What a test does "during" that point (a notice, a kill) then happens there
+  by construction, whatever the machine's speed: the phase cannot end before the test has acted and seen the run's
+  answer. Turned on by the training loop's config (key HOLDS: point -> a folder), which no job of the product sets: a
+  test adds it (tests/helpers.py, `pretrain_beside(..., holds=...)`). Off, it is one dictionary look-up per attempt
+  and a None hook; the worker calls it once per point and attempt, never in a step.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import ray.train
 # The training loop's config key that turns holds on (point -> folder), and the points the worker holds at.
 HOLDS = "holds"
 FINAL_EVALUATION = "final_evaluation"
+ATTEMPT_START = "attempt_start"
 # How often a held rank 0 looks for its release.
 HOLD_POLL_S = 0.05
 
@@ -49,15 +52,17 @@ def held_file(folder: str | Path, point: str) -> Path:
     return Path(folder) / f"{point}.held"
 
 
-def released_file(folder: str | Path, point: str) -> Path:
-    """Written by the test to let rank 0 go on from `point` (now and at every later stop there)."""
-    return Path(folder) / f"{point}.released"
+def released_file(folder: str | Path, point: str, stop: int | None = None) -> Path:
+    """Written by the test to let rank 0 go on from `point` (now and at every later stop there), or, with `stop`,
+    from the stop-th stop there only (1: the first; a line of `held_file` each)."""
+    return Path(folder) / (f"{point}.released" if stop is None else f"{point}.released.{stop}")
 
 
 def hold_at(points: dict[str, str] | None) -> Callable[[str], None] | None:
     """The hook of rank 0 (None on the others, or with no point armed, as in every job of the product): at a point of
-    `points` (point -> a folder on rank 0's node), it writes `held_file` and waits until `released_file` exists;
-    at any other point it returns at once. A restart that kills the held worker ends the wait with it."""
+    `points` (point -> a folder on rank 0's node), it writes `held_file` and waits until `released_file` exists,
+    for every stop or for this one; at any other point it returns at once. A restart that kills the held worker ends
+    the wait with it."""
     if not points or ray.train.get_context().get_world_rank() != 0:
         return None
 
@@ -67,8 +72,10 @@ def hold_at(points: dict[str, str] | None) -> Callable[[str], None] | None:
             return
         with open(held_file(folder, point), "a") as f:
             f.write(f"{os.getpid()} {time.time():.3f}\n")
-        print(f"[fault] rank 0 held at {point} until {released_file(folder, point)} exists", flush=True)
-        while not released_file(folder, point).exists():
+        stop = len(held_file(folder, point).read_text().splitlines())
+        print(f"[fault] rank 0 held at {point} (stop {stop}) until {released_file(folder, point)} or "
+              f"{released_file(folder, point, stop).name} exists", flush=True)
+        while not (released_file(folder, point).exists() or released_file(folder, point, stop).exists()):
             time.sleep(HOLD_POLL_S)
 
     return hold

@@ -37,7 +37,7 @@ from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
 from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from pipelines.train.faults import FINAL_EVALUATION, HOLDS, fail_once, hold_at
+from pipelines.train.faults import ATTEMPT_START, FINAL_EVALUATION, HOLDS, fail_once, hold_at
 from pipelines.train.step import DeepSpeedFit
 
 
@@ -53,8 +53,8 @@ def device_name(device: torch.device) -> str:
 class TrainWorker(Hooks):
     """One worker's run: its DeepSpeed fit (`DeepSpeedFit`: the engine's steps), its data, and the loop's hooks
     (pipelines.fit.loop.Hooks: rank 0's logging, the evaluation, checkpoints behind training, a notice's save).
-    `fault`: called with each step applied (train.fail_once_at_step); `hold`: rank 0's, called at the final
-    evaluation (tests only): both pipelines.train.faults."""
+    `fault`: called with each step applied (train.fail_once_at_step); `hold`: rank 0's, called as the attempt begins
+    and at the final evaluation (tests only): both pipelines.train.faults."""
 
     def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, fault: Callable[[int], None] | None = None,
                  job_started_at: float | None = None, job: str = "", hold: Callable[[str], None] | None = None):
@@ -97,6 +97,8 @@ class TrainWorker(Hooks):
             checkpoint = ray.train.get_checkpoint()
             self.attempt = self.journal.begin(self.progress.step, checkpoint.path if checkpoint else None)["attempt"]
             self._check_progress()
+            if self.hold:  # tests only (faults.hold_at): the attempt has begun, before its first step
+                self.hold(ATTEMPT_START)
             cut = train_state.remove_cut_short(f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}", self.progress.step,
                                                self.attempt)
             if cut:
@@ -133,9 +135,13 @@ class TrainWorker(Hooks):
         limit = self.cfg.run.max_notices_without_progress
         if stalled >= limit:
             why, _ = attempts.why_restarted(self.journal, self.journal.failures(self.journal.previous))
-            raise NoticeLoop(f"{stalled} attempts in a row restarted from step {self.progress.step} without training a "
-                             f"step (run.max_notices_without_progress {limit}; the last ended after {why}): a notice "
-                             "that never clears? (the notice file, the nodes' drains)")
+            stop = NoticeLoop(f"{stalled} attempts in a row restarted from step {self.progress.step} without training "
+                              f"a step (run.max_notices_without_progress {limit}; the last ended after {why}): a notice "
+                              "that never clears? (the notice file, the nodes' drains)")
+            # recorded here: no worker was built, so the loop's failure path (abandon) does not run, and the driver
+            # finds this job's reason (one line) instead of Ray's traceback
+            attempts.record_failure(self.folder, self.attempt, self.rank, stop, self.progress.step)
+            raise stop
 
     def _outbox_files(self, run_id: str) -> Path:
         from pipelines.tracking import OUTBOX_DIR
