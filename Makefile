@@ -1,23 +1,53 @@
-# The whole set-up is `make demo` or `make test`: each creates .venv if needed,
-# installs the project (skipped when pyproject.toml and constraints.txt are unchanged), then runs.
+# The whole set-up is `make demo` or `make test`: each creates .venv if needed, installs requirements.lock and the
+# project (skipped when the lock, pyproject.toml and constraints.txt are unchanged), then runs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Every package of .venv at one version: compiled by `make lock` from pyproject.toml's dependencies and its dev extra
+# under constraints.txt; tests/test_lock.py fails when .venv or pyproject drifts from it.
+LOCK   := requirements.lock
+# The lock's compiler, pip-compile (pip-tools): pip's own resolver and configuration (this machine's wheels and its
+# torch cap), with the pip that installs .venv, both pinned in constraints.txt; in a venv of its own, being no package
+# of the project's. No hashes: pip-compile downloads every file of a release to hash it (tens of GB for torch's).
+TOOLS  := .venv-tools
+COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra dev -c constraints.txt \
+	--strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links -o $(LOCK) pyproject.toml
 
-.PHONY: demo test test-cluster test-fast test-long test-gpu install clean bench cluster-up cluster-down
+.PHONY: demo test test-cluster test-fast test-long test-gpu test-mutants install lock lock-upgrade clean bench cluster-up cluster-down
 
 # pip byte-compiles the ~20,000 installed modules one at a time; compileall does the same on every core (fresh
 # clones on 2 cores, alternating: 70-104 s, against 98-129 s for pip's own). Its exit status is not checked: like
 # pip, it meets a few files that only a newer Python parses (torch's tests), which stay uncompiled as under pip.
-$(STAMP): pyproject.toml constraints.txt
+# pip itself at constraints.txt's version, the lock, then the project without its dependencies; packages the lock does
+# not name (dropped by a lock upgrade, or installed by hand) are uninstalled.
+$(STAMP): $(LOCK) pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt pip
+	$(PY) -m pip install -q --no-compile -c constraints.txt -r $(LOCK)
+	$(PY) -m pip install -q --no-compile --no-deps -e .
+	@$(PY) -m pip freeze --all --exclude-editable | sed 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' \
+	  | grep -vxF -e pip $$(sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*\)==.*/-e \1/p' $(LOCK) | tr 'A-Z_.' 'a-z--') \
+	  | xargs -r $(PY) -m pip uninstall -y -q
 	@$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+$(TOOLS)/bin/pip-compile: constraints.txt
+	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q -c constraints.txt pip pip-tools
+	@touch $@
+
+# After editing pyproject.toml's dependencies or constraints.txt: recompile the lock, keeping every other pin.
+lock: $(TOOLS)/bin/pip-compile
+	$(COMPILE)
+
+# Every package to the newest release that pyproject.toml and constraints.txt allow (torch, Ray, DeepSpeed, faiss, pip
+# and pip-tools stay at constraints.txt's pins, moved by hand), .venv re-installed from it, then the fast tests.
+lock-upgrade: $(TOOLS)/bin/pip-compile
+	$(COMPILE) --upgrade
+	$(MAKE) test-fast
 
 # A tiny ProLIP (probabilistic: sigma^2 per image and caption) on the bundled digits; configs/demo.yaml is the tiny CLIP.
 demo: $(STAMP)
@@ -53,6 +83,11 @@ test-long: $(STAMP)
 test-gpu:
 	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m gpu --durations=0 tests
 
+# The mutation list (tests/mutants.py): each rule of the fault-tolerance code removed in a scratch copy, its tests run
+# there; prints killed / survived per rule and fails unless every mutant is killed (about an hour on 2 cores).
+test-mutants: $(STAMP)
+	$(PY) -m tests.mutants
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.losses
 	$(PY) -m benchmarks.data
@@ -72,4 +107,4 @@ cluster-down: $(STAMP)
 	$(PY) -m pipelines.cluster.local down
 
 clean:
-	rm -rf $(VENV) mlruns.db mlruns_artifacts .probvlp
+	rm -rf $(VENV) $(TOOLS) mlruns.db mlruns_artifacts .probvlp
