@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import statistics
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 from pipelines.train.config import TrainConfig
 from pipelines.train.job import without_checkpoints
 from tests.helpers import pretrain_beside, registered, wait_for
+from tests.pace import scaled
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
 from tests.test_preemption import audited, journal, train_workers
 
@@ -46,6 +49,12 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
             entry = wait_for("the step-15 save waiting for the upload of step 10",
                              lambda: [a for a in journal(storage, "held") if a.get("waiting_for_upload")], 120, 0.1)
             seen["waiting"] = entry[0]["waiting_for_upload"]
+            # the loop stays at step 15 while that upload cannot end: watched for five of its own steps' time (a
+            # loop that went on, two uploads in flight, trains step 16 within one)
+            times = [float(line.split()[2]) for line in audit.read_text().splitlines()]
+            step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
+            time.sleep(min(5 * step_s, scaled(30)))
+            seen["after_wait"] = audited(audit)[1][-1]
             seen["registered"] = registered(storage / "held")
             os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
                     signal.SIGKILL)
@@ -58,6 +67,7 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
     # steps 11-15 trained while the upload of 10 could not end; none after 15 (the next save waited for it)
     assert ran == {1: list(range(1, 16)), 2: list(range(6, 41))}, ran
     assert seen["waiting"] == HELD_STEP and seen["registered"][-1] == "checkpoint_00000005_attempt001", seen
+    assert seen["after_wait"] == 15, seen  # held at the save of 15: one upload in flight
     attempts = journal(storage, "held")
     assert [a["from_step"] for a in attempts] == [0, 5], attempts
     # never registered, and removed by the restart (an upload cut short is nobody's checkpoint)
