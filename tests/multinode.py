@@ -13,6 +13,10 @@
 - `mlflow_server` (module): `mlflow server` with its artifacts on S3, as (URI, its folder).
 - `restartable_mlflow` (per test): an `MlflowServer` with its artifacts on its own disk, which the test may `stop()`
   and `start()` again on the same port and database (an outage).
+- `hanging_store` (per test): a `HangingStore`, a tracking store that accepts every connection and never answers (a
+  stuck proxy, a server whose workers are all busy): each request held until the test `release()`s it or ends.
+- `http_calls` (per test): every HTTP request this process's MLflow clients make (requests' sessions), with the thread
+  that made it: which calls went to the store from the thread that logs, and which from the outbox's.
 
 A new multi-node test is one function in the `cluster` tier (`make test-cluster`: one pytest process, never beside
 other Ray work) that asks for what it needs:
@@ -30,8 +34,10 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -118,6 +124,113 @@ def restartable_mlflow(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+class HangingStore:
+    """A tracking store that hangs: a TCP server on 127.0.0.1 that accepts every connection, reads its request and
+    never answers, holding it until `release()` (or the fixture's end) closes it. A port that refuses at once shows
+    only that a failed call is caught; a call to this one returns after the client's timeout, so a caller that tried
+    the store, whatever it does with the error, is still waiting. `accepted`: connections accepted; `requests`: the
+    first line of each request received, in order."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.uri = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.changed = threading.Condition()
+        self.connections: list[socket.socket] = []
+        self.accepted = 0
+        self.requests: list[str] = []
+        threading.Thread(target=self._accept, name="hanging-store", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with self.changed:
+                self.accepted += 1
+                self.connections.append(conn)
+                self.changed.notify_all()
+            threading.Thread(target=self._read, args=(conn,), name="hanging-store-request", daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        data = b""
+        while b"\r\n" not in data:
+            try:
+                chunk = conn.recv(65536)
+            except OSError:  # released
+                return
+            if not chunk:
+                return
+            data += chunk
+        with self.changed:
+            self.requests.append(data.split(b"\r\n", 1)[0].decode(errors="replace"))
+            self.changed.notify_all()
+
+    def wait_requests(self, count: int, timeout_s: float) -> list[str]:
+        """The request lines once `count` have arrived (an AssertionError after `timeout_s`, scaled to the machine)."""
+        with self.changed:
+            if not self.changed.wait_for(lambda: len(self.requests) >= count, scaled(timeout_s)):
+                raise AssertionError(f"{len(self.requests)} requests reached the hanging store, not {count}: "
+                                     f"{self.requests}")
+            return list(self.requests)
+
+    def held(self) -> int:
+        """Connections still open at both ends: accepted, never answered, and not given up by the client."""
+        with self.changed:
+            connections = list(self.connections)
+        open_ = 0
+        for conn in connections:
+            try:
+                open_ += conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""  # b"": the client hung up
+            except BlockingIOError:  # nothing to read: open, waiting for an answer
+                open_ += 1
+            except OSError:  # released
+                pass
+        return open_
+
+    def release(self) -> None:
+        """Every connection held so far closed without an answer (the client's call fails at once)."""
+        with self.changed:
+            connections, self.connections = self.connections, []
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.release()
+
+
+@pytest.fixture
+def hanging_store():
+    """A `HangingStore` of the test's own, closed at its end with everything it holds."""
+    store = HangingStore()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def http_calls(monkeypatch) -> list[tuple[threading.Thread, str, str]]:
+    """Every HTTP request made in this process while the test runs (MLflow's clients send theirs through requests'
+    sessions), as (the thread that made it, method, URL), in order, recorded as each is sent."""
+    import requests
+
+    calls: list[tuple[threading.Thread, str, str]] = []
+    send = requests.Session.request
+
+    def request(self, method, url, *args, **kwargs):
+        calls.append((threading.current_thread(), str(method), str(url)))
+        return send(self, method, url, *args, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "request", request)
+    return calls
 
 
 @pytest.fixture(scope="module")

@@ -148,6 +148,32 @@ MUTANTS = [
            "            wait_for_uploads()\n",
            "            pass\n",
            ("tests/test_registered_notice_save.py::test_a_notices_save_returns_only_once_ray_train_registered_it",)),
+    Mutant("restart-reads-nothing",
+           "a restart never reads the store: its logger starts without a call to MLflow (a store that hangs would "
+           "hold it)",
+           "pipelines/tracking/logger.py",
+           "            head, ops = carried or ({}, [])\n",
+           "            try:\n                from mlflow import MlflowClient\n                MlflowClient(uri).get_run(run_id)\n"
+           "            except Exception:\n                pass\n            head, ops = carried or ({}, [])\n",
+           ("tests/test_store_hangs.py::test_a_restart_logs_every_step_while_the_store_holds_its_one_request",
+            "tests/test_tracking_outage.py::test_a_restart_neither_reads_the_store_nor_logs_a_step_twice")),
+    Mutant("loop-never-waits",
+           "a step's log call only queues: the loop never calls the store itself",
+           "pipelines/tracking/logger.py",
+           "        if self.outbox:\n            self.outbox.put_metrics(",
+           "        if self.outbox:\n            try:\n                self.client.log_batch(\n"
+           "                    self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])\n"
+           "                return\n            except Exception:\n                pass\n            self.outbox.put_metrics(",
+           ("tests/test_store_hangs.py::test_a_restart_logs_every_step_while_the_store_holds_its_one_request",
+            "tests/test_tracking_outage.py::"
+            "test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later")),
+    Mutant("unreachable-as-measured",
+           "tracking_unreachable_s is the time the store was away, handed over with the queue",
+           "pipelines/tracking/outbox.py",
+           "        seconds = round(unreachable_s, 1)",
+           "        seconds = round(unreachable_s + 1, 1)",
+           ("tests/test_tracking_outage.py::"
+            "test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later",)),
 ]
 
 

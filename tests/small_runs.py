@@ -51,3 +51,36 @@ def assert_identical(a, b, path="") -> int:
         assert len(a) == len(b), path
         return sum(assert_identical(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
     return 0
+
+
+def audited(path) -> dict[int, list[tuple[int, float]]]:
+    """The optimizer steps each attempt of a run applied, as rank 0 wrote them (run.audit_steps_to): attempt -> [(step,
+    time.time() once applied)], in order. What a restart trained twice shows here, not in MLflow, which drops replays
+    before they reach it."""
+    steps: dict[int, list[tuple[int, float]]] = {}
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        attempt, step, at = line.split()
+        steps.setdefault(int(attempt), []).append((int(step), float(at)))
+    return steps
+
+
+# What the loop logs at every step besides the loss's parts (pipelines.train.worker's _log_step): each of them, and
+# every other key logged at most steps, must be in MLflow at every step.
+STEP_KEYS = {"loss", "lr", "samples_per_s", "epoch", "contrastive_batch", "skipped_batches", "world_size",
+             "data_wait_frac", "data_wait_ms", "data/train/skipped_frac", "data/train/skipped", "data/train/bad_files"}
+
+
+def every_step_once(client, run_id: str, last: int) -> None:
+    """Every key a step logs (those MLflow holds at more than half the steps: the loss and its parts, lr, throughput,
+    data wait and skips; not a checkpoint's, a notice's or the end's) is in MLflow at every step 1..`last`, once:
+    the end's data report logs the training set's counts once more at the last step."""
+    history = {key: sorted(m.step for m in client.get_metric_history(run_id, key))
+               for key in client.get_run(run_id).data.metrics}
+    step_keys = {key for key, steps in history.items() if len(set(steps)) > last // 2}
+    assert STEP_KEYS <= step_keys, f"logged at few steps or not at all: {sorted(STEP_KEYS - step_keys)}"
+    for key in sorted(step_keys):
+        steps = history[key]
+        missing = sorted(set(range(1, last + 1)) - set(steps))
+        twice = sorted({s for s in steps if steps.count(s) > 1} - ({last} if key.startswith("data/train/") else set()))
+        assert not missing and not twice and set(steps) <= set(range(1, last + 1)), \
+            f"{key}: steps missing {missing[:10]}, logged twice {twice[:10]}"

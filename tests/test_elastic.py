@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pipelines.train.config import load_train_config
 from pipelines.fit.optim import warmup_cosine
 from tests.helpers import BUCKET, wait_for
 from tests.multinode import Cluster, MlflowServer, Node, drain, ray_temp_dir, seen_by
-from tests.small_runs import SMALL
+from tests.small_runs import SMALL, audited
 from tests.zero_state import gathered_partitions, universal_state
 from tests.pace import scaled
 
@@ -165,6 +166,53 @@ def sigterm_then_killed(cluster: Cluster, client: MlflowClient, going) -> None:
              lambda: going() and 1 in world_sizes(client)[after:], 300, 1)
 
 
+def attempts_resized(ran: dict[int, list[tuple[int, float]]], client: MlflowClient, run, resized: dict[int, dict],
+                     noticed: tuple[int, ...]) -> None:
+    """What each attempt applied (`ran`: run.audit_steps_to, attempt -> [(step, time)]) against what the run says:
+    every attempt applied consecutive steps from the step its tag says it resumed from; none applied a step twice
+    after a notice (the attempt that saved at the notice's step ended there, the next one began after it); the steps
+    where the run resized (`resized`: the restore's conversions, by the step resumed from) are exactly those where
+    the world size changed from the attempt that saved the checkpoint to the attempt that resumed from it, sizes
+    included. An attempt's world size is that of the steps it delivered to MLflow: of the attempts that applied a
+    step, the one that logged MLflow's entry is the last to apply it before the entry's time (rank 0 logs a step
+    right after applying it, and a restart applies it again only seconds later)."""
+    assert ran, "no attempt applied a step (run.audit_steps_to)"
+    applied = {attempt: [s for s, _ in steps] for attempt, steps in ran.items()}
+    for attempt, steps in applied.items():
+        assert steps == list(range(steps[0], steps[-1] + 1)), (attempt, steps)
+        said = run.data.tags.get(f"probvlp.attempt.{attempt}")
+        if said is not None:  # a resumed attempt's line (not every attempt's reaches MLflow before it ends)
+            assert json.loads(said)["resumed_from_step"] == steps[0] - 1, (attempt, said)
+    last = max(steps[-1] for steps in applied.values())
+    assert sorted({s for steps in applied.values() for s in steps}) == list(range(1, last + 1))  # none missed
+    order = sorted(applied)
+    for step in noticed:
+        [saver] = [a for a in order if applied[a][-1] == step]
+        later = [a for a in order if a > saver]
+        assert later and applied[later[0]][0] == step + 1, (step, {a: (s[0], s[-1]) for a, s in applied.items()})
+    sizes: dict[int, set[int]] = {}
+    for entry in client.get_metric_history(run.info.run_id, "world_size"):
+        logged = entry.timestamp / 1000 + 0.002  # ms, floored; the audit's times are rounded to ms
+        by = [(at, a) for a, steps in ran.items() for s, at in steps if s == entry.step and at <= logged]
+        assert by, f"step {entry.step} in MLflow at {entry.timestamp}, applied by no attempt before"
+        sizes.setdefault(max(by)[1], set()).add(int(entry.value))
+    assert all(len(s) == 1 for s in sizes.values()), sizes  # each attempt ran at one size
+    size = {attempt: next(iter(s)) for attempt, s in sizes.items()}
+    expected = {}
+    for attempt in order[1:]:
+        resumed = applied[attempt][0] - 1
+        if attempt not in size:  # delivered nothing: every step it applied was applied again later
+            again = {s for a in order if a > attempt for s in applied[a]}
+            assert set(applied[attempt]) <= again, (attempt, applied[attempt][0], applied[attempt][-1], size)
+            continue
+        saver = max(a for a in order if a < attempt and resumed in applied[a])
+        assert saver in size, (saver, size)
+        if size[saver] != size[attempt]:
+            expected[resumed] = (size[saver], size[attempt])
+    assert {step: (r["from_world_size"], r["to_world_size"]) for step, r in resized.items()} == expected, \
+        ({a: (s[0], s[-1], size.get(a)) for a, s in applied.items()}, resized)
+
+
 def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_path: Path, settings: list[str], s3,
                  watch=lambda: None, until=lambda client: True, lose=killed,
                  then=lambda cluster, client, going: None, tracking: str | None = None) -> tuple[MlflowClient, str]:
@@ -238,17 +286,28 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     the one worker that fits, then with two once a node is added (from the last checkpoint), and the new node's
     training worker processes get SIGTERM: both ranks save again at the next step, the node is killed at the end of
     the grace period, and the run goes on with one worker from that step. Each restart converts the checkpoint to
-    the new world size in the workers' restore; no step is run twice after a notice; every step is logged once
-    across the restarts, every loss is finite, and the learning rate is on its schedule whatever the size
-    (docs/SCALING.md, "Elastic training" and "Preemption"). The job is then stopped: how a run ends is tested on
+    the new world size in the workers' restore, at exactly the steps where the world size changed; no step is run
+    twice after a notice (counted by the steps each attempt applied, run.audit_steps_to, not by MLflow, which drops
+    replays before they reach it); every step is logged once across the restarts, every loss is finite, and the
+    learning rate is on its schedule whatever the size (docs/SCALING.md, "Elastic training" and "Preemption"). The
+    job is then stopped: how a run ends is tested on
     fixed-size runs; the converted state's values, bit for bit, in tests/test_reshard.py and make test-long; a
     SIGTERM'd run that ends bit for bit as an uninterrupted one in tests/test_preemption.py."""
     outage = restartable_mlflow
     storage = f"{BUCKET}/elastic/{tmp_path.name}"
-    client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
-                             [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}"], s3,
-                             lose=lambda *a: drained_then_killed(*a, outage, s3, storage),
-                             then=sigterm_then_killed, tracking=outage.uri)
+    # the audit of the steps each attempt applied: the test's observer, written by rank 0 on whichever node it runs, in
+    # a folder every node sees (the nodes hide /tmp and the project's state folder, not /dev/shm), outside the run's
+    # storage
+    audit = Path(tempfile.mkdtemp(prefix="probvlp_audit_", dir="/dev/shm")) / "steps.txt"
+    try:
+        client, _ = run_resizing(*two_node_ray, (digits_on_s3, digits_root), tmp_path,
+                                 [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}",
+                                  f"run.audit_steps_to={audit}"], s3,
+                                 lose=lambda *a: drained_then_killed(*a, outage, s3, storage),
+                                 then=sigterm_then_killed, tracking=outage.uri)
+        ran = audited(audit)
+    finally:
+        shutil.rmtree(audit.parent, ignore_errors=True)
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]
     # the drain's and the SIGTERM's, and none of the idle drain
@@ -280,6 +339,7 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     assert regrowth % 10 == 0 and drained < regrowth < sigtermed, (runs, resized)
     assert any(regrowth < step <= sigtermed and (a, b) == (1, 2) for step, a, b in changes), runs
     assert history["preemption_steps_lost"] == {drained: 0, sigtermed: 0}
+    attempts_resized(ran, client, run, resized, (drained, sigtermed))
     # the restart after the drain trained with the tracking server away, and said why in one line
     restart = next(json.loads(v) for k, v in run.data.tags.items() if k.startswith("probvlp.attempt.")
                    and json.loads(v)["resumed_from_step"] == drained)

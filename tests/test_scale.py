@@ -1,11 +1,14 @@
-"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), failures that end a run (a
-loss that stays NaN, a final evaluation that cannot be computed), a worker no node can hold. The bit-exact runs
+"""Training at scale on a local Ray: exact resume and worker-failure recovery (ZeRO-1), a SIGTERM to a training worker
+in the middle of a run (a notice of preemption) that ends bit for bit as an uninterrupted run, failures that end a run
+(a loss that stays NaN, a final evaluation that cannot be computed), a worker no node can hold. The bit-exact runs
 accumulate features over two micro-batches a step (train.grad_accum). Elastic runs:
 tests/test_elastic.py. ZeRO-2, the default, trains the demo model in tests/test_pretrain.py; ZeRO-3 trains on user
 shards in tests/test_user_data.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -14,13 +17,15 @@ from mlflow import MlflowClient
 from pipelines.config import STATE_DIR, ConfigError
 from pipelines.train.config import load_train_config
 from pipelines.train.job import run_pretrain
-from tests.helpers import failed_evaluation_keeps_the_model
+from tests.helpers import Hold, failed_evaluation_keeps_the_model, pretrain_beside, wait_for
 from tests.small_runs import (
     REFERENCE,
     ROOT,
     SMALL,
     assert_identical,
+    audited,
     config,
+    every_step_once,
     load_state,
 )
 
@@ -62,6 +67,79 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     assert run.info.status == "FINISHED"
     losses = [m.value for m in MlflowClient(resumed.mlflow_uri).get_metric_history(resumed.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 1 steps
+
+
+@pytest.fixture
+def no_notice():
+    """The notices this process has received are per process (a worker's): none before or after a test."""
+    from pipelines.train import preemption
+
+    preemption._LOCAL.sources.clear()
+    preemption._LOCAL.handed = False
+    yield
+    preemption._LOCAL.sources.clear()
+    preemption._LOCAL.handed = False
+
+
+def train_workers() -> list[int]:
+    """The pids of the training workers alive on this process's local Ray (other Rays may run on the machine)."""
+    import ray
+    from ray.util.state import list_actors
+
+    alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    return sorted(a.pid for a in list_actors(ray.get_runtime_context().gcs_address, filters=alive, detail=True))
+
+
+def test_a_sigterm_mid_run_saves_at_the_next_step_resumes_there_and_ends_bit_for_bit(ray_local, straight_small_run,
+                                                                                    no_notice, tmp_path):
+    """SIGTERM to one of the two training workers in the middle of the run (once rank 0 has applied step 3 of 40):
+    both ranks save at the next step boundary, wait, and Ray Train restarts them at the end of the grace period
+    (run.sigterm_grace_s) as a preemption: with run.max_failures=0 the run still ends well. Rank 0 is held in the
+    final evaluation (a Hold) until the restart has trained a step, so the SIGTERM cannot land after the last step
+    however fast the run. Counted by the steps each attempt applied (run.audit_steps_to, not MLflow, which drops
+    replays before they reach it): attempt 1 up to the notice's step, attempt 2 from the next one, no step trained
+    twice; every key a step logs is in MLflow at every step once; the run resumed from the notice's own checkpoint;
+    and its end state (parameters, Adam moments, fp32 partitions) equals the uninterrupted REFERENCE run's bit for
+    bit."""
+    audit, steps = tmp_path / "steps.txt", 40
+    cfg = config(tmp_path, straight_small_run["data_root"], "sigterm", *REFERENCE, "train.log_every=1",
+                 "run.max_failures=0", "run.sigterm_grace_s=3", f"run.audit_steps_to={audit}")
+    final_evaluation = Hold(tmp_path / "hold")
+    sent: dict = {}
+
+    def terminate_a_worker() -> None:
+        pids = wait_for("two training workers", lambda: len(pids := train_workers()) == 2 and pids, 300, 0.2)
+        sent["after"] = wait_for("step 3 applied", lambda: (reached := max(
+            (s for s, _ in audited(audit).get(1, [])), default=0)) >= 3 and reached, 300, 0.01)
+        os.kill(pids[-1], signal.SIGTERM)
+        # the final evaluation waits for this: the restart has come and trained
+        wait_for("a step trained by the restart", lambda: 2 in audited(audit), 300, 0.2)
+
+    result = pretrain_beside(cfg, terminate_a_worker, holds=(final_evaluation,))
+    assert result.metrics["step"] == steps
+    client = MlflowClient(result.mlflow_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    notices = {int(k.rsplit("_", 1)[1]): json.loads(v) for k, v in run.data.tags.items()
+               if k.startswith("probvlp.preemption.step_")}
+    assert len(notices) == 1, notices
+    (noticed, notice), = notices.items()
+    assert sent["after"] <= noticed < steps, (sent, noticed)  # at a step after the SIGTERM, before the last
+    assert run.data.tags["probvlp.resumed_from_step"] == str(noticed)  # the notice's own checkpoint
+    ran = {attempt: [s for s, _ in applied] for attempt, applied in audited(audit).items()}
+    assert ran == {1: list(range(1, noticed + 1)), 2: list(range(noticed + 1, steps + 1))}, \
+        {a: (s[0], s[-1], len(s)) for a, s in ran.items()}  # no step trained twice, none missed
+    restart = json.loads(run.data.tags["probvlp.attempt.2"])
+    assert "notice of preemption (SIGTERM)" in restart["why"] and restart["steps_again"] == 0, restart
+    every_step_once(client, run.info.run_id, steps)
+    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+               for key in ("preemptions", "preemption_save_s", "preemption_steps_lost")}
+    assert history["preemptions"] == {noticed: 1} and history["preemption_steps_lost"] == {noticed: 0}
+    assert 0 < history["preemption_save_s"][noticed] == pytest.approx(notice["save_s"], abs=1e-3)
+    assert final_evaluation.held() == 1  # attempt 2 alone reached it
+    assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
+    print(f"SIGTERM once step {sent['after']} was applied: checkpoint of step {noticed} saved in {notice['save_s']:.2f} "
+          f"s, steps {noticed + 1}-{steps} by the restart")
 
 
 def test_non_finite_losses_are_skipped_then_fail_the_run_clearly(ray_local, digits_root, tmp_path):

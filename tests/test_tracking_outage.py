@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,7 @@ from pipelines.tracking import StepLogger, deliver
 from pipelines.tracking.outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG
 from tests.helpers import free_port, wait_for
 from tests.pace import scaled
-from tests.small_runs import SMALL
+from tests.small_runs import SMALL, audited, every_step_once
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150
@@ -38,15 +39,6 @@ CLIENT_BUDGET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BA
 
 def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
-
-
-def audited(path: Path) -> dict[int, list[tuple[int, float]]]:
-    """The optimizer steps each attempt applied (run.audit_steps_to): attempt -> [(step, time)]."""
-    steps: dict[int, list[tuple[int, float]]] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        attempt, step, at = line.split()
-        steps.setdefault(int(attempt), []).append((int(step), float(at)))
-    return steps
 
 
 def train_workers() -> list[int]:
@@ -130,16 +122,18 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
     run = client.get_run(rid)
     assert run.info.status == "FINISHED"
     ran = audited(audit)
-    applied = sorted(s for steps in ran.values() for s, _ in steps)
-    twice = len(applied) - len(set(applied))
-    assert set(applied) == set(range(1, STEPS + 1)) and twice <= 1, ran.keys()
-    # every metric logged at each step exactly once, in order (not the one-offs)
-    per_step = {key: [m.step for m in client.get_metric_history(rid, key)] for key in run.data.metrics}
-    per_step = {key: steps for key, steps in per_step.items() if len(steps) > 1}
-    for key in ("loss", "lr", "samples_per_s", "data_wait_frac"):
-        assert sorted(per_step[key]) == list(range(1, STEPS + 1)), f"{key}: a step missing or logged twice"
     notices = [k for k in run.data.tags if k.startswith("probvlp.preemption.step_")]
     assert len(notices) == 1, notices
+    noticed = int(notices[0].rsplit("_", 1)[1])
+    # no step trained twice, nor missed, counted by what each attempt applied (run.audit_steps_to), not by MLflow
+    # (which drops replays before they reach it): attempt 1 up to the notice's step, attempt 2 from the next one
+    steps = {attempt: [s for s, _ in applied] for attempt, applied in ran.items()}
+    assert steps == {1: list(range(1, noticed + 1)), 2: list(range(noticed + 1, STEPS + 1))}, \
+        {a: (s[0], s[-1], len(s)) for a, s in steps.items()}
+    # the loop never waited for the store: both attempts applied steps while it was away, the restart's too
+    assert len([s for s, at in ran[1] if at > down_at]) >= 5 and min(at for _, at in ran[2]) < up_at
+    # every key a step logs is in MLflow at every step, once
+    every_step_once(client, rid, STEPS)
     restart = json.loads(run.data.tags["probvlp.attempt.2"])
     assert "notice of preemption (SIGTERM)" in restart["why"] and restart["steps_again"] == 0, restart
     assert "[restart] attempt 2 of run outage, after a notice of preemption (SIGTERM)" in output
@@ -149,9 +143,9 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
     assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
     assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
     first_after = min(t for _, t in ran[2])
-    print(f"SIGTERM {sigterm_at - down_at:.1f} s into the outage; steps applied twice: {twice}; the restart's "
-          f"first step {first_after - sigterm_at:.1f} s after the SIGTERM; server back {up_at - down_at:.0f} s "
-          f"after it went; tracking_unreachable_s {unreachable.value}")
+    print(f"SIGTERM {sigterm_at - down_at:.1f} s into the outage; saved at step {noticed}, none applied twice; the "
+          f"restart's first step {first_after - sigterm_at:.1f} s after the SIGTERM; server back "
+          f"{up_at - down_at:.0f} s after it went; tracking_unreachable_s {unreachable.value}")
 
     # the end of a run with the server away: released at once, one line, delivered later by the command it names
     job, log = start_job(tmp_path, [*common, "run.name=end", f"train.steps={END_STEPS}",
@@ -174,15 +168,19 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
     assert delivered.returncode == 0, delivered.stdout + delivered.stderr
     run = client.get_run(rid)
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(rid, "loss")] == list(range(1, END_STEPS + 1))
+    every_step_once(client, rid, END_STEPS)
     assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel"}
 
 
-def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later(tmp_path, monkeypatch, capsys):
-    """A store that never answers (a port nothing listens on): the loop's calls return at once; at the end rank 0
-    hands what it could not deliver to the run's storage and is released at once (not after flush_timeout_s); the
-    driver's delivery there keeps it too; the later command delivers everything in the order it was logged, the
-    queue that went on in a file (a small memory bound here) included, and ends the run FINISHED."""
+def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later(tmp_path, monkeypatch, capsys,
+                                                                                    http_calls):
+    """A store that never answers (a port nothing listens on): the loop's calls return at once, without waiting for
+    the store (none of them sends a request, counted per thread: only the outbox's thread tries the store, fewer
+    times than the loop calls); at the end rank 0 hands what it could not deliver to the run's storage and is
+    released at once (not after flush_timeout_s); the driver's delivery there keeps it too; the later command
+    delivers everything in the order it was logged, the queue that went on in a file (a small memory bound here)
+    included, and ends the run FINISHED. The seconds unreachable it reports are those rank 0's outbox and the
+    driver's saw, within the windows the test kept the store away from each."""
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(tracking_logger, "OUTBOX_DIR", tmp_path / "outbox")
@@ -192,6 +190,8 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_l
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("outbox", tracking.sqlite_artifact_root(store))).info.run_id
     away = f"http://127.0.0.1:{free_port()}"
+    loop = threading.current_thread()
+    rank0_from = time.monotonic()
     logger = StepLogger(away, run_id, None, background=True, flush_timeout_s=600)
     for step in range(1, 101):
         logger.log({"loss": float(step), "lr": 1.0 / step}, step)
@@ -200,24 +200,55 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_l
     (tmp_path / "card.md").write_text("a model card")
     logger.artifact(tmp_path / "card.md", "model")
     (tmp_path / "card.md").unlink()  # the caller's temporary file goes away: the outbox holds a copy
+    # logging never waited for the store: none of its 105 calls sent a request (a call that tried the store and
+    # caught the error would show here); the outbox's thread tried it, fewer times than the loop called (a loop
+    # waiting for a try per call would have made it try at least once a call); everything is queued
+    tries = [url for thread, _, url in http_calls if url.startswith(away)]
+    assert not [url for thread, _, url in http_calls if thread is loop and url.startswith(away)], tries
+    assert len(tries) < 105 and len(logger.outbox.snapshot()) == 105, tries
     storage = str(tmp_path / "storage" / "run" / "tracking_outbox")
     # released while the store is away (flush_timeout_s, 600 s, is the driver's wait): the close returns long before
-    import threading
-
     closed: dict = {}
     closing = threading.Thread(target=lambda: closed.setdefault("report", logger.close(keep_to=storage)), daemon=True)
+    close_from = time.monotonic()
     closing.start()
     closing.join(scaled(60))
+    rank0_to = time.monotonic()
     assert "report" in closed, "rank 0's close waited for a store that is away instead of handing its queue over"
     report = closed["report"]
     assert report.kept_in == storage and report.unreachable_s > 0
+    # rank 0's outage as its outbox saw it: from its first failed try (in the test's window; maybe only during the
+    # close, which waits for it) to the report, made at the end of the close
+    rank0_down = logger.outbox.down_since
+    assert rank0_down is not None and rank0_from <= rank0_down <= rank0_to
+    least = max(0.0, close_from - rank0_down)
+    assert least <= report.unreachable_s <= rank0_to - rank0_down
     assert report.undelivered == {"metrics": 200, "tags": 4, "artifacts": 1, "other": 1}  # other: the summary
     assert "handed over" in capsys.readouterr().out
 
+    handed_over = tracking_outbox.load(storage, tmp_path / "peek")[0]["unreachable_s"]  # what travels with the queue
+    assert round(least, 1) <= handed_over <= round(report.unreachable_s, 1)
+    driver_outboxes = []
+
+    class Recorded(tracking_outbox.Outbox):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            driver_outboxes.append(self)
+
+    monkeypatch.setattr(tracking_outbox, "Outbox", Recorded)
     run = tracking.TrackedRun(away, run_id, pending_in=storage, flush_timeout_s=2)
+    driver_from = time.monotonic()
     run.end()
+    driver_to = time.monotonic()
     out = capsys.readouterr().out
-    assert run.kept is not None and run.kept.pending == 207  # and the run's status last
+    kept = run.kept
+    assert kept is not None and kept.pending == 207  # and the run's status last
+    # the driver's share: from its outbox's first failed try to the end of its wait of flush_timeout_s
+    [driver] = driver_outboxes
+    assert driver.down_since is not None and driver_from <= driver.down_since
+    share = kept.unreachable_s - handed_over
+    assert driver_from + 2 - driver.down_since <= share <= driver_to - driver.down_since
+    assert kept.unreachable_s <= (rank0_to - rank0_from) + (driver_to - driver_from)  # never more than made
     assert f"{tracking_outbox.COMMAND} {storage}" in out and "pending" in out and "FINISHED" in out
 
     assert deliver.main([storage, store]) == 0
@@ -227,15 +258,19 @@ def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_l
     assert run.info.status == "FINISHED"
     assert run.data.tags["probvlp.last_quarter"] == "100"
     assert run.data.tags[tracking_outbox.LOGGED_THROUGH_TAG] == "100"
-    assert run.data.metrics[UNREACHABLE_METRIC] >= report.unreachable_s
+    # both shares, as the driver's outbox reported them, travelled to the metric and the tag (each rounded to 0.1 s)
+    assert run.data.metrics[UNREACHABLE_METRIC] == pytest.approx(kept.unreachable_s, abs=0.05)
+    assert float(run.data.tags[UNREACHABLE_TAG]) == run.data.metrics[UNREACHABLE_METRIC]
     assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/card.md"]
     assert tracking_outbox.load(storage, tmp_path / "files") is None  # delivered: nothing left to deliver twice
 
 
-def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monkeypatch):
+def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monkeypatch, http_calls):
     """Attempt 1 delivers steps 1-10 as it logs them (not held for a checkpoint) and dies after step 10; its
     checkpoint of step 5 carried what it had not delivered then. Attempt 2 resumes from step 5 with the store away:
-    its logger starts without the store (the thread reads what was delivered once the store is back), and MLflow
+    its logger starts without the store (no request from the restarting thread, not even one that fails: only the
+    outbox's thread reads what was delivered, once the store is back; a store that hangs instead of refusing is
+    tests/test_store_hangs.py's), and MLflow
     ends with every step once: 1-10 from attempt 1 (its replays 6-10 dropped), 11-12 from attempt 2, the metric
     attempt 2 logs at its own resume step, and the one it logs at attempt 1's last step that attempt 1 never logged
     (the final evaluation of a run whose node went after its last step)."""
@@ -262,6 +297,8 @@ def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monke
         # step 10 was attempt 1's last: it delivered the loss there, not what came after it (an evaluation's metrics)
         second.log({"loss": 100.0 + step, **({"top1": 0.5} if step == 10 else {})}, step)
     assert not second.outbox.reachable()
+    asked = [(thread.name, url) for thread, _, url in http_calls if url.startswith(f"http://127.0.0.1:{port}")]
+    assert all(name.startswith("probvlp-tracking-") for name, _ in asked), asked
     second.outbox.client = MlflowClient(uri)  # the store is back (at another address here)
     assert second.outbox.wait(scaled(30))
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == \
