@@ -67,8 +67,10 @@ def test_attempts_that_end_before_their_first_step_stop_the_run(ray_local, digit
     attempts = journal(tmp_path / "ray", name)
     assert [(a["from_step"], a["reached"]) for a in attempts] == [(0, 0), (0, 0)], attempts
     assert start.held() == 1 and not steps_trained(audit), (start.held(), steps_trained(audit))
+    # why attempt 1 ended: its node lost, or the other rank's error as the kill closed their connection (whichever
+    # the surviving rank recorded first)
     line = (f"{LIMIT} attempts in a row restarted from step 0 without training a step "
-            f"(run.max_notices_without_progress {LIMIT}; the last ended after a worker or its node was lost)")
+            f"(run.max_notices_without_progress {LIMIT}; the last ended after ")
     assert line in str(stopped.value) and len(str(stopped.value).splitlines()) == 1, str(stopped.value)[-3000:]
 
 
