@@ -18,6 +18,7 @@ from pipelines.config import STATE_DIR, ConfigError
 from pipelines.train.config import load_train_config
 from pipelines.train.job import run_pretrain
 from tests.helpers import Hold, failed_evaluation_keeps_the_model, pretrain_beside, wait_for
+from tests.test_preemption import no_notice, train_workers  # noqa: F401 - no_notice: a fixture
 from tests.small_runs import (
     REFERENCE,
     ROOT,
@@ -67,27 +68,6 @@ def test_resume_and_worker_failure_recovery_are_bit_exact(ray_local, straight_sm
     assert run.info.status == "FINISHED"
     losses = [m.value for m in MlflowClient(resumed.mlflow_uri).get_metric_history(resumed.mlflow_run_id, "loss")]
     assert all(map(torch.isfinite, torch.tensor(losses))) and len(set(losses)) > 1  # stage 1 steps
-
-
-@pytest.fixture
-def no_notice():
-    """The notices this process has received are per process (a worker's): none before or after a test."""
-    from pipelines.train import preemption
-
-    preemption._LOCAL.sources.clear()
-    preemption._LOCAL.handed = False
-    yield
-    preemption._LOCAL.sources.clear()
-    preemption._LOCAL.handed = False
-
-
-def train_workers() -> list[int]:
-    """The pids of the training workers alive on this process's local Ray (other Rays may run on the machine)."""
-    import ray
-    from ray.util.state import list_actors
-
-    alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
-    return sorted(a.pid for a in list_actors(ray.get_runtime_context().gcs_address, filters=alive, detail=True))
 
 
 def test_a_sigterm_mid_run_saves_at_the_next_step_resumes_there_and_ends_bit_for_bit(ray_local, straight_small_run,
