@@ -72,9 +72,9 @@ class RunConfig(Section):
     # terminationGracePeriodSeconds, `docker stop -t`, a SLURM KillWait): the run saves at the next step and Ray
     # Train restarts it once the time is up. None: SIGTERM ends the worker at once, as in Ray.
     sigterm_grace_s: float | None = Field(30.0, ge=0)
-    # A run stops with one line, instead of restarting for ever, after this many notices of preemption in a row saved
-    # at an attempt's first step, or this many attempts in a row that ended before training a step (a notice source
-    # that never clears, a deadline shorter than the save).
+    # A run stops with one line, instead of restarting for ever, after this many attempts in a row that a notice of
+    # preemption ended before they trained a step (a notice source that never clears, a deadline shorter than the
+    # start-up). A step trained is progress; an attempt lost to anything else is a failure (max_failures).
     max_notices_without_progress: int = Field(3, ge=1)
     # The hook for other sources of notices (a SLURM --signal trap, a cloud metadata poller): a file on each training
     # worker's node whose appearance is a notice (its content, if a number, the seconds left); the save it causes

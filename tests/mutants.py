@@ -102,11 +102,12 @@ MUTANTS = [
            "",
            ("tests/test_preemption.py::test_a_notice_file_no_newer_than_the_one_taken_is_no_notice",)),
     Mutant("outbox-at-notice",
-           "a notice's save hands rank 0's undelivered metrics to the run's storage before the hold",
+           "a notice's save hands rank 0's undelivered metrics to the run's storage first, before its snapshot (a "
+           "node lost hard after the notice's checkpoint costs no metric)",
            "pipelines/train/worker.py",
-           "        if self.logger:\n            self.logger.persist(self.outbox_folder)\n        self.notice.hold(",
-           "        self.notice.hold(",
-           ("tests/test_tracking_outage.py::test_a_preemption_during_a_tracking_outage_loses_nothing",)),
+           "        self._persist_outbox()\n        # uploaded before the hold\n",
+           "        # uploaded before the hold\n",
+           ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
     Mutant("released-at-once",
            "at the end of a run with the store away, rank 0 hands its queue over and is released at once",
            "pipelines/tracking/outbox.py",
@@ -125,23 +126,33 @@ MUTANTS = [
            "every periodic checkpoint carries rank 0's undelivered metrics into the run's storage (a node lost hard "
            "during an outage costs none)",
            "pipelines/train/worker.py",
-           "        p = self.progress\n        if self.logger:\n            self.logger.persist(self.outbox_folder)\n"
-           "        start = time.perf_counter()\n",
-           "        p = self.progress\n        start = time.perf_counter()\n",
+           "        self._persist_outbox()\n        waited, registered",
+           "        waited, registered",
            ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
     Mutant("guard-at-start",
-           "attempts that end before their first step, past run.max_notices_without_progress in a row, stop the run "
-           "with one line (NoticeLoop) instead of restarting for ever",
+           "attempts that a notice ends before their first step, past run.max_notices_without_progress in a row, stop "
+           "the run with one line (NoticeLoop) instead of restarting for ever",
            "pipelines/train/worker.py",
            "            self._check_progress()\n",
            "",
-           ("tests/test_guard_notice_loop.py::test_attempts_that_end_before_their_first_step_stop_the_run",)),
-    Mutant("guard-notice-streak",
-           "notices at every attempt's first step, past run.max_notices_without_progress, stop the run (NoticeLoop)",
+           ("tests/test_guard_notice_loop.py::"
+            "test_attempts_that_a_notice_ends_before_their_first_step_stop_the_run_and_no_other_loss_does",)),
+    Mutant("guard-counts-notices-only",
+           "an attempt lost before its first step to anything but a notice (a node, a storage error) is a failure "
+           "(run.max_failures), not a notice loop",
+           "pipelines/train/attempts.py",
+           "                or notices(journal.folder, entry) is None:\n",
+           "                or False:\n",
+           ("tests/test_guard_notice_loop.py::"
+            "test_attempts_that_a_notice_ends_before_their_first_step_stop_the_run_and_no_other_loss_does",)),
+    Mutant("guard-start-notice-recorded",
+           "a notice seen before an attempt's first step is recorded in the run's storage (an attempt whose machine "
+           "goes before it trains is known to have ended by a notice)",
            "pipelines/train/worker.py",
-           "        if p.notice_streak > limit:\n",
-           "        if False:\n",
-           ("tests/test_guard_notice_loop.py::test_a_notice_at_every_attempts_first_step_stops_the_run_in_one_line",)),
+           "            if self.notice.pending():\n                attempts.record_notice(",
+           "            if False:\n                attempts.record_notice(",
+           ("tests/test_guard_notice_loop.py::"
+            "test_attempts_that_a_notice_ends_before_their_first_step_stop_the_run_and_no_other_loss_does",)),
     Mutant("save-at-once-registered",
            "a save at once (a notice's, the final one) returns only once Ray Train registered it (COMMITTED)",
            "pipelines/train/state.py",

@@ -70,10 +70,11 @@ STEP_KEYS = {"loss", "lr", "samples_per_s", "epoch", "contrastive_batch", "skipp
              "data_wait_frac", "data_wait_ms", "data/train/skipped_frac", "data/train/skipped", "data/train/bad_files"}
 
 
-def every_step_once(client, run_id: str, last: int) -> None:
+def every_step_once(client, run_id: str, last: int, stopped_at: tuple[int, ...] = ()) -> None:
     """Every key a step logs (those MLflow holds at more than half the steps: the loss and its parts, lr, throughput,
     data wait and skips; not a checkpoint's, a notice's or the end's) is in MLflow at every step 1..`last`, once:
-    the end's data report logs the training set's counts once more at the last step."""
+    the end's data report logs the training set's counts once more at the last step, and at each step of
+    `stopped_at` where a command stopped early (train.stop_at_step)."""
     history = {key: sorted(m.step for m in client.get_metric_history(run_id, key))
                for key in client.get_run(run_id).data.metrics}
     step_keys = {key for key, steps in history.items() if len(set(steps)) > last // 2}
@@ -81,6 +82,7 @@ def every_step_once(client, run_id: str, last: int) -> None:
     for key in sorted(step_keys):
         steps = history[key]
         missing = sorted(set(range(1, last + 1)) - set(steps))
-        twice = sorted({s for s in steps if steps.count(s) > 1} - ({last} if key.startswith("data/train/") else set()))
+        ends = {last, *stopped_at} if key.startswith("data/train/") else set()
+        twice = sorted({s for s in steps if steps.count(s) > 1} - ends)
         assert not missing and not twice and set(steps) <= set(range(1, last + 1)), \
             f"{key}: steps missing {missing[:10]}, logged twice {twice[:10]}"

@@ -146,10 +146,12 @@ def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | No
 
 
 def stalled(journal: Journal, step: int) -> int:
-    """How many attempts of this job right before the current one resumed from `step` and trained no step."""
+    """How many attempts of this job right before the current one resumed from `step`, trained no step and ended by
+    a notice of preemption (rank 0's save on it, or a rank's record of one seen before the first step)."""
     count = 0
     for entry in reversed(journal.entries[:-1]):
-        if entry["job"] != journal.job or entry["from_step"] != step or entry["reached"] > entry["from_step"]:
+        if entry["job"] != journal.job or entry["from_step"] != step or entry["reached"] > entry["from_step"] \
+                or notices(journal.folder, entry) is None:
             break
         count += 1
     return count

@@ -6,7 +6,8 @@ hook, None unless something outside the product's jobs turns it on, and calls it
   alone turns it on.
 - Holds (`hold_at`, tests only): rank 0 stops at a named point of the run (FINAL_EVALUATION: the final evaluation,
   after the final checkpoint and the saved model; ATTEMPT_START: an attempt that has begun, its journal entry written
-  and its progress checked, before its first step) until the test lets it go, at every stop or at one (the n-th
+  and its progress checked, before its first step; NOTICE_SAVED: a notice's checkpoint registered, before its
+  evaluation, its file taken and its hand-over to Ray) until the test lets it go, at every stop or at one (the n-th
   stop there, counted over the attempts). What a test does "during" that point (a notice, a kill) then happens there
   by construction, whatever the machine's speed: the phase cannot end before the test has acted and seen the run's
   answer. Turned on by the training loop's config (key HOLDS: point -> a folder), which no job of the product sets: a
@@ -26,6 +27,7 @@ import ray.train
 HOLDS = "holds"
 FINAL_EVALUATION = "final_evaluation"
 ATTEMPT_START = "attempt_start"
+NOTICE_SAVED = "notice_saved"
 # How often a held rank 0 looks for its release.
 HOLD_POLL_S = 0.05
 

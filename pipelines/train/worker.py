@@ -36,8 +36,8 @@ from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
-from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
-from pipelines.train.faults import ATTEMPT_START, FINAL_EVALUATION, HOLDS, fail_once, hold_at
+from pipelines.train.preemption import Notice
+from pipelines.train.faults import ATTEMPT_START, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once, hold_at
 from pipelines.train.step import DeepSpeedFit
 
 
@@ -89,6 +89,7 @@ class TrainWorker(Hooks):
         self.audit = open(cfg.run.audit_steps_to, "a") if cfg.run.audit_steps_to and self.rank == 0 else None
         self.logger = self.journal = self.heartbeat = None
         self.attempt = 0
+        self.started = threading.Event()  # the attempt's first step is done
         if self.rank == 0:
             from pipelines.tracking import StepLogger  # deferred: MLflow in rank 0's process only
             from pipelines.tracking.outbox import load
@@ -97,6 +98,7 @@ class TrainWorker(Hooks):
             checkpoint = ray.train.get_checkpoint()
             self.attempt = self.journal.begin(self.progress.step, checkpoint.path if checkpoint else None)["attempt"]
             self._check_progress()
+            threading.Thread(target=self._watch_start, daemon=True, name="probvlp-start-notices").start()
             if self.hold:  # tests only (faults.hold_at): the attempt has begun, before its first step
                 self.hold(ATTEMPT_START)
             cut = train_state.remove_cut_short(f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}", self.progress.step,
@@ -128,16 +130,18 @@ class TrainWorker(Hooks):
                 self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
 
     def _check_progress(self) -> None:
-        """Rank 0: the attempts of this job before this one that resumed from this step and ended before training a
-        step (a notice whose deadline came before its save, again and again); past run.max_notices_without_progress
-        of them, the run stops with one line instead of restarting for ever."""
+        """Rank 0: the attempts of this job right before this one that resumed from this step and ended by a notice of
+        preemption without training a step (its deadline came before the first step, again and again); past
+        run.max_notices_without_progress of them, the run stops with one line instead of restarting for ever. An
+        attempt that trained a step made progress, whatever ended it; one lost before its first step to anything but a
+        notice (a node, a storage error) is a failure, bounded by run.max_failures, not a notice loop."""
         stalled = attempts.stalled(self.journal, self.progress.step)
         limit = self.cfg.run.max_notices_without_progress
         if stalled >= limit:
             why, _ = attempts.why_restarted(self.journal, self.journal.failures(self.journal.previous))
-            stop = NoticeLoop(f"{stalled} attempts in a row restarted from step {self.progress.step} without training "
-                              f"a step (run.max_notices_without_progress {limit}; the last ended after {why}): a notice "
-                              "that never clears? (the notice file, the nodes' drains)")
+            stop = NoticeLoop(f"{stalled} attempts in a row ended by a notice of preemption before training a step "
+                              f"from step {self.progress.step} (run.max_notices_without_progress {limit}; the last "
+                              f"ended after {why}): a notice that never clears? (the notice file, the nodes' drains)")
             # recorded here: no worker was built, so the loop's failure path (abandon) does not run, and the driver
             # finds this job's reason (one line) instead of Ray's traceback
             attempts.record_failure(self.folder, self.attempt, self.rank, stop, self.progress.step)
@@ -249,6 +253,7 @@ class TrainWorker(Hooks):
         return self.notice.pending(), bool(every_s) and time.monotonic() - self.saved_at >= every_s
 
     def on_step(self, step: int) -> None:
+        self.started.set()
         if self.audit:  # what this attempt really applied (the engine's own count)
             self.audit.write(f"{self.attempt} {self.engine.global_steps} {time.time():.3f}\n")
             self.audit.flush()
@@ -320,9 +325,8 @@ class TrainWorker(Hooks):
         whole (one in flight). Logged: `checkpoint_blocked_s` (the loop stopped: waiting for the previous upload, writing the
         snapshot or, not `behind`, the upload too), `checkpoint_wait_s` (of it, waiting for the previous upload)."""
         p = self.progress
-        if self.logger:
-            self.logger.persist(self.outbox_folder)
         start = time.perf_counter()
+        self._persist_outbox()
         waited, registered = self._wait_for_upload(p.step) if behind else (0.0, {})
         snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step),
                                     snapshots=self.t.checkpoint_snapshot_dir)
@@ -333,6 +337,13 @@ class TrainWorker(Hooks):
             self.journal.update(reached=p.step, **registered, **({} if behind else {"checkpoint_step": p.step}))
         if self.logger:
             self.logger.log({"checkpoint_blocked_s": blocked, "checkpoint_wait_s": waited}, p.step)
+
+    def _persist_outbox(self) -> None:
+        """Rank 0, first in every save (the one order: outbox, snapshot, registration): what MLflow has not got yet,
+        into the run's storage beside the checkpoint about to be written, so that whichever checkpoint a restart
+        resumes from, the metrics up to its step travel with it."""
+        if self.logger:
+            self.logger.persist(self.outbox_folder)
 
     def _wait_for_upload(self, step: int) -> tuple[float, dict[str, Any]]:
         """Every rank, before a snapshot: until the previous checkpoint is uploaded and registered (its snapshot
@@ -365,11 +376,12 @@ class TrainWorker(Hooks):
 
     def save_on_notice(self, step: int, evaluate: bool = False) -> None:
         """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
-        checkpoint at once (registered only once every rank's part is in, so a save that the machine's end cuts
-        short is never resumed from), the notice's file taken, the evaluation due at this step after it, what rank 0
-        has not delivered into the run's storage, then wait for Ray Train's restart. Logged: `preemptions`,
-        `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds). Past
-        run.max_notices_without_progress notices in a row at one step, the run stops (NoticeLoop)."""
+        checkpoint at once in the one order of every save (what rank 0 has not delivered to MLflow into the run's
+        storage, the snapshot, the upload registered: only once every rank's part is in, so a save that the
+        machine's end cuts short is never resumed from), the notice's file taken, the evaluation due at this step
+        after it, then wait for Ray Train's restart. Logged: `preemptions`, `preemption_save_s`, a tag per notice
+        (its step, sources, seconds left, the save's seconds). A notice at a step that applied nothing since the
+        attempt resumed is one without progress (_check_progress)."""
         p, metrics = self.progress, {"step": step}
         notice = self.notice.take()
         if self.world.size > 1:  # every rank's sources (a SIGTERM reaches one process), the earliest deadline
@@ -383,25 +395,18 @@ class TrainWorker(Hooks):
         if self.world.size > 1:
             torch.distributed.all_reduce(mtime, op=torch.distributed.ReduceOp.MAX)
         p.notice_file_mtime = max(p.notice_file_mtime, float(mtime.item()))
-        # a notice acted on at an attempt's first step follows the last one without progress (the step before a save
-        # is always trained: the notice rides on its all-reduce)
-        first_step = self.restored_step is not None and p.step - self.restored_step <= 1
-        p.notice_streak = p.notice_streak + 1 if first_step and p.notice_streak else 1
-        limit = self.cfg.run.max_notices_without_progress
-        if p.notice_streak > limit:
-            raise NoticeLoop(f"{p.notice_streak} notices of preemption in a row at step {p.step} without a step "
-                             f"trained between them (run.max_notices_without_progress {limit}; sources: "
-                             f"{', '.join(notice['sources']) or 'another rank'}): a notice that never clears (check "
-                             f"${NOTICE_FILE_ENV} and the nodes' drains); the checkpoint of step {p.step} is saved")
         if self.journal:  # before the save: a restart that finds it past its checkpoint knows the steps lost
             self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
         p.preemptions += 1
         p.evaluate_at = p.step if evaluate else -1  # the deadline may come before the evaluation ends
         start = time.perf_counter()
+        self._persist_outbox()
         # uploaded before the hold
         train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step),
                          snapshots=self.t.checkpoint_snapshot_dir)
         self.upload, self.saved_at = None, time.monotonic()
+        if self.hold:  # tests only: the node may go from here on (the outbox went first)
+            self.hold(NOTICE_SAVED)
         p.evaluate_at = -1
         save_s = time.perf_counter() - start
         self.notice.consume_file(p.notice_file_mtime)
@@ -413,10 +418,8 @@ class TrainWorker(Hooks):
             print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
                   f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
                   f"{save_s:.1f} s", flush=True)
-        if evaluate:
+        if evaluate:  # after the save: a restart before its end evaluates again (evaluate_at), one record either way
             train_state.report({"step": p.step, **self.validate()})
-        if self.logger:
-            self.logger.persist(self.outbox_folder)
         self.notice.hold(notice["deadline_in_s"])
         self.restored_step = None  # a false alarm: training goes on from here
 
@@ -438,6 +441,7 @@ class TrainWorker(Hooks):
         return len(entries) or 1
 
     def close(self) -> None:
+        self.started.set()  # the start's notice watcher ends with the attempt
         self.notice.restore_ray_handler()  # Ray's teardown of a finished or failed worker is no notice
         if self.heartbeat:
             self.heartbeat.close()
@@ -508,6 +512,16 @@ class TrainWorker(Hooks):
             ray.train.report(shared[0])
         finally:
             watcher.set()
+
+    def _watch_start(self) -> None:
+        """Rank 0, from the attempt's start to its first step: a notice seen meanwhile (its node's SIGTERM or file,
+        Ray's drain) is recorded in the run's storage, so that an attempt whose machine goes before it trains a step
+        is known to have ended by a notice (_check_progress counts those only)."""
+        while not self.started.wait(0.5):
+            if self.notice.pending():
+                attempts.record_notice(self.folder, self.attempt, self.rank, self.progress.step,
+                                       self.notice.take()["sources"])
+                return
 
     def _watch_notices(self, done: threading.Event) -> None:
         """A notice after the final checkpoint: handed to Ray (its restart then counts as a preemption and only
