@@ -35,11 +35,14 @@ import os
 import secrets
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -391,3 +394,220 @@ def seen_by(pid: int, *paths: Path) -> dict[str, bool]:
     """Which of `paths` the process `pid` sees, in its own view of the filesystem (/proc/<pid>/root: its node's, in
     a mount namespace of its own)."""
     return {str(p): os.path.lexists(f"/proc/{pid}/root{p}") for p in paths}
+
+
+@dataclass
+class ProxyRule:
+    """What a `ProxyStore` does with a request (kind: "answer", "hold", "forward_then_answer") whose path contains
+    `path` and whose body `only` accepts, for the next `times` such requests (None: all of them)."""
+
+    kind: str
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "text/html"
+    seconds: float = 0.0
+    path: str = ""
+    only: Callable[[bytes], bool] | None = None
+    times: int | None = None
+
+    def applies(self, path: str, body: bytes) -> bool:
+        return self.path in path and (self.only is None or self.only(body))
+
+
+class ProxyStore:
+    """An HTTP proxy on 127.0.0.1 in front of an MLflow server (`upstream`), what an ingress, nginx or an API gateway is
+    in front of a tracking store. Its modes, switched by the test: `forward()` passes every request through (the
+    start); `answer(status, body, content_type)` answers in the server's stead (an ingress's 404 page while the store
+    behind it is down, nginx's 413 over its body limit, a 502); `hold_then_forward(seconds)` keeps a request
+    unanswered for `seconds` (past the client's timeout), then passes it on and drops the reply: the server processes
+    it late; `forward_then_answer(status, body)` passes it on and answers the client otherwise (the call went through,
+    the client is told it did not); `refuse()` resets every connection at once (nothing behind the address).
+
+    A mode may be limited to the requests whose path contains `path` and whose body `only(body)` accepts (the others
+    are passed through) and to the next `times` of them; modes so limited queue up, each taking over when the one
+    before it is used up, and `forward()` clears them. `counts`: requests received per path (no query); `received`:
+    (path, body) of each, in order; `answered`: (method, path, status the client got, or 0 for none) of each, in the
+    order they were answered."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        from urllib.parse import urlsplit
+
+        self.upstream = urlsplit(upstream)
+        self.lock = threading.Condition()
+        self.rules: list[ProxyRule] = []
+        self.refusing = False
+        self.counts: dict[str, int] = {}
+        self.received: list[tuple[str, bytes]] = []
+        self.answered: list[tuple[str, str, int]] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"  # one request a connection: the client's next call is a new one
+
+            def handle(self):
+                if proxy.refusing:  # RST: the client's call fails at once
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                super().handle()
+
+            def log_message(self, *args):
+                pass
+
+            def _any(self):
+                proxy._serve(self)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _any
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass  # a client that went away (a held request past its timeout) is what the tests make
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, name="proxy-store", daemon=True).start()
+
+    def uri_with(self, userinfo: str) -> str:
+        """The proxy's URI with `userinfo` (user:password, a token) in it."""
+        return f"http://{userinfo}@127.0.0.1:{self.port}"
+
+    # --- the modes
+    def _set(self, rule: ProxyRule) -> ProxyStore:
+        with self.lock:
+            self.refusing = False
+            if rule.times is None:
+                self.rules = [r for r in self.rules if r.times is not None] + [rule]
+            else:
+                self.rules.append(rule)
+        return self
+
+    def forward(self) -> ProxyStore:
+        with self.lock:
+            self.rules, self.refusing = [], False
+        return self
+
+    def answer(self, status: int, body: str | bytes = b"", content_type: str = "text/html", **limits) -> ProxyStore:
+        body = body.encode() if isinstance(body, str) else body
+        return self._set(ProxyRule("answer", status, body, content_type, **limits))
+
+    def hold_then_forward(self, seconds: float, **limits) -> ProxyStore:
+        return self._set(ProxyRule("hold", seconds=seconds, **limits))
+
+    def forward_then_answer(self, status: int, body: str | bytes, content_type: str = "application/json",
+                            **limits) -> ProxyStore:
+        body = body.encode() if isinstance(body, str) else body
+        return self._set(ProxyRule("forward_then_answer", status, body, content_type, **limits))
+
+    def refuse(self) -> ProxyStore:
+        with self.lock:
+            self.rules, self.refusing = [], True
+        return self
+
+    # --- what it saw
+    def count(self, part: str) -> int:
+        """Requests received so far whose path contains `part`."""
+        with self.lock:
+            return sum(n for path, n in self.counts.items() if part in path)
+
+    def wait_count(self, part: str, count: int, timeout_s: float) -> None:
+        """Until `count` requests whose path contains `part` arrived (an AssertionError after `timeout_s`, scaled)."""
+        with self.lock:
+            if not self.lock.wait_for(lambda: sum(n for p, n in self.counts.items() if part in p) >= count,
+                                      scaled(timeout_s)):
+                raise AssertionError(f"not {count} requests to {part} in {timeout_s} s: {self.counts}")
+
+    def wait_settled(self, timeout_s: float) -> None:
+        """Until every request received so far was answered or dropped (a held one passed on to the server)."""
+        with self.lock:
+            if not self.lock.wait_for(lambda: len(self.answered) >= sum(self.counts.values()), scaled(timeout_s)):
+                raise AssertionError(f"requests still held after {timeout_s} s: {self.counts}, {self.answered}")
+
+    # --- a request
+    def _rule(self, path: str, body: bytes) -> ProxyRule | None:
+        with self.lock:
+            if not self.rules or not self.rules[0].applies(path, body):
+                return None
+            rule = self.rules[0]
+            if rule.times is not None:
+                rule.times -= 1
+                if rule.times <= 0:
+                    self.rules.pop(0)
+            return rule
+
+    def _serve(self, handler) -> None:
+        path = handler.path.split("?", 1)[0]
+        headers = {k: v for k, v in handler.headers.items()
+                   if k.lower() not in ("host", "connection", "keep-alive", "transfer-encoding", "content-length")}
+        if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while (size := int(handler.rfile.readline().split(b";")[0], 16)):
+                body += handler.rfile.read(size)
+                handler.rfile.readline()
+            handler.rfile.readline()
+        else:
+            body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        with self.lock:
+            self.counts[path] = self.counts.get(path, 0) + 1
+            self.received.append((path, body))
+            self.lock.notify_all()
+        rule = self._rule(path, body)
+        status, reply, content_type = 0, b"", "text/plain"
+        if rule is None or rule.kind != "answer":
+            if rule is not None and rule.kind == "hold":
+                time.sleep(rule.seconds)  # the client gave up meanwhile; the server gets the call now
+            status, reply, content_type = self._forward(handler.command, handler.path, headers, body)
+        if rule is not None and rule.kind in ("answer", "forward_then_answer"):
+            status, reply, content_type = rule.status, rule.body, rule.content_type
+        try:
+            handler.send_response(status)
+            handler.send_header("Content-Type", content_type)
+            handler.send_header("Content-Length", str(len(reply)))
+            handler.end_headers()
+            if handler.command != "HEAD":
+                handler.wfile.write(reply)
+            handler.wfile.flush()
+        except OSError:  # the client went away (its timeout): the reply is dropped
+            status = 0
+        with self.lock:
+            self.answered.append((handler.command, path, status))
+            self.lock.notify_all()
+
+    def _forward(self, method: str, target: str, headers: dict, body: bytes) -> tuple[int, bytes, str]:
+        import http.client
+
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=scaled(60))
+        try:
+            conn.request(method, target, body=body, headers={**headers, "Content-Length": str(len(body))})
+            response = conn.getresponse()
+            return response.status, response.read(), response.getheader("Content-Type", "application/octet-stream")
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def proxied_mlflow(tmp_path_factory):
+    """An `MlflowServer` (artifacts on its own disk) for the `proxy_store`s of a module's tests: each test makes its
+    own runs in it."""
+    server = MlflowServer(tmp_path_factory.mktemp("proxied_mlflow"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def proxy_store(proxied_mlflow):
+    """A `ProxyStore` of the test's own in front of `proxied_mlflow`, passing everything through until the test
+    switches it; closed at the test's end."""
+    proxy = ProxyStore(proxied_mlflow.uri)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

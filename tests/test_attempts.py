@@ -27,20 +27,30 @@ def test_a_restart_knows_why_the_attempt_before_it_ended(tmp_path):
     assert [e["attempt"] for e in journal.entries] == [1, 2, 3, 4]
 
 
-def test_attempts_that_train_no_step_are_counted_until_one_does(tmp_path):
-    """Attempts of this job restarted from the same step that trained nothing count; one that trained, another
-    step, or an earlier job's attempt ends the count."""
+def test_attempts_a_notice_ended_without_a_step_are_counted_until_another_one(tmp_path):
+    """Attempts of this job restarted from the same step that a notice ended without a step trained count (rank 0's
+    save on it, or a rank's record of one seen before the first step); one that trained, one that ended without a
+    notice (a failure), another step, or an earlier job's attempt ends the count."""
     folder = str(tmp_path / "probvlp")
     old = attempts.Journal.open(folder, "earlier-job")
     old.begin(10, None)  # an earlier command's attempt at the same step: not this job's loop
+    old.update(notice={"step": 10, "sources": ["file"]})
     journal = attempts.Journal.open(folder, "job")
     journal.begin(10, "c10")
-    journal.update(reached=11)  # trained a step
-    for _ in range(3):
+    journal.update(reached=11, notice={"step": 11, "sources": ["file"]})  # trained a step
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(10, "c10")  # lost without a notice: a failure, not a notice loop
+    for n in range(3):
         journal = attempts.Journal.open(folder, "job")
         journal.begin(10, "c10")
-        assert attempts.stalled(journal, 10) == len(journal.entries) - 3
-    assert attempts.stalled(journal, 10) == 2
+        assert attempts.stalled(journal, 10) == n
+        if n % 2:  # a notice seen before the first step, recorded by the rank that saw it
+            attempts.record_notice(folder, journal.current["attempt"], 0, 10, ["SIGTERM"])
+        else:  # a save on a notice at the step resumed from (a step that applied nothing)
+            journal.update(notice={"step": 10, "sources": ["ray_drain"]})
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(10, "c10")
+    assert attempts.stalled(journal, 10) == 3
     assert attempts.stalled(journal, 11) == 0
 
 

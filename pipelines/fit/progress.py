@@ -14,6 +14,5 @@ class Progress:
     samples: int = 0
     skipped_batches: int = 0
     preemptions: int = 0  # notices of preemption the run saved on (pipelines.train.preemption)
-    notice_streak: int = 0  # notices saved on in a row at the same step (no step trained between them)
     notice_file_mtime: float = 0.0  # the last notice file a save consumed (a file no newer is not a notice)
     evaluate_at: int = -1  # a notice's save at an evaluation step, before evaluating: a restart there evaluates first

@@ -11,25 +11,34 @@ metrics) and each metric's latest step, and drops of the metrics from `from` on 
 step or later (`_kept`). The restart itself never waits for the
 store: the read is the thread's, and it is retried as any delivery is. Redelivering a call is harmless (MLflow keeps one
 copy of a metric with the same key, value, step and time; a tag or an artifact is overwritten), so a copy persisted
-while the call was in flight may go twice."""
+while the call was in flight may go twice.
+
+What a failed call's error means is `answer_of`'s: only the store's own refusal (MLflow's JSON answer, S3 refusing an
+artifact, an artifact whose copy is gone) is one; a proxy's page, a timeout, a 5xx, a 401/403 are the store away, and
+a 413 a batch too big for a proxy (it is split). A refused call never stops training nor the queue: it is set aside
+in the folder's refused.jsonl (`REFUSED_FILE`), with the store's answer, printed once, persisted with the queue and
+never tried again; a refused batch of metrics that the store holds already (a call that reached it late and was
+retried) was delivered."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
+import re
 import shutil
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
-from mlflow.exceptions import MlflowException
+from mlflow.exceptions import MlflowException, RestException
 
 from pipelines.storage import fs_path, write_bytes_atomic
+from pipelines.tracking.store import hide_credentials
 
 LOGGED_THROUGH_TAG = "probvlp.logged_through"  # the highest step a run's metrics are in MLflow for
 BATCH = 1000  # metrics per log_batch (MLflow's limit)
@@ -42,22 +51,70 @@ RETRY_MAX_S = 5.0  # the longest pause between two tries: how late a returning s
 MEMORY_METRICS = 200_000  # ~40 MB of queued metrics, then the queue continues in a file
 PENDING = "pending.jsonl"  # in a persisted outbox folder: a head line (run, store, seconds unreachable), then the ops
 COMMAND = "python -m pipelines.tracking.deliver"  # pipelines/tracking/deliver.py
+REFUSED_FILE = "refused.jsonl"  # in an outbox's folder and a persisted one: the calls set aside, one a line
+REFUSALS_SHOWN = 10  # refusals printed one line each; past it only refused.jsonl has them (a deleted run refuses all)
+
+OUTAGE, REFUSED, TOO_LARGE = "outage", "refused", "too large"  # what a failed call's error means (`answer_of`)
+# MLflow's error_code of a call it read and refuses as it is: the same call can never succeed
+STORE_REFUSALS = frozenset({"INVALID_PARAMETER_VALUE", "MALFORMED_REQUEST", "BAD_REQUEST", "INVALID_STATE",
+                            "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS"})
+# S3's 4xx answers that a later try does not get: throttling, a slow request, an expired session token (renewed)
+S3_TRANSIENT = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
+                          "ExpiredToken", "RequestExpired", "TokenRefreshRequired", "RequestTimeTooSkewed"})
+# MLflow's text for an answer that is not JSON (rest_utils.verify_rest_response): its status is only in the text
+_NOT_JSON_STATUS = re.compile(r"failed with error code (\d{3}) != \d{3}")
 
 
 def _one_line(err: BaseException) -> str:
+    """`err` in one line, credentials hidden: MLflow's errors name the URI the client was given."""
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+    return hide_credentials(f"{type(err).__name__}: {text[0][:300] if text else ''}")
 
 
-def _rejected(err: BaseException) -> bool:
-    """The store answered and refused the call (a bad value, a missing run): retrying cannot help. Anything else (no
-    connection, a timeout, a 5xx, a 429, a relay being restarted) is an outage."""
-    status = None
-    if isinstance(err, MlflowException):
-        status = err.get_http_status_code()
-    elif getattr(err, "response", None) is not None:  # requests.HTTPError of an artifact upload
-        status = getattr(err.response, "status_code", None)
-    return status is not None and 400 <= status < 500 and status not in (408, 429)
+def _s3_error(err: BaseException) -> dict | None:
+    """The response of a botocore ClientError in `err` or what it was raised from (boto3's upload raises its
+    S3UploadFailedError while handling one)."""
+    while err is not None:
+        response = getattr(err, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            return response
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def http_status(err: BaseException) -> int | None:
+    """The HTTP status a failed call was answered with, where its error says (None: no answer)."""
+    if (s3 := _s3_error(err)) is not None:
+        return s3.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if getattr(err, "response", None) is not None:  # requests.HTTPError of an artifact upload through the server
+        return getattr(err.response, "status_code", None)
+    if isinstance(err, RestException):
+        return err.get_http_status_code()
+    found = _NOT_JSON_STATUS.search(str(err)) if isinstance(err, MlflowException) else None
+    return int(found[1]) if found else None
+
+
+def answer_of(err: BaseException, op: dict, files: Path) -> str:
+    """What the error of a failed call of `op` says (the first rule that applies): REFUSED (never tried again),
+    TOO_LARGE (a smaller call may pass) or OUTAGE (the same call is tried again)."""
+    # a queued artifact whose copy is gone: no try can upload it
+    if isinstance(err, FileNotFoundError) and "file" in op and not (files / op["file"]).exists():
+        return REFUSED
+    status = http_status(err)
+    # a body over a proxy's limit (nginx's client_max_body_size answers 413 with its page, not MLflow)
+    if status == 413:
+        return TOO_LARGE
+    # MLflow read the call and refused it: its answer is JSON with an error_code (a proxy's page is not). Its 401 and
+    # 403 are not among these: credentials rotated under a running job work again once renewed.
+    if isinstance(err, RestException) and err.json.get("error_code") in STORE_REFUSALS:
+        return REFUSED
+    # S3 refusing an artifact (AccessDenied, NoSuchBucket): a 4xx, but throttling and an expired session token
+    s3 = _s3_error(err)
+    if s3 is not None and status is not None and 400 <= status < 500 and status not in (408, 429) \
+            and s3["Error"].get("Code") not in S3_TRANSIENT:
+        return REFUSED
+    # anything else: a proxy's page (404, 401, 403, 502), MLflow's 401/403, 408, 429, 5xx, no connection, a timeout
+    return OUTAGE
 
 
 def metrics_op(metrics: list[Metric], replay_from: int) -> dict:
@@ -129,12 +186,25 @@ def _count(ops: list[dict]) -> dict[str, int]:
     return counts
 
 
-@dataclass
+def _what(op: dict) -> str:
+    """A call, in a few words."""
+    if "metrics" in op:
+        shown = ", ".join(f"metric {m[0]} at step {m[3]}" for m in op["metrics"][:3])
+        return shown + (f" and {len(op['metrics']) - 3} more" if len(op["metrics"]) > 3 else "")
+    if "tag" in op:
+        return f"tag {op['tag'][0]}"
+    if "file" in op:
+        return f"artifact {op['file'].split('/', 1)[-1]}"
+    return f"the run's {next(iter(op))}"
+
+
+@dataclasses.dataclass
 class OutboxReport:
     unreachable_s: float
     outages: int
     undelivered: dict[str, int]  # what the store did not get: metrics, tags, artifacts, other (status, summary)
     kept_in: str | None  # where it is (`deliver_kept`), None when everything was delivered
+    refused: int = 0  # calls the store refused, set aside in refused.jsonl (never tried again, not `pending`)
 
     @property
     def pending(self) -> int:
@@ -148,13 +218,14 @@ class Outbox:
     artifact files are copied there when queued (the caller's temporary folders go away).
 
     `replay_from`: the step this attempt resumed from (its later steps may be replays); `carried`: an earlier attempt's
-    undelivered calls (`load`), delivered first; `unreachable_s`: the seconds earlier attempts found the store away."""
+    undelivered calls (`load`), delivered first; `unreachable_s`: the seconds earlier attempts found the store away.
+    A call the store refuses is set aside in `folder`'s refused.jsonl (`refused`), the queue goes on."""
 
     def __init__(self, client, run_id: str, uri: str, folder: Path, *, replay_from: int = -1,
                  carried: list[dict] = (), unreachable_s: float = 0.0, store: str | None = None):
         """`uri`: the store's, credentials hidden (it is printed, and kept with what was not delivered); `store`:
         the store itself, for a model's registration (the driver's outbox only)."""
-        self.client, self.run_id, self.uri = client, run_id, uri
+        self.client, self.run_id, self.uri = client, run_id, hide_credentials(uri)
         self.replay_from = replay_from
         self.folder = folder
         self.files = self.folder / "files"
@@ -167,7 +238,9 @@ class Outbox:
         self.state = {"horizon": None, "through": -1, "latest": {}, "store": store}
         self.down_since: float | None = None
         self.unreachable_s, self.outages = unreachable_s, 0
-        self.rejected: BaseException | None = None
+        self.refused: list[dict] = []  # the calls set aside: {"id", "answer", "op"}, as in refused.jsonl
+        self.limit = BATCH  # metrics a call: halved for good by a proxy's 413
+        self.probe: int | None = None  # metrics a call while the entries the store refuses are looked for
         self.stopped = False
         self.wake = threading.Event()
         if uri.startswith(("http://", "https://")):
@@ -180,9 +253,6 @@ class Outbox:
 
     # --- the caller's side (the training loop): never waits for the store
     def put(self, op: dict) -> None:
-        if self.rejected is not None:
-            raise RuntimeError(f"MLflow refused a call of run {self.run_id}: {_one_line(self.rejected)}") \
-                from self.rejected
         with self.cv:
             if self.stopped:
                 raise RuntimeError("the outbox is closed")
@@ -224,7 +294,8 @@ class Outbox:
         return bool(self.queue) or self.spilled > 0
 
     def _head(self) -> list[dict]:
-        """The next call's ops (left queued until delivered): consecutive metrics up to BATCH, else one op."""
+        """The next call's ops (left queued until delivered): consecutive metrics up to `limit` (`probe`), the first
+        op split where it holds more, else one op."""
         if not self.queue and self.spilled:
             with self.spill.open() as f:
                 f.seek(self.spill_offset)
@@ -239,21 +310,35 @@ class Outbox:
             if not self.spilled:
                 self.spill.unlink()
                 self.spill_offset = 0
+        cap = min(self.limit, self.probe or BATCH)
+        first = self.queue[0]
+        if len(first.get("metrics", ())) > cap:
+            self.queue[0] = {**first, "metrics": first["metrics"][cap:]}
+            self.queue.appendleft({**first, "metrics": first["metrics"][:cap]})
         batch = [self.queue[0]]
         if "metrics" in batch[0]:
             total = len(batch[0]["metrics"])
             for op in itertools.islice(self.queue, 1, None):
-                if "metrics" not in op or total + len(op["metrics"]) > BATCH:
+                if "metrics" not in op or total + len(op["metrics"]) > cap:
                     break
                 batch.append(op)
                 total += len(op["metrics"])
         return batch
 
-    def _read_horizon(self) -> None:
-        """What earlier attempts delivered: the highest step, and each key's latest step (the one read of the store)."""
+    def _read_store(self) -> tuple[int, dict[str, int]]:
+        """The run's highest step delivered (its tag) and each metric's latest step in the store."""
         data = self.client.get_run(self.run_id).data
-        through = int(data.tags.get(LOGGED_THROUGH_TAG, -1))
-        latest = {m.key: m.step for m in data.to_proto().metrics}
+        return int(data.tags.get(LOGGED_THROUGH_TAG, -1)), {m.key: m.step for m in data.to_proto().metrics}
+
+    def _read_horizon(self) -> None:
+        """What earlier attempts delivered: the highest step, and each key's latest step (the one read of the store).
+        A run the store refuses to read (gone) has none: its calls are tried, and refused, one by one."""
+        try:
+            through, latest = self._read_store()
+        except Exception as err:
+            if answer_of(err, {}, self.files) != REFUSED:
+                raise
+            through, latest = -1, {}
         self.state.update(horizon=through, through=through, latest=latest)
 
     def _run(self) -> None:
@@ -270,32 +355,22 @@ class Outbox:
                     self._read_horizon()
                 if batch:
                     _deliver(self.client, self.run_id, batch, self.files, self.total_unreachable_s(), self.state)
-            except Exception as err:  # noqa: BLE001 - every failure is either a refusal or an outage
-                with self.cv:
-                    if _rejected(err):
-                        self.rejected = err
-                        print(f"[tracking] MLflow refused a call of run {self.run_id}: {_one_line(err)}", flush=True)
-                        self.stopped = True
-                        self.cv.notify_all()
-                        return
-                    if self.down_since is None:
-                        self.down_since, self.outages = time.monotonic(), self.outages + 1
-                        print(f"[tracking] {self.uri} unreachable ({_one_line(err)}); nothing waits for it: what is "
-                              "logged is kept and delivered when the store answers again", flush=True)
-                    self.cv.notify_all()
-                self.wake.wait(pause)
-                self.wake.clear()
-                pause = min(pause * 2, RETRY_MAX_S)
-                continue
+                    if "metrics" in batch[0] and self.probe is not None:  # past the refused entries: back to size
+                        self.probe = None if self.probe * 2 >= self.limit else self.probe * 2
+                done = batch
+            except Exception as err:  # noqa: BLE001 - every failure is an answer about the call or an outage
+                if not batch or self.state["horizon"] is None or not self._answered(batch, err):
+                    self._outage(err)
+                    self.wake.wait(pause)
+                    self.wake.clear()
+                    pause = min(pause * 2, RETRY_MAX_S)
+                    continue
+                done = []  # `_answered` took the batch out, or changed what the next call is
             pause = 1.0
             with self.cv:
                 if self.stopped:  # given up on meanwhile: what was kept is persisted already
                     return
-                for op in batch:
-                    self.queue.popleft()
-                    self.in_memory -= len(op.get("metrics", ()))
-                    if "file" in op:
-                        shutil.rmtree(self.files / op["file"].split("/")[0], ignore_errors=True)
+                self._pop(done)
                 if self.down_since is not None:
                     down = time.monotonic() - self.down_since
                     self.unreachable_s += down
@@ -303,6 +378,76 @@ class Outbox:
                     print(f"[tracking] {self.uri} reachable again after {down:.0f} s; delivering what was logged "
                           f"meanwhile ({len(self.queue) + self.spilled} calls queued)", flush=True)
                 self.cv.notify_all()
+
+    def _pop(self, batch: list[dict]) -> None:
+        """The head's `batch` done with (delivered or set aside): out of the queue, its artifact copies removed."""
+        for op in batch:
+            self.queue.popleft()
+            self.in_memory -= len(op.get("metrics", ()))
+            if "file" in op:
+                shutil.rmtree(self.files / op["file"].split("/")[0], ignore_errors=True)
+
+    def _outage(self, err: BaseException) -> None:
+        with self.cv:
+            if self.down_since is None:
+                self.down_since, self.outages = time.monotonic(), self.outages + 1
+                # a 401/403 says the store is there but the credentials are not taken (rotated, a token expired)
+                why = (" (its credentials were not accepted: they may have been rotated; the calls wait for ones that "
+                       "work)") if http_status(err) in (401, 403) else ""
+                print(f"[tracking] {self.uri} unreachable ({_one_line(err)}){why}; nothing waits for it: what is "
+                      "logged is kept and delivered when the store answers again", flush=True)
+            self.cv.notify_all()
+
+    def _answered(self, batch: list[dict], err: BaseException) -> bool:
+        """Act on the store's answer to `batch` (`answer_of`); False: no answer about the call (an outage). A
+        refused batch of metrics the store holds already (a duplicate of a call that reached it late) is delivered;
+        one that holds more than a metric is halved, until the refused ones are alone; a batch over a proxy's size
+        limit is halved for good; what is left refused, or too large alone, is set aside (`_set_aside`)."""
+        answer = answer_of(err, batch[0], self.files)
+        if answer == OUTAGE:
+            return False
+        size = sum(len(op.get("metrics", ())) for op in batch)
+        if answer == REFUSED and size:
+            try:
+                through, latest = self._read_store()
+            except Exception as read:  # noqa: BLE001 - every failure is an answer about the run or an outage
+                if answer_of(read, {}, self.files) != REFUSED:
+                    return False  # the read is tried again with the batch
+                self._set_aside(batch, err)  # the run itself is refused (gone): each of its metrics would be
+                return True
+            if not any(_kept({**op, "filtered": False}, {"latest": latest}) for op in batch):
+                self.state["through"] = max(self.state["through"], through)
+                with self.cv:
+                    self._pop(batch)
+                return True
+        if size > 1:
+            if answer == TOO_LARGE:
+                self.limit = size // 2
+            else:
+                self.probe = size // 2
+            return True
+        self._set_aside(batch, err)
+        return True
+
+    def _set_aside(self, batch: list[dict], err: BaseException) -> None:
+        """`batch`, refused by the store, out of the queue into refused.jsonl (with the store's answer): never tried
+        again, and nothing waits for it."""
+        answer = _one_line(err)
+        entries = [{"id": uuid.uuid4().hex, "answer": answer, "op": op} for op in batch]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / REFUSED_FILE).open("a") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in entries)
+        with self.cv:
+            self._pop(batch)
+            before = len(self.refused)
+            self.refused += entries
+        what = {"metrics": [m for op in batch for m in op["metrics"]]} if "metrics" in batch[0] else batch[0]
+        if before < REFUSALS_SHOWN:
+            print(f"[tracking] MLflow refused {_what(what)} of run {self.run_id}: {answer} (kept in "
+                  f"{self.folder / REFUSED_FILE}; not retried)", flush=True)
+        if before < REFUSALS_SHOWN <= len(self.refused):
+            print(f"[tracking] further calls of run {self.run_id} that MLflow refuses go to "
+                  f"{self.folder / REFUSED_FILE} without a line here", flush=True)
 
     # --- what is left, and the end
     def snapshot(self) -> list[dict]:
@@ -323,7 +468,9 @@ class Outbox:
         """Write what is not delivered yet to the folder `target` (a local path or an fsspec URI: the run's storage)
         for the next attempt or the driver, replacing what an earlier call wrote there; returns the calls written."""
         ops = self.snapshot()
-        return write_pending(target, self.run_id, self.uri, ops, self.files, self.total_unreachable_s())
+        with self.cv:
+            refused = list(self.refused)
+        return write_pending(target, self.run_id, self.uri, ops, self.files, self.total_unreachable_s(), refused)
 
     def wait(self, timeout_s: float, while_reachable: bool = False) -> bool:
         """Wait up to `timeout_s` for the queue to be delivered (`while_reachable`: only while the store answers);
@@ -331,18 +478,18 @@ class Outbox:
         deadline = time.monotonic() + timeout_s
         self.wake.set()  # try now rather than after the current pause
         with self.cv:
-            while (self._pending() or self.state["horizon"] is None) and self.rejected is None \
-                    and time.monotonic() < deadline:
+            while (self._pending() or self.state["horizon"] is None) and time.monotonic() < deadline:
                 if while_reachable and self.down_since is not None:
                     break
                 self.cv.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-            return not self._pending() and self.rejected is None
+            return not self._pending()
 
     def close(self, step: int, timeout_s: float, *, keep_to: str | None = None, while_reachable: bool = False,
               summary: bool = True) -> OutboxReport:
         """Queue the summary (metric tracking_unreachable_s at `step`), wait up to `timeout_s` for everything to be
         delivered (`while_reachable`: only while the store answers), stop the thread. What is left is written to
-        `keep_to` (`persist`) or, without one, to this node's folder."""
+        `keep_to` (`persist`) or, without one, to this node's folder, and so are the calls the store refused (their
+        refused.jsonl stays in this node's folder too, where their lines said)."""
         if summary:
             self.put({"summary": step, "at": int(time.time() * 1000)})
         self.wait(timeout_s, while_reachable)
@@ -351,23 +498,31 @@ class Outbox:
             self.cv.notify_all()
         self.wake.set()
         self.thread.join(timeout=5)
-        if self.rejected is not None:
-            raise RuntimeError(f"MLflow refused a call of run {self.run_id}: {_one_line(self.rejected)}") \
-                from self.rejected
         ops = self.snapshot()
-        kept = None
-        if ops:
-            kept = keep_to or str(self.folder)
-            write_pending(kept, self.run_id, self.uri, ops, self.files, self.total_unreachable_s())
-        elif keep_to:
-            clear_pending(keep_to)
+        kept = (keep_to or str(self.folder)) if ops else None
+        if kept or keep_to:
+            write_pending(kept or keep_to, self.run_id, self.uri, ops, self.files, self.total_unreachable_s(),
+                          self.refused)
         if not ops or keep_to:
-            shutil.rmtree(self.folder, ignore_errors=True)
-        return OutboxReport(self.total_unreachable_s(), self.outages, _count(ops), kept)
+            if not self.refused:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            for path in self.folder.glob("*"):  # but refused.jsonl, where the refusals' lines said
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.name != REFUSED_FILE:
+                    path.unlink()
+        if self.refused:
+            print(f"[tracking] {len(self.refused)} calls of run {self.run_id} refused by MLflow were set aside, not "
+                  f"retried: listed in {keep_to or self.folder}/{REFUSED_FILE}", flush=True)
+        return OutboxReport(self.total_unreachable_s(), self.outages, _count(ops), kept, len(self.refused))
 
 
 # --- an outbox at rest: a folder (local or object storage) holding pending.jsonl and the files it names
-def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Path, unreachable_s: float) -> int:
+def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Path, unreachable_s: float,
+                  refused: list[dict] = ()) -> int:
+    """`ops` (the calls not delivered) to `target`'s pending.jsonl, their files beside it, and the calls the store
+    refused added to its refused.jsonl (`keep_refused`); returns the calls written."""
+    keep_refused(target, refused)
     fs, root = fs_path(target)
     if not ops:
         clear_pending(target)
@@ -378,11 +533,35 @@ def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Pa
             if not fs.exists(remote):
                 fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
                 fs.put(str(files / op["file"]), remote, recursive=(files / op["file"]).is_dir())
-    head = {"run_id": run_id, "uri": uri, "unreachable_s": round(unreachable_s, 1)}
+    head = {"run_id": run_id, "uri": hide_credentials(uri), "unreachable_s": round(unreachable_s, 1)}
     text = "".join(json.dumps(line) + "\n" for line in [head, *ops])
     fs.makedirs(root, exist_ok=True)
     write_bytes_atomic(fs, f"{root}/{PENDING}", text.encode())
     return len(ops)
+
+
+def keep_refused(target: str, refused: list[dict]) -> None:
+    """The refused calls `refused` in `target`'s refused.jsonl, after those there (every attempt's, each once: by
+    its id). Nothing ever reads them back into a queue."""
+    if not refused:
+        return
+    there = refused_in(target)
+    ids = {entry["id"] for entry in there}
+    new = [entry for entry in refused if entry["id"] not in ids]
+    if new:
+        fs, root = fs_path(target)
+        fs.makedirs(root, exist_ok=True)
+        text = "".join(json.dumps(entry) + "\n" for entry in [*there, *new])
+        write_bytes_atomic(fs, f"{root}/{REFUSED_FILE}", text.encode())
+
+
+def refused_in(target: str) -> list[dict]:
+    """The calls set aside in `target`'s refused.jsonl (`keep_refused`)."""
+    fs, root = fs_path(target)
+    if not fs.exists(f"{root}/{REFUSED_FILE}"):
+        return []
+    with fs.open(f"{root}/{REFUSED_FILE}", "rb") as f:
+        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
 
 
 def clear_pending(target: str) -> None:
@@ -395,7 +574,8 @@ def clear_pending(target: str) -> None:
 
 def load(target: str, files: Path, resumed_step: int | None = None,
          drop_ends: bool = False) -> tuple[dict, list[dict]] | None:
-    """The head and calls written to `target` (None: nothing there), their files fetched into `files`. With
+    """The head and calls written to `target` (None: nothing there), their files fetched into `files` (never the
+    calls the store refused: they stay in its refused.jsonl, `refused_in`). With
     `resumed_step` (a restart's): metrics of later steps are left out, the restart logs them again. `drop_ends`: an
     earlier job's end of the run (its status, its model's registration) is left out: this job ends it again."""
     fs, root = fs_path(target)
@@ -424,7 +604,8 @@ def load(target: str, files: Path, resumed_step: int | None = None,
 def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, extra: list[dict] = (), *,
                  run_id: str | None = None, shown_uri: str | None = None) -> OutboxReport:
     """Deliver the calls kept in `target` (and `extra` after them) to the run's store (`uri`, or the one they were
-    meant for: the kept copy hides credentials) for up to `timeout_s`; what is still left stays in `target`."""
+    meant for: the kept copy hides credentials) for up to `timeout_s`; what is still left stays in `target`. The
+    report's `refused`: every call of the run set aside in `target`'s refused.jsonl (earlier attempts' included)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -432,9 +613,10 @@ def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, 
         head, ops = load(target, folder / "files") or ({}, [])
         run_id, store = head.get("run_id", run_id), uri or head.get("uri")
         if not ops and not extra:
-            return OutboxReport(0.0, 0, _count([]), None)
+            return OutboxReport(0.0, 0, _count([]), None, len(refused_in(target)))
         if run_id is None or store is None:
             raise ValueError(f"{target}: no kept calls of a run (and no store named)")
         outbox = Outbox(MlflowClient(store), run_id, head.get("uri", shown_uri or store), folder,
                         carried=[*ops, *extra], unreachable_s=head.get("unreachable_s", 0.0), store=store)
-        return outbox.close(-1, timeout_s, keep_to=target, summary=False)
+        report = outbox.close(-1, timeout_s, keep_to=target, summary=False)
+        return dataclasses.replace(report, refused=len(refused_in(target)))

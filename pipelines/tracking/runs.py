@@ -109,6 +109,9 @@ class TrackedRun:
         if report.unreachable_s > 0:
             print(f"[tracking] {hide_credentials(self.uri)} was unreachable for {report.unreachable_s:.1f} s over the "
                   f"run; everything logged meanwhile was delivered (MLflow metric {UNREACHABLE_METRIC})", flush=True)
+        if report.refused:  # every attempt's, set aside in the run's storage: never retried, never blocking the end
+            print(f"[tracking] {report.refused} calls of run {self.run_id} were refused by MLflow and set aside (not "
+                  f"retried): listed in {self.pending_in or 'the outbox folder'}/refused.jsonl", flush=True)
         if register:
             versions = MlflowClient(self.uri, registry_uri=self.uri).search_model_versions(
                 f"name='{register}' and run_id='{self.run_id}'")

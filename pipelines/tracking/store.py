@@ -18,7 +18,19 @@ from pipelines.tracking.sqlite_template import prepare_sqlite_store
 _SECRET_KEY = re.compile(r"(?:^|[._-])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[._-])", re.I)
 
 
-_URI_CREDENTIALS = re.compile(r"(//)[^/@\s]+:[^/@\s]+@")
+# The userinfo of a URI: user:password@, or a token alone as the user (https://TOKEN@github.com), which only a scheme
+# tells from an address (alice@example.com). All of it goes: a user name is half a credential.
+_URI_USERINFO = re.compile(r"(?P<scheme>\b[a-z][a-z0-9+.-]*:)?//(?P<info>[^/?#@\s]+)@", re.I)
+# Query parameters whose value grants access, matched on the whole name or its last word (between "_", "-", "."):
+# OAuth's access_token/refresh_token/id_token and any *_token (Jupyter's token=, a page_token is hidden too: harmless),
+# password/passwd/pwd (database URIs take ?password=), secret (client_secret), api_key/apikey and Google's key=,
+# signed URLs' signatures (Azure SAS sig=, S3 presigned Signature and X-Amz-Signature, X-Goog-Signature), S3's
+# X-Amz-Credential and AWSAccessKeyId (the key id that signed) and X-Amz-Security-Token (an STS session token).
+# Not `key` as a last word: MLflow's own metric_key= names a metric.
+_SECRET_QUERY_NAME = re.compile(
+    r"(?:.*[._-])?(?:token|password|passwd|pwd|secret|sig|signature|credential|api[_-]?key|apikey)|key|awsaccesskeyid",
+    re.I)
+_QUERY_VALUE = re.compile(r"(?P<name>(?<=[?&;])[\w.-]+)=(?P<value>[^&#;\s'\"<>)]+)")
 
 
 def tracking_uri(configured: str | None = None) -> str:
@@ -30,8 +42,18 @@ def tracking_uri(configured: str | None = None) -> str:
 
 
 def hide_credentials(text: str) -> str:
-    """`text` with the user:password of any URI in it replaced by ***."""
-    return _URI_CREDENTIALS.sub(r"\1***@", text)
+    """`text` with the credentials of any URI in it replaced by ***: its userinfo (user:password, a token), and the
+    values of its query parameters that grant access (`_SECRET_QUERY_NAME`)."""
+
+    def userinfo(found: re.Match) -> str:
+        if found["scheme"] is None and ":" not in found["info"]:  # //name@ with no scheme: not surely a URI
+            return found[0]
+        return f"{found['scheme'] or ''}//***@"
+
+    def query(found: re.Match) -> str:
+        return f"{found['name']}=***" if _SECRET_QUERY_NAME.fullmatch(found["name"]) else found[0]
+
+    return _QUERY_VALUE.sub(query, _URI_USERINFO.sub(userinfo, text))
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:

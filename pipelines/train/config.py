@@ -43,6 +43,12 @@ class TrainConfig(LoopConfig):
     # Where each rank writes its shard before the upload: "auto" (the node's memory, /dev/shm, where it has room for a
     # whole checkpoint twice over, else $TMPDIR), or a folder (a local SSD).
     checkpoint_snapshot_dir: str = "auto"
+    # The longest a rank waits for Ray Train to register a checkpoint (every rank's part uploaded): before the next
+    # save behind training, and in a save at once. Past it the attempt fails in one line and Ray Train restarts it
+    # from the last registered checkpoint (run.max_failures): an upload stuck on one rank costs this long, not the run
+    # (held at that save for ever). 1800 s: over 20x the 80 s a 2.4-GB checkpoint took to a slow S3 server
+    # (docs/BENCHMARKS.md "Checkpoints"), room for checkpoints or storage that much larger or slower.
+    upload_timeout_s: float = Field(1800.0, gt=0)
     # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
     eval_every: int = Field(0, ge=0)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.

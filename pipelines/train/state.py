@@ -17,7 +17,8 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,20 @@ from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loadi
 from pipelines.fit.progress import Progress
 from pipelines.storage import fs_path
 from pipelines.train import reshard
+from pipelines.train.config import TrainConfig
 
 TAG = "state"
 _NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+)?")
 # Each rank's snapshot waits for its upload in a folder of this name (snapshot_root; Ray Train deletes it once uploaded)
 SNAPSHOTS = "probvlp-snapshot-"
 SHM = "/dev/shm"
+# cgroup v1's "no limit" is its page counter's maximum in bytes (9223372036854771712 with 4-KiB pages): at least this
+_CGROUP_V1_UNLIMITED = 1 << 62
+UPLOAD_TIMEOUT_S: float = TrainConfig.model_fields["upload_timeout_s"].default
+
+
+class UploadTimeout(RuntimeError):
+    """A checkpoint Ray Train did not register within train.upload_timeout_s (an upload stuck on some rank)."""
 
 
 def use_weights_only_loading(engine) -> None:
@@ -42,12 +51,12 @@ def use_weights_only_loading(engine) -> None:
 
 
 def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = False, name: str | None = None,
-         snapshots: str = "auto") -> str | None:
+         snapshots: str = "auto", upload_timeout_s: float = UPLOAD_TIMEOUT_S) -> str | None:
     """Every rank writes its DeepSpeed shard to a folder of this node (`snapshots`, below); Ray Train uploads the
     ranks' files into one checkpoint, the folder `name` of the run's storage (rank 0's name counts; None: Ray's).
     `behind`: returns once the shard is written and hands the upload to Ray Train (returns the snapshot's folder,
     which Ray Train deletes once uploaded); otherwise returns once Ray Train has registered the checkpoint (every
-    rank's part uploaded) and every earlier one."""
+    rank's part uploaded) and every earlier one, or raises UploadTimeout after `upload_timeout_s` (wait_for_uploads)."""
     tmp = tempfile.mkdtemp(prefix=f"{SNAPSHOTS}{os.getpid()}-", dir=snapshot_root(engine, snapshots))
     if not behind:
         try:
@@ -55,7 +64,7 @@ def save(engine, progress: Progress, metrics: dict[str, Any], *, behind: bool = 
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
             # registered, not only uploaded: a notice's hold right after would otherwise race the controller's next
             # poll of the workers, and the restart would resume from the checkpoint before
-            wait_for_uploads()
+            wait_for_uploads(progress.step, upload_timeout_s)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return None
@@ -84,24 +93,106 @@ def write_shard(engine, folder: str, progress: Progress) -> None:
 
 def snapshot_root(engine, choice: str = "auto") -> str:
     """Where this rank writes its shard before the upload: `choice` (train.checkpoint_snapshot_dir), or with "auto"
-    the node's memory (/dev/shm, whose files are RAM) where both it and the memory still available hold a whole
-    checkpoint twice over (weights and AdamW's two moments, 16 bytes a parameter: the ranks of a node share them),
-    else the temporary folder ($TMPDIR)."""
+    the node's memory (/dev/shm, whose files are RAM) where it, the host's available memory and the room under this
+    process's cgroup memory limit (a container's: a snapshot past it is an OOM kill) all hold a whole checkpoint
+    twice over (weights and AdamW's two moments, 16 bytes a parameter: the ranks of a node share them), else the
+    temporary folder ($TMPDIR)."""
     if choice != "auto":
         return choice
     need = 2 * 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    if os.path.isdir(SHM) and min(shutil.disk_usage(SHM).free, _available_memory()) >= need:
+    if not os.path.isdir(SHM):
+        return tempfile.gettempdir()
+    free = shutil.disk_usage(SHM).free
+    if min(free, available_memory()) >= need:
         return SHM
+    cgroup = cgroup_memory()
+    # the container's limit alone sends it to disk: said once a process, as a snapshot there is slower
+    if cgroup and cgroup.room < need <= min(free, host_available_memory()) and (cgroup.folder, need) not in _TOLD:
+        _TOLD.add((cgroup.folder, need))
+        print(f"[checkpoint] snapshots in $TMPDIR ({tempfile.gettempdir()}), not {SHM}: the memory limit of cgroup "
+              f"{cgroup.folder} ({_gib(cgroup.limit)}, {_gib(cgroup.room)} of it free) is below the {_gib(need)} a "
+              "checkpoint twice over needs there (the host has room; train.checkpoint_snapshot_dir can name another folder)",
+              flush=True)
     return tempfile.gettempdir()
 
 
-def _available_memory() -> int:
-    """MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read)."""
+_TOLD: set[tuple[str, int]] = set()  # (cgroup, need) whose snapshots this process said go to $TMPDIR
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def available_memory(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",
+                     mount: str = "/sys/fs/cgroup") -> int:
+    """Bytes this process can still take: the host's MemAvailable, or less where its cgroup has less room."""
+    host, cgroup = host_available_memory(meminfo), cgroup_memory(proc_cgroup, mount)
+    return host if cgroup is None else min(host, cgroup.room)
+
+
+def host_available_memory(meminfo: str = "/proc/meminfo") -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read). A container sees the host's."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return 0
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    folder: str  # the cgroup whose limit leaves the least room: this process's or a parent's
+    limit: int  # bytes
+    room: int  # bytes it can still take before its OOM killer ends a process
+
+
+def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> CgroupMemory | None:
+    """The memory limit that leaves this process the least room: its cgroup's or a parent's readable under `mount`
+    (cgroup v2's tree, or v1's memory controller at mount/memory); None where none is set or readable. The room is
+    the limit less the usage the kernel cannot reclaim: the usage counts the page cache (the data files read), whose
+    inactive part goes before an OOM kill, as a kubelet counts a pod's working set, and the files of a memory-backed
+    /dev/shm (shmem, which nothing reclaims: a snapshot there is charged to the cgroup of the rank that writes it)."""
+    root = Path(mount)
+    lines = [line.split(":", 2) for line in _read(Path(proc_cgroup)).splitlines()]
+    if "memory" in _read(root / "cgroup.controllers").split():
+        files, inactive = ("memory.max", "memory.current"), "inactive_file"
+        path = next((p[2] for p in lines if len(p) == 3 and p[0] == "0" and not p[1]), "/")
+    else:
+        root = root / "memory"
+        files, inactive = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"  # hierarchical
+        path = next((p[2] for p in lines if len(p) == 3 and "memory" in p[1].split(",")), "/")
+    leaf = Path(os.path.normpath(root / path.lstrip("/")))
+    # in a container the mount is its own cgroup, whatever path the host's tree gives it (or "/.." in a namespace)
+    if not leaf.is_dir() or not leaf.is_relative_to(root):
+        leaf = root
+    tightest = None
+    for folder in [leaf, *(p for p in leaf.parents if p.is_relative_to(root))]:
+        level = _cgroup_level(folder, *files, inactive)
+        if level and (tightest is None or level.room < tightest.room):
+            tightest = level
+    return tightest
+
+
+def _cgroup_level(folder: Path, limit_file: str, usage_file: str, inactive: str) -> CgroupMemory | None:
+    """One cgroup's limit and room; None where it has no limit (v2 "max", v1's huge number) or its files are
+    unreadable (a root cgroup has none)."""
+    try:
+        raw = (folder / limit_file).read_text().strip()
+        if raw == "max" or int(raw) >= _CGROUP_V1_UNLIMITED:
+            return None
+        limit, usage = int(raw), int((folder / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    stat = (line.split() for line in _read(folder / "memory.stat").splitlines())
+    reclaimable = next((int(f[1]) for f in stat if len(f) == 2 and f[0] == inactive), 0)
+    return CgroupMemory(str(folder), limit, max(0, limit - usage + reclaimable))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # absent, or not ours to read: as if empty
+        return ""
 
 
 def report(metrics: dict[str, Any]) -> None:
@@ -109,9 +200,20 @@ def report(metrics: dict[str, Any]) -> None:
     ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
 
 
-def wait_for_uploads() -> None:
-    """Until every checkpoint this rank reported is uploaded by every rank and registered by Ray Train."""
-    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+def wait_for_uploads(step: int | None = None, timeout_s: float = UPLOAD_TIMEOUT_S) -> None:
+    """Until every checkpoint this rank reported (the latest of step `step`) is uploaded by every rank and registered
+    by Ray Train; UploadTimeout after `timeout_s` (train.upload_timeout_s): an upload stuck on one rank would
+    otherwise hold every rank here for ever."""
+    start = time.monotonic()
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
+                                           timeout_s=timeout_s)
+    waited = time.monotonic() - start
+    # at its timeout Ray returns what it has registered so far, saying nothing: only a wait this long tells it
+    if waited >= timeout_s:
+        what = "the checkpoints reported" if step is None else f"the checkpoint of step {step}"
+        raise UploadTimeout(f"{what} not registered after {waited:.1f} s of waiting for every rank's upload to "
+                            f"run.storage_path (train.upload_timeout_s {timeout_s:g}): this attempt fails, and Ray "
+                            "Train restarts it from the last registered checkpoint while run.max_failures allows")
 
 
 def checkpoint_name(step: int, attempt: int) -> str:
@@ -172,4 +274,5 @@ def restore(engine) -> tuple[Progress, dict | None] | None:
         path, client_state, resharded = reshard.load(engine, fs, checkpoint.path.rstrip("/"), Path(folder), TAG)
     if path is None:
         raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed state with tag {TAG!r}")
-    return Progress(**client_state["progress"]), resharded
+    known = {f.name for f in fields(Progress)}  # a checkpoint may carry counters this version no longer keeps
+    return Progress(**{k: v for k, v in client_state["progress"].items() if k in known}), resharded

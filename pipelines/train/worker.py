@@ -329,7 +329,8 @@ class TrainWorker(Hooks):
         self._persist_outbox()
         waited, registered = self._wait_for_upload(p.step) if behind else (0.0, {})
         snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step),
-                                    snapshots=self.t.checkpoint_snapshot_dir)
+                                    snapshots=self.t.checkpoint_snapshot_dir,
+                                    upload_timeout_s=self.t.upload_timeout_s)
         blocked = time.perf_counter() - start
         self.upload = (p.step, snapshot) if snapshot else None  # a save at once waited for every upload before it
         self.saved_at = time.monotonic()
@@ -359,7 +360,7 @@ class TrainWorker(Hooks):
                   "(one upload at a time: train.checkpoint_every or checkpoint_every_s shorter than an upload?)",
                   flush=True)
             self.journal.update(waiting_for_upload=previous)
-        train_state.wait_for_uploads()
+        train_state.wait_for_uploads(previous, self.t.upload_timeout_s)
         self.upload = None
         registered = {"checkpoint_step": previous, **({"waiting_for_upload": None} if slow else {})}
         return time.perf_counter() - start, registered
@@ -403,7 +404,7 @@ class TrainWorker(Hooks):
         self._persist_outbox()
         # uploaded before the hold
         train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step),
-                         snapshots=self.t.checkpoint_snapshot_dir)
+                         snapshots=self.t.checkpoint_snapshot_dir, upload_timeout_s=self.t.upload_timeout_s)
         self.upload, self.saved_at = None, time.monotonic()
         if self.hold:  # tests only: the node may go from here on (the outbox went first)
             self.hold(NOTICE_SAVED)
