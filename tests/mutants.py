@@ -108,6 +108,13 @@ MUTANTS = [
            "        self._persist_outbox()\n        # uploaded before the hold\n",
            "        # uploaded before the hold\n",
            ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
+    Mutant("notice-records-persisted",
+           "a notice's own records (its tag, preemptions, preemption_save_s) go to the run's storage before its "
+           "wait: a restart during an outage delivers them",
+           "pipelines/train/worker.py",
+           "            self._persist_outbox()\n        if evaluate:",
+           "        if evaluate:",
+           ("tests/test_tracking_outage.py::test_a_preemption_during_a_tracking_outage_loses_nothing",)),
     Mutant("released-at-once",
            "at the end of a run with the store away, rank 0 hands its queue over and is released at once",
            "pipelines/tracking/outbox.py",
@@ -154,6 +161,13 @@ MUTANTS = [
            "            if False:\n                attempts.record_notice(",
            ("tests/test_guard_notice_loop.py::"
             "test_attempts_that_a_notice_ends_before_their_first_step_stop_the_run_and_no_other_loss_does",)),
+    Mutant("final-notice-remembered",
+           "a notice file seen after the final checkpoint is recorded as taken in the run's storage: a restart does "
+           "not take it for a notice again where renaming it failed",
+           "pipelines/train/worker.py",
+           "max(self.progress.notice_file_mtime, attempts.taken_file_mtime(self.folder))",
+           "self.progress.notice_file_mtime",
+           ("tests/test_preemption.py::test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once",)),
     Mutant("save-at-once-registered",
            "a save at once (a notice's, the final one) returns only once Ray Train registered it (COMMITTED)",
            "pipelines/train/state.py",

@@ -140,7 +140,9 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     run.max_failures=0 the run still ends well), which resumes at step 1; the file is taken by that save (renamed),
     so the restart trains on instead of saving again. The file appears again during the final evaluation (after the
     final checkpoint), which rank 0 is held in (a Hold) until Ray Train's restart has come: the notice is seen there
-    whatever the evaluation's speed, and the restart only evaluates and saves the model. Counted by the steps each
+    whatever the evaluation's speed, and the restart only evaluates and saves the model. That file cannot be renamed
+    (its `.taken` name is a folder): its time, recorded in the run's storage, keeps the restart from taking it for a
+    notice again, so the run ends after three attempts instead of looping into NoticeLoop. Counted by the steps each
     attempt applied (run.audit_steps_to): every step exactly once; MLflow holds every step's metrics once, the
     evaluation's too; and the run ends bit for bit on an uninterrupted run's state (REFERENCE)."""
     notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 40
@@ -158,6 +160,10 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
         wait_for("rank 0 in the final evaluation", final_evaluation.held, 300, 0.1)
         assert any(a.get("checkpoint_step") == steps for a in journal(tmp_path / "ray", "edges")), \
             "rank 0 was in the final evaluation before the final checkpoint"
+        # the first notice's file was taken (renamed); this one cannot be: its name is taken by a folder
+        (tmp_path / "notice.taken").unlink()
+        (tmp_path / "notice.taken").mkdir()
+        (tmp_path / "notice.taken" / "keep").write_text("")
         notice.write_text("1\n")  # a second left
         # the restart comes while rank 0 is still held in the evaluation; pretrain_beside releases it once this returns
         wait_for("the restart after the notice in the final evaluation",
@@ -170,7 +176,8 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     assert [a["from_step"] for a in attempts] == [0, 1, steps], attempts
     assert final_evaluation.held() == 2  # attempt 2, which the restart ended there, and attempt 3, which went on
     assert attempts[0]["notice"]["step"] == 1 and attempts[0]["notice"]["sources"] == ["file"]
-    assert not notice.exists() and (tmp_path / "notice.taken").exists()
+    # the final notice's file stayed (its rename failed), and no restart took it for a notice again
+    assert notice.exists() and (tmp_path / "notice.taken" / "keep").exists()
     client = MlflowClient(result.mlflow_uri)
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and result.metrics["step"] == steps

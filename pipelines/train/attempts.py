@@ -92,10 +92,22 @@ def record_failure(folder: str, attempt: int, rank: int, error: BaseException, s
                {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:1000] if lines else ''}", "step": step})
 
 
-def record_notice(folder: str, attempt: int, rank: int, step: int, sources: list[str]) -> None:
-    """A notice one rank saw after the final checkpoint (no collective runs then to tell rank 0), for the next
-    attempt's line."""
-    write_json(f"{folder}/notices/attempt-{attempt:06d}-rank-{rank}.json", {"step": step, "sources": sources})
+def record_notice(folder: str, attempt: int, rank: int, step: int, sources: list[str], file_mtime: float = 0.0) -> None:
+    """A notice one rank saw where no collective tells rank 0 (before the first step, after the final checkpoint),
+    for the next attempt's line and guard. `file_mtime`: the time of the notice file whose save is done (the final
+    checkpoint's), which no later attempt takes for a notice again (`taken_file_mtime`), even where renaming the file
+    failed."""
+    write_json(f"{folder}/notices/attempt-{attempt:06d}-rank-{rank}.json",
+               {"step": step, "sources": sources, "file_mtime": file_mtime})
+
+
+def taken_file_mtime(folder: str) -> float:
+    """The newest notice file time the ranks recorded as taken (record_notice's `file_mtime`; 0: none)."""
+    fs, path = fs_path(f"{folder}/notices")
+    if not fs.exists(path):
+        return 0.0
+    found = (read_json(fs, name) or {} for name in fs.ls(path, detail=False))
+    return max((float(f.get("file_mtime", 0.0)) for f in found), default=0.0)
 
 
 def notices(folder: str, entry: dict) -> dict | None:

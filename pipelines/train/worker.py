@@ -84,7 +84,8 @@ class TrainWorker(Hooks):
         self.checkpoint_names: set[str] = set()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
-        self.notice.taken_file_mtime = self.progress.notice_file_mtime
+        # a notice file whose save is done: the checkpoint's, or one seen after the final checkpoint (recorded)
+        self.notice.taken_file_mtime = max(self.progress.notice_file_mtime, attempts.taken_file_mtime(self.folder))
         self.ds_fit = DeepSpeedFit(self.engine, self.progress, self.t.grad_accum, self.world, self._flags)
         self.audit = open(cfg.run.audit_steps_to, "a") if cfg.run.audit_steps_to and self.rank == 0 else None
         self.logger = self.journal = self.heartbeat = None
@@ -379,8 +380,8 @@ class TrainWorker(Hooks):
         """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
         checkpoint at once in the one order of every save (what rank 0 has not delivered to MLflow into the run's
         storage, the snapshot, the upload registered: only once every rank's part is in, so a save that the
-        machine's end cuts short is never resumed from), the notice's file taken, the evaluation due at this step
-        after it, then wait for Ray Train's restart. Logged: `preemptions`, `preemption_save_s`, a tag per notice
+        machine's end cuts short is never resumed from), the notice's file taken, its own records handed over too,
+        the evaluation due at this step after it, then wait for Ray Train's restart. Logged: `preemptions`, `preemption_save_s`, a tag per notice
         (its step, sources, seconds left, the save's seconds). A notice at a step that applied nothing since the
         attempt resumed is one without progress (_check_progress)."""
         p, metrics = self.progress, {"step": step}
@@ -419,6 +420,8 @@ class TrainWorker(Hooks):
             print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
                   f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
                   f"{save_s:.1f} s", flush=True)
+            # the notice's own records too, before its evaluation (a restart evaluates again: one record either way)
+            self._persist_outbox()
         if evaluate:  # after the save: a restart before its end evaluates again (evaluate_at), one record either way
             train_state.report({"step": p.step, **self.validate()})
         self.notice.hold(notice["deadline_in_s"])
@@ -526,17 +529,19 @@ class TrainWorker(Hooks):
 
     def _watch_notices(self, done: threading.Event) -> None:
         """A notice after the final checkpoint: handed to Ray (its restart then counts as a preemption and only
-        finishes the evaluation and the model); its file is taken, as the final checkpoint is the save it asks for."""
+        finishes the evaluation and the model); its file is taken, as the final checkpoint is the save it asks for,
+        and its time recorded in the run's storage first, so that no restart takes it for a notice again should
+        renaming it fail."""
         recorded = False
         while not done.wait(1.0):
             if self.notice.pending():
-                sources = self.notice.take()["sources"]
-                self.notice.consume_file(self.notice.file_mtime())
-                self.notice.hand_over()
+                sources, mtime = self.notice.take()["sources"], self.notice.file_mtime()
                 if not recorded:  # every rank: the one that saw it may be the only one left to tell
-                    recorded = True
+                    recorded = True  # before the file is taken: a restart must not take it for a notice again
                     attempts.record_notice(self.folder, self.attempt or self._attempt_of_rank0(), self.rank,
-                                           self.progress.step, sources)
+                                           self.progress.step, sources, file_mtime=mtime)
+                self.notice.consume_file(mtime)
+                self.notice.hand_over()
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
