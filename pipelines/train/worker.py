@@ -381,9 +381,9 @@ class TrainWorker(Hooks):
         checkpoint at once in the one order of every save (what rank 0 has not delivered to MLflow into the run's
         storage, the snapshot, the upload registered: only once every rank's part is in, so a save that the
         machine's end cuts short is never resumed from), the notice's file taken, its own records handed over too,
-        the evaluation due at this step after it, then wait for Ray Train's restart. Logged: `preemptions`, `preemption_save_s`, a tag per notice
-        (its step, sources, seconds left, the save's seconds). A notice at a step that applied nothing since the
-        attempt resumed is one without progress (_check_progress)."""
+        the evaluation due at this step after it, then wait for Ray Train's restart. Logged: `preemptions`,
+        `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds). A notice at a
+        step that applied nothing since the attempt resumed is one without progress (_check_progress)."""
         p, metrics = self.progress, {"step": step}
         notice = self.notice.take()
         if self.world.size > 1:  # every rank's sources (a SIGTERM reaches one process), the earliest deadline
