@@ -15,6 +15,10 @@
   and `start()` again on the same port and database (an outage).
 - `hanging_store` (per test): a `HangingStore`, a tracking store that accepts every connection and never answers (a
   stuck proxy, a server whose workers are all busy): each request held until the test `release()`s it or ends.
+- `proxied_mlflow` (per module) and `proxy_store` (per test): a `ProxyStore`, an HTTP proxy on 127.0.0.1 in front
+  of a real MLflow server that passes calls through, answers them itself (a 404 page, a 413, a 502), holds one past
+  the client's timeout and then passes it on (the retry is a duplicate), or refuses: what an ingress in front of a
+  store that is down answers.
 - `http_calls` (per test): every HTTP request this process's MLflow clients make (requests' sessions), with the thread
   that made it: which calls went to the store from the thread that logs, and which from the outbox's.
 
