@@ -101,25 +101,25 @@ def record_notice(folder: str, attempt: int, rank: int, step: int, sources: list
                {"step": step, "sources": sources, "file_mtime": file_mtime})
 
 
-def taken_file_mtime(folder: str) -> float:
-    """The newest notice file time the ranks recorded as taken (record_notice's `file_mtime`; 0: none)."""
+def _notice_records(folder: str, prefix: str = "") -> list[dict]:
+    """The notices the ranks recorded (record_notice) whose file name starts with `prefix` (an attempt's)."""
     fs, path = fs_path(f"{folder}/notices")
     if not fs.exists(path):
-        return 0.0
-    found = (read_json(fs, name) or {} for name in fs.ls(path, detail=False))
-    return max((float(f.get("file_mtime", 0.0)) for f in found), default=0.0)
+        return []
+    found = [read_json(fs, n) for n in sorted(fs.ls(path, detail=False)) if n.rsplit("/", 1)[-1].startswith(prefix)]
+    return [f for f in found if f]
+
+
+def taken_file_mtime(folder: str) -> float:
+    """The newest notice file time the ranks recorded as taken (record_notice's `file_mtime`; 0: none)."""
+    return max((float(f.get("file_mtime", 0.0)) for f in _notice_records(folder)), default=0.0)
 
 
 def notices(folder: str, entry: dict) -> dict | None:
     """The notice of attempt `entry`: rank 0's record in the journal, else what its ranks recorded themselves."""
     if entry.get("notice"):
         return entry["notice"]
-    fs, path = fs_path(f"{folder}/notices")
-    if not fs.exists(path):
-        return None
-    prefix = f"attempt-{entry['attempt']:06d}-"
-    found = [read_json(fs, n) for n in sorted(fs.ls(path, detail=False)) if n.rsplit("/", 1)[-1].startswith(prefix)]
-    found = [f for f in found if f]
+    found = _notice_records(folder, f"attempt-{entry['attempt']:06d}-")
     if not found:
         return None
     return {"step": min(f["step"] for f in found), "sources": sorted({s for f in found for s in f["sources"]})}
