@@ -243,7 +243,7 @@ MUTANTS = [
     Mutant('duplicate-reread',
            'a refused batch of metrics the store already holds (a late duplicate) is delivered',
            'pipelines/tracking/outbox.py',
-           '            if not any(_kept({**op, "filtered": False}, {"latest": latest}) for op in batch):',
+           '            if not any(_kept({**op, "filtered": False, "event": False}, {"latest": latest}) for op in batch):',
            '            if False:',
            ('tests/test_outbox_answers.py::test_a_batch_held_past_the_clients_timeout_and_delivered_twice_is_not_a_refusal',)),
     Mutant('refusal-bisect',
@@ -264,6 +264,21 @@ MUTANTS = [
            '    return hide_credentials(f"{type(err).__name__}: {text[0][:300] if text else \'\'}")',
            '    return f"{type(err).__name__}: {text[0][:300] if text else \'\'}"',
            ('tests/test_secrets.py::test_the_outbox_never_prints_nor_keeps_the_password_of_a_store_that_is_away',)),
+    Mutant("replay-latest-grows",
+           "what the outbox delivers counts as the store's: a record a restart makes again (a notice's evaluation) "
+           "after an earlier attempt's handed-over copy lands once",
+           "pipelines/tracking/outbox.py",
+           "            latest[key] = max(latest.get(key, -1), step)\n",
+           "            pass\n",
+           ("tests/test_tracking_outage.py::"
+            "test_a_record_made_again_by_a_restart_lands_once_and_its_own_events_all_land",)),
+    Mutant("events-not-replays",
+           "an attempt's own events (a save's seconds, a notice) inside the replay window are delivered",
+           "pipelines/tracking/outbox.py",
+           'if op.get("filtered") or op.get("event"):',
+           'if op.get("filtered"):',
+           ("tests/test_tracking_outage.py::"
+            "test_a_record_made_again_by_a_restart_lands_once_and_its_own_events_all_land",)),
 ]
 
 

@@ -306,3 +306,61 @@ def test_a_restart_neither_reads_the_store_nor_logs_a_step_twice(tmp_path, monke
     assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "top1")] == [(10, 0.5)]
     assert client.get_run(run_id).data.tags[tracking_outbox.LOGGED_THROUGH_TAG] == "12"
+
+
+def test_a_record_made_again_by_a_restart_lands_once_and_its_own_events_all_land(tmp_path, monkeypatch):
+    """Two records a restart repeats, and the events it adds. (a) A notice at an evaluation step during an outage:
+    attempt 1 saves at step 10, logs its notice and evaluates, and hands everything over (the store away throughout);
+    attempt 2 resumes from that checkpoint, which says the evaluation may not have ended, and evaluates again: MLflow
+    gets step 10's evaluation once (attempt 1's, delivered first). (b) Events inside the replay window: attempt 1
+    delivered steps 1-12 and a save's seconds at steps 5 and 10, and died before step 10's checkpoint was registered;
+    attempt 2 resumes from step 5 and saves at step 10 again: that second save's seconds are the attempt's own, not a
+    replay, and land beside the first."""
+    for key, value in CLIENT_BUDGET.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tracking_logger, "OUTBOX_DIR", tmp_path / "outbox")
+    uri = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("again")
+
+    # (a) the store away for all of attempt 1
+    run_id, storage = client.create_run(experiment).info.run_id, str(tmp_path / "notice")
+    first = StepLogger(f"http://127.0.0.1:{free_port()}", run_id, None, background=True)
+    for step in range(1, 11):
+        first.log({"loss": float(step)}, step)
+    first.persist(storage)  # the notice's save
+    first.log({"preemptions": 1.0}, 10, event=True)
+    first.log({"top1": 0.5}, 10)  # its evaluation, after the save
+    first.persist(storage)  # the attempt ends: what it has not delivered, handed over
+    first.outbox.stopped = True
+    second = StepLogger(uri, run_id, None, resumed_from=10, background=True,
+                        carried=tracking_outbox.load(storage, tmp_path / "fa", 10))
+    second.log({"top1": 0.6}, 10)  # the evaluation again
+    for step in (11, 12):
+        second.log({"loss": float(step)}, step)
+    assert second.outbox.wait(scaled(30))
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "top1")] == [(10, 0.5)]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 13))
+    assert [m.step for m in client.get_metric_history(run_id, "preemptions")] == [10]
+
+    # (b) the store up: attempt 1 delivered as it went
+    run_id = client.create_run(experiment).info.run_id
+    first = StepLogger(uri, run_id, None, background=True)
+    for step in range(1, 13):
+        first.log({"loss": float(step)}, step)
+        if step in (5, 10):
+            first.log({"checkpoint_blocked_s": 0.1 * step}, step, event=True)
+    assert first.outbox.wait(scaled(30))
+    first.outbox.stopped = True
+    second = StepLogger(uri, run_id, None, resumed_from=5, background=True)
+    second.log({"preemption_steps_lost": 7.0}, 5, event=True)
+    for step in range(6, 14):
+        second.log({"loss": 100.0 + step}, step)
+        if step == 10:
+            second.log({"checkpoint_blocked_s": 2.0}, step, event=True)
+    assert second.outbox.wait(scaled(30))
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "checkpoint_blocked_s")) == \
+        [(5, 0.5), (10, 1.0), (10, 2.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == \
+        [(s, float(s)) for s in range(1, 13)] + [(13, 113.0)]
+    assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]

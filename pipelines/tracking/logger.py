@@ -48,16 +48,18 @@ class StepLogger:
             self.logged_through = int(data.tags.get(LOGGED_THROUGH_TAG, -1))
             self.delivered = {m.key: m.step for m in data.to_proto().metrics}  # each key's latest step in MLflow
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, event: bool = False) -> None:
+        """`event`: metrics of what this attempt did (a save, a notice, its start), kept even where a restart replays
+        their step; the others are the step's own records, logged once whichever attempt made them."""
         now = int(time.time() * 1000)
         self.last_step = max(self.last_step, step)
         if self.outbox:
-            self.outbox.put_metrics([Metric(k, float(v), now, step) for k, v in metrics.items()])
+            self.outbox.put_metrics([Metric(k, float(v), now, step) for k, v in metrics.items()], event)
             return
         # a replayed step's metrics that MLflow has from before the restart are left out (per key: the attempt that
         # logged the step's loss may have died before its evaluation)
         self.buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()
-                        if not replayed(k, step, self.resumed_from, self.delivered)]
+                        if event or not replayed(k, step, self.resumed_from, self.delivered)]
         if self.flush_every is not None and len(self.buffer) >= self.flush_every:
             self.flush()
 

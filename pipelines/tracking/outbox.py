@@ -117,17 +117,22 @@ def answer_of(err: BaseException, op: dict, files: Path) -> str:
     return OUTAGE
 
 
-def metrics_op(metrics: list[Metric], replay_from: int) -> dict:
-    return {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics], "from": replay_from}
+def metrics_op(metrics: list[Metric], replay_from: int, event: bool = False) -> dict:
+    """`event`: what this attempt did (a save's seconds, a notice, a start-up), never a replay of an earlier attempt's
+    record, so never dropped by the replay rule."""
+    op = {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics], "from": replay_from}
+    return {**op, "event": True} if event else op
 
 
 def _kept(op: dict, state: dict) -> list[list]:
     """A metrics op's entries that are not replays of what an earlier attempt delivered: of the steps from the op's
     `from` on, those whose key the store holds at that step or later. Per key, not up to the run's horizon: an attempt
     that delivered the last step's loss and died before the final evaluation did not deliver the evaluation's metrics
-    at that step (delivery is in order, so a key's latest step bounds what was delivered of it). An op filtered by the
-    attempt that knew the store's steps keeps its entries."""
-    if op.get("filtered"):
+    at that step (delivery is in order, so a key's latest step bounds what was delivered of it). `latest` grows with
+    each delivery, so a record an earlier attempt handed over and this attempt made again (the evaluation at a notice's
+    step, which the restart repeats) lands once. An op filtered by the attempt that knew the store's steps, and an
+    event's, keep their entries."""
+    if op.get("filtered") or op.get("event"):
         return op["metrics"]
     low, latest = op.get("from", -1), state["latest"]
     return [m for m in op["metrics"] if not replayed(m[0], m[3], low, latest)]
@@ -151,6 +156,9 @@ def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s:
         client.log_batch(run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in entries],
                          tags=[RunTag(LOGGED_THROUGH_TAG, str(through))])
         state["through"] = through
+        latest = state["latest"]
+        for key, _, _, step in entries:
+            latest[key] = max(latest.get(key, -1), step)
     elif "tag" in op:
         client.set_tag(run_id, *op["tag"])
     elif "file" in op:
@@ -270,8 +278,8 @@ class Outbox:
             self.queue.append(op)
             self.in_memory += size
 
-    def put_metrics(self, metrics: list[Metric]) -> None:
-        self.put(metrics_op(metrics, self.replay_from))
+    def put_metrics(self, metrics: list[Metric], event: bool = False) -> None:
+        self.put(metrics_op(metrics, self.replay_from, event))
 
     def put_file(self, path: Path, artifact_path: str | None) -> None:
         name = f"{uuid.uuid4().hex[:12]}/{path.name}"  # unique across attempts: carried files keep their names
@@ -415,7 +423,7 @@ class Outbox:
                     return False  # the read is tried again with the batch
                 self._set_aside(batch, err)  # the run itself is refused (gone): each of its metrics would be
                 return True
-            if not any(_kept({**op, "filtered": False}, {"latest": latest}) for op in batch):
+            if not any(_kept({**op, "filtered": False, "event": False}, {"latest": latest}) for op in batch):
                 self.state["through"] = max(self.state["through"], through)
                 with self.cv:
                     self._pop(batch)

@@ -170,7 +170,7 @@ class TrainWorker(Hooks):
                   + (f"{again} step(s) to run again" if again is not None else "the steps it runs again are unknown"),
                   flush=True)
             if attempts.notices(journal.folder, prev):  # the steps between the notice and the checkpoint resumed from
-                self.logger.log({"preemption_steps_lost": again}, p.step)
+                self.logger.log({"preemption_steps_lost": again}, p.step, event=True)
         else:
             left = self.last_step - p.step
             record.update(why="a new command on the run's storage", steps_left=max(0, left))
@@ -308,7 +308,7 @@ class TrainWorker(Hooks):
         startup_s, self.job_started_at = time.time() - self.job_started_at, None
         if self.logger and self.progress.step == 1:
             print(f"[train] first step {self.progress.step} done {startup_s:.1f} s after the job started", flush=True)
-            self.logger.log({"startup_s": startup_s}, self.progress.step)
+            self.logger.log({"startup_s": startup_s}, self.progress.step, event=True)
 
     def _data_check(self) -> bool:
         """Collective: whether rank 0 found more of the training data skipped than data.max_bad_frac allows
@@ -338,7 +338,7 @@ class TrainWorker(Hooks):
         if self.journal:  # one write a save: the upload registered before it, this one's step
             self.journal.update(reached=p.step, **registered, **({} if behind else {"checkpoint_step": p.step}))
         if self.logger:
-            self.logger.log({"checkpoint_blocked_s": blocked, "checkpoint_wait_s": waited}, p.step)
+            self.logger.log({"checkpoint_blocked_s": blocked, "checkpoint_wait_s": waited}, p.step, event=True)
 
     def _persist_outbox(self) -> None:
         """Rank 0, first in every save (the one order: outbox, snapshot, registration): what MLflow has not got yet,
@@ -414,7 +414,7 @@ class TrainWorker(Hooks):
         self.notice.consume_file(p.notice_file_mtime)
         self.notice.hand_over()
         if self.logger:
-            self.logger.log({"preemptions": p.preemptions, "preemption_save_s": save_s}, p.step)
+            self.logger.log({"preemptions": p.preemptions, "preemption_save_s": save_s}, p.step, event=True)
             self.logger.tag(f"probvlp.preemption.step_{p.step}", json.dumps({**notice, "save_s": round(save_s, 3)}))
             left = notice["deadline_in_s"]
             print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
