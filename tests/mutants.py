@@ -279,6 +279,14 @@ MUTANTS = [
            'if op.get("filtered"):',
            ("tests/test_tracking_outage.py::"
             "test_a_record_made_again_by_a_restart_lands_once_and_its_own_events_all_land",)),
+    Mutant("failure-queued",
+           "a failed job's FAILED status is queued after what rank 0 left and kept when the store is away: the job's "
+           "error is never held by the store",
+           "pipelines/tracking/runs.py",
+           "            run.fail()\n",
+           '            finish_run(uri, run.run_id, "FAILED")\n',
+           ("tests/test_outbox_answers.py::"
+            "test_a_job_that_fails_while_the_store_hangs_fails_at_once_and_its_failed_status_is_kept",)),
 ]
 
 

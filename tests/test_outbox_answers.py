@@ -264,3 +264,38 @@ def test_the_calls_of_a_run_the_store_does_not_have_are_set_aside_at_once(proxy_
     assert report.kept_in is None and report.refused == 2 and report.outages == 0, out
     assert all("RESOURCE_DOES_NOT_EXIST" in kept["answer"] for kept in refused_in(tmp_path / "outbox"))
     assert proxy_store.count("runs/log-batch") == 1 and proxy_store.count("runs/set-tag") == 1, proxy_store.counts
+
+
+@pytest.mark.slow
+def test_a_job_that_fails_while_the_store_hangs_fails_at_once_and_its_failed_status_is_kept(
+        proxied_mlflow, proxy_store, tmp_path, monkeypatch, capfd):
+    """The job's run fails while the store behind the proxy holds every call unanswered (a hung ingress): the job's
+    own error comes out while the proxy still holds the one call the end made (the tracking.flush_timeout_s of 600 s
+    is not waited for, nor the client's retries), with one line; the run's FAILED status is kept after what rank 0
+    left in the run's storage, and `deliver` ends the run FAILED with all of it once the store answers."""
+    from pipelines.tracking.outbox import write_pending
+    from pipelines.tracking.runs import tracked_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    storage = tmp_path / "storage"
+    with pytest.raises(RuntimeError, match="the job's own error"):
+        with tracked_run(proxy_store.uri, f"fails-{uuid.uuid4().hex[:8]}", "fails", resumed=False, params={},
+                         config_yaml="a: 1\n", tags={}) as run:
+            run.pending_in, run.flush_timeout_s = str(storage), 600.0
+            # what rank 0 handed over as its attempt failed
+            write_pending(str(storage), run.run_id, proxy_store.uri, [metrics_op([loss(s)], 0) for s in (1, 2, 3)],
+                          tmp_path / "files", 0.0)
+            proxy_store.hold_then_forward(3600)
+            raise RuntimeError("the job's own error")
+    out = capfd.readouterr().out
+    held = proxy_store.count("/api/2.0/mlflow/")
+    assert held >= 1 and len(proxy_store.answered) < sum(proxy_store.counts.values()), \
+        (proxy_store.counts, proxy_store.answered)  # the end's call still held: the job did not wait for it
+    assert f"{run.run_id}'s FAILED status and 3 calls before it are kept in {storage}" in out, out
+    assert "python -m pipelines.tracking.deliver" in out
+    client = MlflowClient(proxied_mlflow.uri)
+    assert client.get_run(run.run_id).info.status == "RUNNING"
+    proxy_store.forward()
+    assert deliver.main([str(storage), proxied_mlflow.uri]) == 0
+    assert client.get_run(run.run_id).info.status == "FAILED"
+    assert history(client, run.run_id) == [(1, 1.0), (2, 2.0), (3, 3.0)]

@@ -610,10 +610,12 @@ def load(target: str, files: Path, resumed_step: int | None = None,
 
 
 def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, extra: list[dict] = (), *,
-                 run_id: str | None = None, shown_uri: str | None = None) -> OutboxReport:
+                 run_id: str | None = None, shown_uri: str | None = None,
+                 while_reachable: bool = False) -> OutboxReport:
     """Deliver the calls kept in `target` (and `extra` after them) to the run's store (`uri`, or the one they were
-    meant for: the kept copy hides credentials) for up to `timeout_s`; what is still left stays in `target`. The
-    report's `refused`: every call of the run set aside in `target`'s refused.jsonl (earlier attempts' included)."""
+    meant for: the kept copy hides credentials) for up to `timeout_s` (`while_reachable`: only until a call finds the
+    store away); what is still left stays in `target`. The report's `refused`: every call of the run set aside in
+    `target`'s refused.jsonl (earlier attempts' included)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -626,5 +628,5 @@ def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, 
             raise ValueError(f"{target}: no kept calls of a run (and no store named)")
         outbox = Outbox(MlflowClient(store), run_id, head.get("uri", shown_uri or store), folder,
                         carried=[*ops, *extra], unreachable_s=head.get("unreachable_s", 0.0), store=store)
-        report = outbox.close(-1, timeout_s, keep_to=target, summary=False)
+        report = outbox.close(-1, timeout_s, keep_to=target, while_reachable=while_reachable, summary=False)
         return dataclasses.replace(report, refused=len(refused_in(target)))

@@ -118,6 +118,24 @@ class TrackedRun:
             self.registered_version = str(max(int(v.version) for v in versions)) if versions else None
 
 
+    def fail(self) -> None:
+        """The run ends FAILED without waiting on a store that is away: the status queued after what rank 0 left
+        (`pending_in`, else this node's outbox folder) and delivered while the store answers, each call bounded by
+        the outbox's client timeout; at the first call that finds it away, all of it is kept with one line naming
+        the command that delivers it. The job's own error follows at once either way."""
+        from pipelines.tracking.logger import OUTBOX_DIR
+        from pipelines.tracking.outbox import deliver_kept
+
+        target = self.pending_in or str(OUTBOX_DIR / f"{self.run_id}-failed")
+        shown = hide_credentials(self.uri)
+        self.kept = report = deliver_kept(target, self.uri, self.flush_timeout_s, extra=[{"status": "FAILED"}],
+                                          run_id=self.run_id, shown_uri=shown, while_reachable=True)
+        if report.kept_in is not None:
+            print(f"[tracking] {shown} is away as the job fails: run {self.run_id}'s FAILED status and "
+                  f"{report.pending - 1} calls before it are kept in {report.kept_in}; deliver them with: {COMMAND} "
+                  f"{report.kept_in}", flush=True)
+
+
 @contextmanager
 def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, params: dict[str, Any],
                 config_yaml: str, tags: dict[str, str], register_as: str | None = None) -> Iterator[TrackedRun]:
@@ -144,9 +162,9 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, para
         yield run
     except BaseException:
         try:
-            finish_run(uri, run.run_id, "FAILED")
-        except Exception as err:  # noqa: BLE001 - the store away too: the job's own error is the one to show
-            print(f"[tracking] could not mark run {run.run_id} FAILED ({type(err).__name__}); the job's error "
+            run.fail()
+        except Exception as err:  # noqa: BLE001 - the job's own error is the one to show
+            print(f"[tracking] could not end run {run.run_id} FAILED ({type(err).__name__}); the job's error "
                   "follows", flush=True)
         raise
     finally:
