@@ -15,11 +15,26 @@ def job_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.splitlines()[0])
 
 
+class _Override(argparse.Action):
+    """`--set KEY=VALUE`, appended; a value that carries credentials (a URI's password or token) gets one warning:
+    a command line is seen by every user of the machine and Ray keeps a driver's (its dashboard's jobs)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), value])
+        if "@" in value or "?" in value:  # before loading MLflow's package for the check
+            from pipelines.tracking.store import hide_credentials
+
+            if hide_credentials(value) != value:
+                print(f"warning: --set {hide_credentials(value)} carries credentials, and a command line is seen by "
+                      "every user of this machine (ps) and kept by Ray (its dashboard's jobs): put them in the config "
+                      "file or the environment (MLFLOW_TRACKING_URI)", file=sys.stderr)
+
+
 def config_parser(prog: str, doc: str, config_help: str, set_example: str) -> argparse.ArgumentParser:
     """A job parser with `--config FILE` and repeatable `--set KEY=VALUE`."""
     parser = job_parser(prog, doc)
     parser.add_argument("--config", required=True, help=config_help)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", dest="overrides", action=_Override, default=[], metavar="KEY=VALUE",
                         help=f"override a config value, e.g. --set {set_example} (repeatable)")
     return parser
 

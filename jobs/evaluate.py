@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = InferenceOptions(concurrency=args.actors, batch_size=args.batch_size, num_gpus=args.gpus_per_actor)
     result = run_evaluate(cfg, args.model, Path(args.out) if args.out else None, opts)
-    print(f"results: {result.out / 'results.json'}; MLflow run {result.mlflow_run_id} at {result.mlflow_uri}")
+    from pipelines.tracking import hide_credentials
+
+    print(f"results: {result.out / 'results.json'}; MLflow run {result.mlflow_run_id} at "
+          f"{hide_credentials(result.mlflow_uri)}")
     for line in headline(result.metrics):
         print(line)
     return 0

@@ -69,9 +69,12 @@ class RunConfig(Section):
     # default).
     max_preemptions: int = Field(-1, ge=-1)
     # SIGTERM to a training worker's process is a notice of preemption this many seconds ahead (a Kubernetes pod's
-    # terminationGracePeriodSeconds, `docker stop -t`, a SLURM KillWait): the run saves at the next step and Ray
-    # Train restarts it once the time is up. None: SIGTERM ends the worker at once, as in Ray.
+    # terminationGracePeriodSeconds, `docker stop -t`, a SLURM KillWait): the run saves at the next step (and again
+    # before the time is up: run.notice_train_on) and Ray Train restarts it once the time is up. None: SIGTERM ends the worker at once, as in Ray.
     sigterm_grace_s: float | None = Field(30.0, ge=0)
+    # After a notice's save, train on and save once more just before the deadline (what the restart resumes from),
+    # where the deadline leaves room for that save; false: every worker waits from the notice's save to the restart.
+    notice_train_on: bool = True
     # A run stops with one line, instead of restarting for ever, after this many attempts in a row that a notice of
     # preemption ended before they trained a step (a notice source that never clears, a deadline shorter than the
     # start-up). A step trained is progress; an attempt lost to anything else is a failure (max_failures).

@@ -541,8 +541,20 @@ class ProxyStore:
                     self.rules.pop(0)
             return rule
 
+    @staticmethod
+    def _behind_gateway(target: str) -> str:
+        """A request through a gateway that takes a token in the URI's query (the tracking URI
+        http://127.0.0.1:PORT/gw?token=T: MLflow puts its endpoint after it, /gw?token=T/api/2.0/...&run_id=...) or in
+        front of it (artifacts: /gw/api/2.0/mlflow-artifacts/...), as the store behind it is asked."""
+        if target.startswith("/gw?token="):
+            rest = target[len("/gw?token="):].partition("/")[2]
+            endpoint, _, query = rest.partition("&")
+            return f"/{endpoint}" + (f"?{query}" if query else "")
+        return target[len("/gw"):] if target.startswith("/gw/") else target
+
     def _serve(self, handler) -> None:
-        path = handler.path.split("?", 1)[0]
+        target = self._behind_gateway(handler.path)
+        path = target.split("?", 1)[0]
         headers = {k: v for k, v in handler.headers.items()
                    if k.lower() not in ("host", "connection", "keep-alive", "transfer-encoding", "content-length")}
         if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -562,7 +574,7 @@ class ProxyStore:
         if rule is None or rule.kind != "answer":
             if rule is not None and rule.kind == "hold":
                 time.sleep(rule.seconds)  # the client gave up meanwhile; the server gets the call now
-            status, reply, content_type = self._forward(handler.command, handler.path, headers, body)
+            status, reply, content_type = self._forward(handler.command, target, headers, body)
         if rule is not None and rule.kind in ("answer", "forward_then_answer"):
             status, reply, content_type = rule.status, rule.body, rule.content_type
         try:

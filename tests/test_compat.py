@@ -218,3 +218,15 @@ def test_a_failure_to_read_the_notice_is_logged_once(monkeypatch, caplog):
 
 def test_the_preemption_deadline_is_ray_trains():
     assert ray_private.default_preemption_deadline_s() == 120.0  # Ray 2.60's; a change is worth a look
+
+
+def test_a_job_says_at_its_start_what_an_untested_ray_breaks(monkeypatch, capsys):
+    """`say_problems` (Launch.start_ray): nothing with the tested Ray; a private name gone (as an upgrade moves one)
+    is one line naming it and the version."""
+    from pipelines.compat import say_problems
+
+    assert say_problems("ray_private", "ray") == [] and capsys.readouterr().out == ""
+    monkeypatch.setattr(ray_private, "PRIVATE_NAMES", [*ray_private.PRIVATE_NAMES, "ray.train:_moved_away"])
+    [problem] = say_problems("ray_private", "ray")
+    [line] = capsys.readouterr().out.splitlines()
+    assert "ray.train:_moved_away" in problem and line.startswith("[compat] ray 2.") and problem in line

@@ -42,9 +42,11 @@ STEPS = 5000
 # for room to grow every 2 s.
 # ZeRO-2: every resize restarts from a checkpoint of the other world size, which the training worker's restore converts
 # (pipelines.train.state.restore -> pipelines.train.reshard.load).
+# The notices' saves hold to the restart (run.notice_train_on false): each scenario's restart resumes from the notice's
+# own step, which the test reads in the journal; training on to a last save is tests/test_preemption.py's.
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",
            "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
-           "run.max_failures=4"]
+           "run.max_failures=4", "run.notice_train_on=false"]
 
 
 def registered(s3, run_folder: str) -> list[str]:

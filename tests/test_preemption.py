@@ -193,3 +193,47 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     assert final["why"].endswith(f"at step {steps}") and final["steps_again"] == 0
     assert "digits_zeroshot/top1" in result.metrics
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
+
+
+# Run alone (the cluster tier): the last save races the deadline, which the other tier's load would stretch.
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_notice_with_room_trains_on_and_saves_again_before_its_deadline(ray_local, digits_root, no_notice,
+                                                                         tmp_path):
+    """A notice file written after step 10 of a two-worker run, its seconds left those of ~80 steps (as this run
+    steps, timed over steps 5-10) and 10 more for the last save's reserve: both ranks save
+    at once (the notice's save), then train on instead of waiting, and save again before the deadline (kept free: twice
+    the notice's save, two slow steps and NOTICE_MARGIN_S); Ray Train's restart at the deadline resumes from that last
+    save. Counted by the steps each attempt applied: attempt 1 trained past the notice's step (a hold would have
+    stopped there) up to the last save's, attempt 2 went on from the next one, no step twice; MLflow's
+    preemption_trained_on_steps says as many, and every step's loss is there once."""
+    from pipelines.train.preemption import NOTICE_MARGIN_S
+    from tests.small_runs import audited as timed_audit
+
+    def timed_steps(path):
+        return timed_audit(path).get(1, [])
+
+    notice, audit, steps = tmp_path / "notice", tmp_path / "steps.txt", 300
+    cfg = config(tmp_path, digits_root, "train-on", "train.steps=300", "train.log_every=1", "train.eval_every=0",
+                 "train.checkpoint_every=1000", "run.max_failures=0", f"run.notice_file={notice}",
+                 f"run.audit_steps_to={audit}")
+
+    def notice_after_step_10() -> None:
+        wait_for("step 10", lambda: max(audited(audit).get(1, [0])) >= 10, 300, 0.1)
+        at = {step: t for step, t in timed_steps(audit)}
+        notice.write_text(f"{10 + 80 * (at[10] - at[5]) / 5:.0f}\n")
+
+    result = pretrain_beside(cfg, notice_after_step_10)
+    ran, attempts = audited(audit), journal(tmp_path / "ray", "train-on")
+    noticed = attempts[0]["notice"]["step"]
+    last = attempts[1]["from_step"]
+    assert [a["from_step"] for a in attempts] == [0, last] and noticed < last < steps, attempts
+    assert ran == {1: list(range(1, last + 1)), 2: list(range(last + 1, steps + 1))}, \
+        {a: (s[0], s[-1], len(s)) for a, s in ran.items()}
+    client = MlflowClient(result.mlflow_uri)
+    run_id = result.mlflow_run_id
+    [kept] = client.get_metric_history(run_id, "preemption_trained_on_steps")
+    assert (kept.step, kept.value) == (last, last - noticed)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, steps + 1))
+    assert client.get_run(run_id).info.status == "FINISHED"
+    print(f"notice at step {noticed}, trained on to {last} ({last - noticed} steps kept; margin {NOTICE_MARGIN_S} s)")

@@ -29,6 +29,7 @@ from pipelines.tracking import StepLogger
 from pipelines.fit.config import LoopConfig
 from pipelines.fit.loop import Hooks, epoch_batches, run_steps
 from pipelines.fit.optim import lr_at, optimizer_for
+from pipelines.fit.trainer import private
 from pipelines.fit.plain_state import fit_state, load_fit_state
 from pipelines.fit.progress import Progress
 from pipelines.fit.step import plain_step
@@ -153,7 +154,8 @@ class AdapterHooks(Hooks):
 
 
 def adapt_loop(config: dict[str, Any]) -> None:
-    cfg = adapt_config_from_dict(config["config"])
+    job = private(config)
+    cfg = adapt_config_from_dict(job["config"])
     t = cfg.train
     rank, world = ray.train.get_context().get_world_rank(), World.current()
     if not t.use_gpu:
@@ -166,7 +168,7 @@ def adapt_loop(config: dict[str, Any]) -> None:
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    logger = StepLogger(config["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
+    logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
     hooks = AdapterHooks(fit, cfg, logger)
     shard = ray.train.get_dataset_shard("train")
 

@@ -56,3 +56,16 @@ def unresolved(names) -> list[str]:
         except Exception as err:  # reported, not swallowed: this is the check's answer
             out.append(f"{name}: {type(err).__name__}: {err}")
     return out
+
+
+def say_problems(module_name: str, library: str) -> list[str]:
+    """At a job's start: `problems()` of `pipelines.compat.<module_name>` against the installed `library`, one line
+    each (what no longer holds, and that the functions built on it answer as if the library had nothing to say, a
+    drain's notices unseen, say); the list. Nothing is printed where all holds, the tested versions."""
+    from importlib.metadata import version
+
+    found = importlib.import_module(f"pipelines.compat.{module_name}").problems()
+    for problem in found:
+        print(f"[compat] {library} {version(library)} is not the version this project was tested with: {problem}; "
+              "what builds on it is off (pipelines/compat)", flush=True)
+    return found

@@ -14,8 +14,9 @@ import ray.train
 
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray
+from pipelines.compat import say_problems
 from pipelines.config import JobDocument, RunStopped
-from pipelines.fit.trainer import run_exists, torch_trainer
+from pipelines.fit.trainer import PRIVATE, run_exists, torch_trainer
 from pipelines.tracking import TrackedRun, tracked_run, tracking_uri
 
 D = TypeVar("D", bound=JobDocument)
@@ -55,6 +56,7 @@ class Launch(Generic[D]):
         writes `writes` there)."""
         cfg = self.cfg
         init_ray(cfg.ray.address, cfg.ray.num_cpus or cpus)
+        say_problems("ray_private", "ray")  # a Ray the project was not tested with: which notices go unseen
         joined = joined_cluster(cfg) if joined is None else joined
         check_cluster_holds_a_worker(cfg.train.worker_resources, joined=joined)
         check_storage(cfg, writes)
@@ -73,11 +75,13 @@ class Launch(Generic[D]):
     def fit(self, loop: Callable[[dict], None], loop_config: dict[str, Any], datasets: dict[str, Any], *,
             callbacks: list | None = None, dataset_config: ray.train.DataConfig | None = None,
             stopped: Callable[[], str | None] | None = None) -> ray.train.Result:
-        """The workers' `loop` on Ray Train, inside `run`: they get `loop_config` with the config and the MLflow run.
+        """The workers' `loop` on Ray Train, inside `run`: they get `loop_config` with the MLflow run, and the config
+        and the store's URI by reference (`pipelines.fit.trainer.private`: Ray Train's run state holds no secret).
         A failed fit the workers stopped on purpose (`stopped()` says why) is that one line (RunStopped), not Ray's
         traceback."""
         run = self.tracked
-        config = {"config": self.cfg.to_dict(), "mlflow_uri": self.uri, "mlflow_run_id": run.run_id, **loop_config}
+        config = {PRIVATE: ray.put({"config": self.cfg.to_dict(), "mlflow_uri": self.uri}),
+                  "mlflow_run_id": run.run_id, **loop_config}
         trainer = torch_trainer(loop, config, self.cfg, datasets, callbacks, dataset_config)
         try:
             return trainer.fit()

@@ -10,6 +10,19 @@ from ray.train.torch import TorchTrainer
 from pipelines.config import EvalTask, JobDocument
 
 
+# The loop config's key of what its workers alone may see: the config and the store's URI, which may carry credentials,
+# passed by reference (an object in Ray's store), since Ray Train keeps the loop config in its run state (the
+# dashboard, the state API, export events).
+PRIVATE = "private"
+
+
+def private(config: dict[str, Any]) -> dict[str, Any]:
+    """A worker's view of what its job passed by reference: {"config": the config as a dict, "mlflow_uri": ...}."""
+    import ray
+
+    return ray.get(config[PRIVATE])
+
+
 def eval_dataset_name(task: EvalTask) -> str:
     """The Ray Train dataset that carries an eval task's data to the workers (rank 0 reads it)."""
     return f"eval_{task.name}"

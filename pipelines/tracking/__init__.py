@@ -6,9 +6,10 @@ from pipelines.tracking.logger import OUTBOX_DIR, StepLogger
 from pipelines.tracking.mlflow_model import model_file, resolve_model, save_mlflow_model
 from pipelines.tracking.runs import (TrackedRun, end_trial_runs, find_run, finish_run, finish_with_results, git_commit,
                                      reopen_run, start_run, tracked_run)
-from pipelines.tracking.store import (hide_credentials, is_local_store, redact, sqlite_artifact_root, tracking_uri,
-                                      worker_client)
+from pipelines.tracking.store import (hide_credentials, is_local_store, redact, redact_yaml, sqlite_artifact_root,
+                                      tracking_uri, worker_client)
 
 __all__ = ["OUTBOX_DIR", "StepLogger", "TrackedRun", "end_trial_runs", "find_run", "finish_run", "finish_with_results",
-           "git_commit", "hide_credentials", "is_local_store", "model_file", "redact", "reopen_run", "resolve_model",
-           "save_mlflow_model", "sqlite_artifact_root", "start_run", "tracked_run", "tracking_uri", "worker_client"]
+           "git_commit", "hide_credentials", "is_local_store", "model_file", "redact", "redact_yaml", "reopen_run",
+           "resolve_model", "save_mlflow_model", "sqlite_artifact_root", "start_run", "tracked_run", "tracking_uri",
+           "worker_client"]

@@ -10,6 +10,7 @@ from typing import Any
 from mlflow.artifacts import download_artifacts
 
 import models
+from pipelines.tracking.store import hide_credentials
 
 
 def _requirement(package: str) -> str:
@@ -74,8 +75,9 @@ def resolve_model(source: str, uri: str, dst: str | Path) -> dict[str, Any]:
         config = Path(download_artifacts(run_id=run_id, artifact_path="config.yaml", dst_path=str(dst),
                                          tracking_uri=uri)).read_text()
     except Exception as err:  # noqa: BLE001 - MLflow raises several kinds for a missing run or artifact
-        raise ValueError(f"--model {source!r}: cannot read the run's model from {uri} ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        raise ValueError(hide_credentials(f"--model {source!r}: cannot read the run's model from {uri} "
+                                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+                         ) from None
     if not model_file(folder).is_file():
         raise ValueError(f"--model {source!r}: the run has no model/data/model.safetensors (did it finish?)")
     loss = folder / "loss.safetensors"

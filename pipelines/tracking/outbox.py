@@ -38,7 +38,7 @@ from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException, RestException
 
 from pipelines.storage import fs_path, write_bytes_atomic
-from pipelines.tracking.store import hide_credentials
+from pipelines.tracking.store import hide_credentials, no_links_with_credentials
 
 LOGGED_THROUGH_TAG = "probvlp.logged_through"  # the highest step a run's metrics are in MLflow for
 BATCH = 1000  # metrics per log_batch (MLflow's limit)
@@ -234,6 +234,7 @@ class Outbox:
         """`uri`: the store's, credentials hidden (it is printed, and kept with what was not delivered); `store`:
         the store itself, for a model's registration (the driver's outbox only)."""
         self.client, self.run_id, self.uri = client, run_id, hide_credentials(uri)
+        no_links_with_credentials(uri)
         self.replay_from = replay_from
         self.folder = folder
         self.files = self.folder / "files"

@@ -16,7 +16,7 @@ from mlflow.entities import Metric, Param
 from pipelines.config import PROJECT_ROOT
 from pipelines.tracking.logger import StepLogger
 from pipelines.tracking.outbox import COMMAND, UNREACHABLE_METRIC, OutboxReport, register_model_version
-from pipelines.tracking.store import experiment_id, hide_credentials, is_local_store, redact
+from pipelines.tracking.store import experiment_id, hide_credentials, is_local_store, redact, redact_yaml
 
 
 def git_commit() -> str | None:
@@ -36,7 +36,7 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
     items = [Param(k, str(v)[:6000]) for k, v in redact(params).items()]
     for i in range(0, len(items), 100):
         client.log_batch(run.info.run_id, params=items[i : i + 100])
-    client.log_text(run.info.run_id, config_yaml, "config.yaml")
+    client.log_text(run.info.run_id, redact_yaml(config_yaml), "config.yaml")
     return run.info.run_id
 
 
@@ -58,7 +58,7 @@ def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
     attempt = int(client.get_run(run_id).data.tags.get("probvlp.resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
     client.set_tag(run_id, "probvlp.resumes", str(attempt))
-    client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")
+    client.log_text(run_id, redact_yaml(config_yaml), f"config_resume_{attempt}.yaml")
     return attempt
 
 

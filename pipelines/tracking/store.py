@@ -38,7 +38,15 @@ def tracking_uri(configured: str | None = None) -> str:
     not exist yet is created here, from a copy of an empty one (pipelines.tracking.sqlite_template)."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{STATE_DIR / 'mlflow.db'}"
     prepare_sqlite_store(uri, sqlite_artifact_root(uri))
+    no_links_with_credentials(uri)
     return uri
+
+
+def no_links_with_credentials(uri: str) -> None:
+    """MLflow prints a link to a run it ends ("View run ... at: URL") built from the store's URI as given, credentials
+    and all: turned off in this process (and those it starts) for a URI that carries any."""
+    if hide_credentials(uri) != uri:
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
 def hide_credentials(text: str) -> str:
@@ -67,6 +75,29 @@ def redact(params: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def redact_tree(value: Any) -> Any:
+    """`redact` through nested mappings and lists (a whole config): secret-looking keys' values hidden at any depth,
+    credentials hidden in every string."""
+    if isinstance(value, dict):
+        return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) else redact_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_tree(v) for v in value]
+    return hide_credentials(value) if isinstance(value, str) else value
+
+
+def redact_yaml(text: str) -> str:
+    """A YAML config (the run's config.yaml) with `redact_tree` applied; text that is no mapping, credentials hidden."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return hide_credentials(text)
+    if not isinstance(loaded, dict):
+        return hide_credentials(text)
+    return yaml.safe_dump(redact_tree(loaded), sort_keys=False)
 
 
 def sqlite_artifact_root(uri: str) -> str | None:
@@ -111,4 +142,5 @@ def worker_client(uri: str, run_id: str):
                 return RelayClient(run_id)
             except ValueError:  # no relay: a run logged outside tracked_run, on its own node
                 pass
+    no_links_with_credentials(uri)
     return MlflowClient(uri)

@@ -39,6 +39,9 @@ NOTICE_FILE_ENV = "PROBVLP_PREEMPTION_NOTICE_FILE"
 # After the deadline the saved workers wait this much longer for Ray Train's restart before they train on: a notice
 # whose machine never went (a drain undone) must not stop the run for good.
 HOLD_SLACK_S = 60.0
+# Training on after a notice's save, the last save is started this much earlier than its measured need (twice the
+# notice's save and two slow steps): the node's own end may come a little before the deadline it announced.
+NOTICE_MARGIN_S = 5.0
 
 
 @dataclass
@@ -185,6 +188,14 @@ class Notice:
     def take(self) -> dict:
         """What this worker knows of the notice: its sources and the seconds left to the earliest deadline (None:
         unknown; a rank that learned of it through the all-reduce only knows Ray's, if any)."""
+        sources, deadline = self._known()
+        return {"sources": sorted(sources), "deadline_in_s": None if deadline is None else deadline - time.time()}
+
+    def deadline(self) -> float | None:
+        """The earliest deadline (epoch seconds) of the notices this worker knows now, None: none known."""
+        return self._known()[1]
+
+    def _known(self) -> tuple[dict[str, float | None], float | None]:
         sources = self._sources()
         deadlines = [d for d in sources.values() if d is not None]
         info = _ray_notice()
@@ -193,8 +204,7 @@ class Notice:
                 sources = {**sources, "ray_drain": None}
             if info.deadline_ms:
                 deadlines.append(info.deadline_ms / 1000)
-        deadline = min(deadlines, default=None)
-        return {"sources": sorted(sources), "deadline_in_s": None if deadline is None else deadline - time.time()}
+        return sources, min(deadlines, default=None)
 
     def restore_ray_handler(self) -> None:
         if self.installed:

@@ -10,13 +10,14 @@ from pathlib import Path
 from pipelines.config import EvalTask
 from pipelines.data.stats import reports_summary
 from pipelines.evaluate.headline import headline
-from pipelines.tracking import sqlite_artifact_root
+from pipelines.tracking import hide_credentials, sqlite_artifact_root
 
 
 def run_summary(cfg, result) -> list[str]:
     """The end of `jobs.pretrain`: metrics per eval task, where the model is, how to look, sample predictions."""
-    lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {result.mlflow_uri}",
-             f"  see it with: mlflow ui --backend-store-uri {result.mlflow_uri} --host 127.0.0.1",
+    shown = hide_credentials(result.mlflow_uri)  # a store behind credentials: the user has them, the log must not
+    lines = [f"MLflow run {result.mlflow_run_id} in experiment {result.experiment!r} at {shown}",
+             f"  see it with: mlflow ui --backend-store-uri {shown} --host 127.0.0.1",
              "final metrics:", *headline(result.metrics)]
     if "data_wait_frac_mean" in result.metrics:
         lines.append(f"  the training loop waited for data {result.metrics['data_wait_frac_mean']:.0%} of its time "

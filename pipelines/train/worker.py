@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import tempfile
 import threading
@@ -34,9 +35,10 @@ from pipelines.train.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
 from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
-from pipelines.fit.trainer import eval_dataset_name
+from pipelines.fit.trainer import eval_dataset_name, private
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
-from pipelines.train.preemption import Notice
+from pipelines.compat.ray_private import default_preemption_deadline_s
+from pipelines.train.preemption import NOTICE_MARGIN_S, Notice
 from pipelines.train.faults import ATTEMPT_START, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once, hold_at
 from pipelines.train.step import DeepSpeedFit
 
@@ -81,6 +83,10 @@ class TrainWorker(Hooks):
         train_state.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
         self.upload: tuple[int, str] | None = None  # the checkpoint whose upload may be in flight: (step, snapshot)
         self.saved_at = time.monotonic()  # the clock of train.checkpoint_every_s (restarted by fit and every save)
+        # after a notice's save, training on to its last save (_train_on): the deadline (epoch s), the seconds kept
+        # for the last save, the notice's step
+        self.train_on: dict[str, float] | None = None
+        self.step_s, self.stepped_at = 0.0, None  # a step's seconds, the longest lately (the last save's reserve)
         self.checkpoint_names: set[str] = set()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
@@ -251,10 +257,22 @@ class TrainWorker(Hooks):
         """This rank's two flags for the step's all-reduce: a notice of preemption, and a checkpoint due by the clock
         (train.checkpoint_every_s)."""
         every_s = self.t.checkpoint_every_s
-        return self.notice.pending(), bool(every_s) and time.monotonic() - self.saved_at >= every_s
+        return self._notice_due(), bool(every_s) and time.monotonic() - self.saved_at >= every_s
+
+    def _notice_due(self) -> bool:
+        """A save for a notice is due: a new notice, or, training on after one, the time of its last save (moved by
+        a nearer deadline seen since, a SIGTERM's during a drain's, say)."""
+        if self.train_on is None:
+            return self.notice.pending()
+        deadline = min(self.train_on["deadline"], self.notice.deadline() or math.inf)
+        return time.time() >= deadline - self.train_on["reserve_s"]
 
     def on_step(self, step: int) -> None:
         self.started.set()
+        now = time.monotonic()
+        if self.stepped_at is not None:  # logging, evaluating, a save behind: the slow steps count
+            self.step_s = max(now - self.stepped_at, 0.9 * self.step_s)
+        self.stepped_at = now
         if self.audit:  # what this attempt really applied (the engine's own count)
             self.audit.write(f"{self.attempt} {self.engine.global_steps} {time.time():.3f}\n")
             self.audit.flush()
@@ -381,11 +399,15 @@ class TrainWorker(Hooks):
         checkpoint at once in the one order of every save (what rank 0 has not delivered to MLflow into the run's
         storage, the snapshot, the upload registered: only once every rank's part is in, so a save that the
         machine's end cuts short is never resumed from), the notice's file taken, its own records handed over too,
-        the evaluation due at this step after it, then wait for Ray Train's restart. Logged: `preemptions`,
-        `preemption_save_s`, a tag per notice (its step, sources, seconds left, the save's seconds). A notice at a
-        step that applied nothing since the attempt resumed is one without progress (_check_progress)."""
+        the evaluation due at this step after it; then train on where the deadline leaves room for one more save
+        (_train_on), else wait for Ray Train's restart. Logged: `preemptions`, `preemption_save_s`, a tag per notice
+        (its step, sources, seconds left, the save's seconds). A notice at a step that applied nothing since the
+        attempt resumed is one without progress (_check_progress). Training on, the next call is the last save."""
+        if self.train_on is not None:
+            return self._last_save(evaluate)
         p, metrics = self.progress, {"step": step}
         notice = self.notice.take()
+        taken_at = time.time()
         if self.world.size > 1:  # every rank's sources (a SIGTERM reaches one process), the earliest deadline
             known: list = [None] * self.world.size
             torch.distributed.all_gather_object(known, notice)
@@ -424,8 +446,56 @@ class TrainWorker(Hooks):
             self._persist_outbox()
         if evaluate:  # after the save: a restart before its end evaluates again (evaluate_at), one record either way
             train_state.report({"step": p.step, **self.validate()})
-        self.notice.hold(notice["deadline_in_s"])
-        self.restored_step = None  # a false alarm: training goes on from here
+        left = default_preemption_deadline_s() if notice["deadline_in_s"] is None else notice["deadline_in_s"]
+        if not self._train_on(taken_at + left, save_s):
+            self.notice.hold(notice["deadline_in_s"])
+        self.restored_step = None  # training goes on from here (on to the last save, or after a false alarm)
+
+    def _train_on(self, deadline: float, save_s: float) -> bool:
+        """After a notice's save (every rank): whether to train on, as Ray advises for its notices, to a last save
+        kept `reserve_s` before `deadline` (twice this save's seconds, two of the slow steps and a margin: the save
+        may take longer, and it comes only at a step's end). Rank 0's answer for every rank (their clocks and saves
+        differ a little); none without room, or with run.notice_train_on false."""
+        reserve = 2 * save_s + 2 * self.step_s + NOTICE_MARGIN_S
+        answer = torch.tensor([float(self.cfg.run.notice_train_on and deadline - time.time() > reserve), reserve],
+                              dtype=torch.float64)
+        if self.world.size > 1:
+            torch.distributed.broadcast(answer, src=0)
+        if not answer[0].item():
+            return False
+        self.train_on = {"deadline": deadline, "reserve_s": answer[1].item(), "step": self.progress.step}
+        if self.logger:
+            print(f"[preemption] training on: {deadline - time.time():.0f} s to the deadline; the last save comes "
+                  f"{answer[1].item():.0f} s before it", flush=True)
+        return True
+
+    def _last_save(self, evaluate: bool) -> None:
+        """Every rank, training on after a notice, when its last save is due: the checkpoint the restart resumes
+        from, in the one order of every save, the evaluation due at this step after it, then wait for the restart.
+        Logged: `preemption_last_save_s`, `preemption_trained_on_steps` (the steps kept by training on)."""
+        p, first = self.progress, self.train_on
+        self.train_on = None
+        if self.journal:
+            self.journal.update(reached=p.step)
+        p.evaluate_at = p.step if evaluate else -1
+        start = time.perf_counter()
+        self._persist_outbox()
+        train_state.save(self.engine, p, {"step": p.step}, name=self._checkpoint_name(p.step),
+                         snapshots=self.t.checkpoint_snapshot_dir, upload_timeout_s=self.t.upload_timeout_s)
+        self.upload, self.saved_at = None, time.monotonic()
+        p.evaluate_at = -1
+        save_s, left = time.perf_counter() - start, first["deadline"] - time.time()
+        if self.logger:
+            kept = p.step - int(first["step"])
+            self.logger.log({"preemption_last_save_s": save_s, "preemption_trained_on_steps": kept}, p.step,
+                            event=True)
+            print(f"[preemption] trained on {kept} step(s) after the notice's save; the last checkpoint, of step "
+                  f"{p.step}, saved in {save_s:.1f} s, {left:.0f} s before the deadline", flush=True)
+            self._persist_outbox()
+        if evaluate:
+            train_state.report({"step": p.step, **self.validate()})
+        self.notice.hold(first["deadline"] - time.time())
+        self.restored_step = None
 
     def abandon(self, err: BaseException) -> None:
         """This attempt fails (any rank): its one-line error for the next attempt; rank 0 hands over its queue."""
@@ -563,13 +633,14 @@ class TrainWorker(Hooks):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    cfg = TrainDocument.from_dict(config["config"])
+    job = private(config)
+    cfg = TrainDocument.from_dict(job["config"])
     use_texts(config.get("texts", {}))
     use_worker_datasets(config.get("worker_datasets", {}))
     worker = None
     try:
         fault = fail_once(cfg.train.fail_once_at_step, config.get("failure_marker"))
-        worker = TrainWorker(cfg, config["mlflow_uri"], config["mlflow_run_id"], fault,
+        worker = TrainWorker(cfg, job["mlflow_uri"], config["mlflow_run_id"], fault,
                              config.get("job_started_at"), config.get("job", ""), hold_at(config.get(HOLDS)))
         worker.fit()
         worker.finish()

@@ -30,8 +30,8 @@ from pipelines.config import STATE_DIR, ConfigError, absolute_path, set_dotted
 from pipelines.train.config import TrainDocument
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
-from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, is_local_store, start_run,
-                                tracking_uri)
+from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, is_local_store, redact_yaml,
+                                start_run, tracking_uri)
 from pipelines.inputs import inputs_of, prepare_inputs
 from pipelines.fit.launch import joined_cluster
 from pipelines.result import JobResult
@@ -269,7 +269,7 @@ def log_sweep_results(uri: str, parent: str, table, sweep: SweepDocument, best_c
         tmp = Path(tmp)
         table.to_csv(tmp / "results.csv", index=False)
         (tmp / "results.md").write_text(markdown_table(table))
-        (tmp / "best_config.yaml").write_text(best_cfg.to_yaml())
+        (tmp / "best_config.yaml").write_text(redact_yaml(best_cfg.to_yaml()))
         plot_knobs(table, list(sweep.space), sweep.tune.metric, tmp / "metric_vs_knobs.png")
         names = ("results.csv", "results.md", "best_config.yaml", "metric_vs_knobs.png")
         finish_with_results(uri, parent, metrics, [(tmp / name, None) for name in names])
