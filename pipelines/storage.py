@@ -13,6 +13,12 @@ def fs_path(uri: str):
     return fs, path.rstrip("/")
 
 
+def run_folder(storage_path: str, run_name: str) -> str:
+    """Where a training run keeps its own records in its storage, beside Ray Train's checkpoints: the attempts'
+    journal, rank 0's undelivered tracking calls, its MLflow run."""
+    return f"{storage_path.rstrip('/')}/{run_name}/probvlp"
+
+
 def _protocol(fs) -> str:
     return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 

@@ -296,8 +296,8 @@ MUTANTS = [
     Mutant("config-artifact-redacted",
            "a resume's config artifact keeps no credential",
            "pipelines/tracking/runs.py",
-           'client.log_text(run_id, redact_yaml(config_yaml), f"config_resume_{attempt}.yaml")',
-           'client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")',
+           "    return reopen(MlflowClient(uri), run_id, redact_yaml(config_yaml))",
+           "    return reopen(MlflowClient(uri), run_id, config_yaml)",
            ("tests/test_secrets.py::test_no_secret_reaches_a_log_a_run_or_rays_state_through_an_outage_a_failure_and_a_resume",)),
     Mutant("no-run-links",
            "MLflow's run link, printed with the URI as given, is off for a URI with credentials",
@@ -329,6 +329,20 @@ MUTANTS = [
            "    for problem in found:\n",
            "    for problem in []:\n",
            ("tests/test_compat.py::test_a_job_says_at_its_start_what_an_untested_ray_breaks",)),
+    Mutant("resume-without-store",
+           "a new command on a run's storage finds its MLflow run there, not by asking the store",
+           "pipelines/tracking/runs.py",
+           "    recorded = _recorded_run(record_in)\n",
+           "    recorded = None\n",
+           ("tests/test_tracking_outage.py::"
+            "test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_later",)),
+    Mutant("resume-reopening-queued",
+           "a resume that finds the store away hands the run's reopening to rank 0 and trains on",
+           "pipelines/tracking/runs.py",
+           "        add_to_pending(pending_in, recorded, uri, [{\"reopen\": redact_yaml(config_yaml)}])\n",
+           "        raise\n",
+           ("tests/test_tracking_outage.py::"
+            "test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_later",)),
 ]
 
 

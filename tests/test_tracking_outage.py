@@ -364,3 +364,47 @@ def test_a_record_made_again_by_a_restart_lands_once_and_its_own_events_all_land
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == \
         [(s, float(s)) for s in range(1, 13)] + [(13, 113.0)]
     assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]
+
+
+# In the tier of the outage tests (`make test-cluster`, run alone): two jobs of their own Ray and a server stopped.
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_later(digits_root, tmp_path, monkeypatch,
+                                                                                 restartable_mlflow):
+    """A job stops at step 20 of 40 (train.stop_at_step: KILLED, resumable); the server goes; the same command again
+    (all 40 steps) resumes without it: the run's storage names its MLflow run (no search of the store), its reopening
+    is handed to rank 0 with one line, and training goes on while the server is away. The server comes back after the
+    resume's first steps: the run is FINISHED, counted one resume (config_resume_1.yaml beside config.yaml), every
+    step's loss in MLflow once, and each step applied once (run.audit_steps_to)."""
+    for key, value in CLIENT_BUDGET.items():
+        monkeypatch.setenv(key, value)
+    server = restartable_mlflow
+    client = MlflowClient(server.uri)
+    audit = tmp_path / "steps.txt"
+    common = [f"data.root={digits_root}", f"tracking.uri={server.uri}", f"run.storage_path={tmp_path / 'ray'}",
+              f"run.experiment={EXPERIMENT}", "run.name=away", *SMALL, "train.log_every=1", "train.num_workers=1",
+              "train.steps=40", "train.checkpoint_every=10", f"run.audit_steps_to={audit}"]
+    job, log = start_job(tmp_path, [*common, "train.stop_at_step=20"], "first")
+    with ended(job):
+        assert job.wait(timeout=scaled(600)) == 0, log.read_text()[-3000:]
+    rid = run_of(client, "away")
+    assert client.get_run(rid).info.status == "KILLED"
+    server.stop()
+    job, log = start_job(tmp_path, common, "second")
+    with ended(job):
+        wait_for("5 steps of the resume with the server away",
+                 lambda: job.poll() is not None or len(audited(audit).get(2, [])) >= 5, 300, 0.2)
+        assert job.poll() is None, log.read_text()[-3000:]
+        server.start()
+        rc = job.wait(timeout=scaled(600))
+        output = log.read_text()
+        assert rc == 0, output[-5000:]
+    assert f"[tracking] {server.uri} is away as the run resumes" in output and f"run {rid} goes on without it" in output
+    ran = audited(audit)
+    assert {a: [s for s, _ in steps] for a, steps in ran.items()} == {1: list(range(1, 21)), 2: list(range(21, 41))}
+    run = client.get_run(rid)
+    assert run.info.status == "FINISHED" and run.data.tags["probvlp.resumes"] == "1"
+    assert {a.path for a in client.list_artifacts(rid)} >= {"config.yaml", "config_resume_1.yaml"}
+    assert sorted(m.step for m in client.get_metric_history(rid, "loss")) == list(range(1, 41))
+    assert [r.info.run_id for r in client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                                                      filter_string="tags.`probvlp.run_name` = 'away'")] == [rid]

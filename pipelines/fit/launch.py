@@ -16,6 +16,7 @@ from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_
 from pipelines.cluster.runtime import init_ray
 from pipelines.compat import say_problems
 from pipelines.config import JobDocument, RunStopped
+from pipelines.storage import run_folder
 from pipelines.fit.trainer import PRIVATE, run_exists, torch_trainer
 from pipelines.tracking import TrackedRun, tracked_run, tracking_uri
 
@@ -62,13 +63,15 @@ class Launch(Generic[D]):
         check_storage(cfg, writes)
 
     @contextmanager
-    def run(self, *, params: dict[str, Any], tags: dict[str, str], register_as: str | None = None
-            ) -> Iterator[TrackedRun]:
+    def run(self, *, params: dict[str, Any], tags: dict[str, str], register_as: str | None = None,
+            pending_in: str | None = None) -> Iterator[TrackedRun]:
         """The job's MLflow run (pipelines.tracking.tracked_run): reopened where Ray Train's storage holds this
-        run.name already (the fit resumes from its checkpoint), else new."""
+        run.name already (the fit resumes from its checkpoint; the run's storage says which MLflow run, so a resume
+        needs no store), else new. `pending_in`: where rank 0 leaves what it did not deliver (pretraining's outbox)."""
         cfg = self.cfg
         with tracked_run(self.uri, cfg.run.experiment, cfg.run.name, resumed=run_exists(cfg), params=params,
-                         config_yaml=cfg.to_yaml(), tags=tags, register_as=register_as) as run:
+                         config_yaml=cfg.to_yaml(), tags=tags, register_as=register_as,
+                         record_in=run_folder(cfg.run.storage_path, cfg.run.name), pending_in=pending_in) as run:
             self.tracked = run
             yield run
 

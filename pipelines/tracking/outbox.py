@@ -51,6 +51,7 @@ RETRY_MAX_S = 5.0  # the longest pause between two tries: how late a returning s
 MEMORY_METRICS = 200_000  # ~40 MB of queued metrics, then the queue continues in a file
 PENDING = "pending.jsonl"  # in a persisted outbox folder: a head line (run, store, seconds unreachable), then the ops
 COMMAND = "python -m pipelines.tracking.deliver"  # pipelines/tracking/deliver.py
+RESUMES_TAG = "probvlp.resumes"  # how many times a command resumed the run
 REFUSED_FILE = "refused.jsonl"  # in an outbox's folder and a persisted one: the calls set aside, one a line
 REFUSALS_SHOWN = 10  # refusals printed one line each; past it only refused.jsonl has them (a deleted run refuses all)
 
@@ -65,7 +66,7 @@ S3_TRANSIENT = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Requ
 _NOT_JSON_STATUS = re.compile(r"failed with error code (\d{3}) != \d{3}")
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     """`err` in one line, credentials hidden: MLflow's errors name the URI the client was given."""
     text = str(err).strip().splitlines()
     return hide_credentials(f"{type(err).__name__}: {text[0][:300] if text else ''}")
@@ -170,8 +171,20 @@ def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s:
                          tags=[RunTag(UNREACHABLE_TAG, f"{seconds:.1f}")])
     elif "status" in op:
         client.set_terminated(run_id, status=op["status"])
+    elif "reopen" in op:  # a resume that found the store away (runs.reopen_run): its reopening, as it would have been
+        reopen(client, run_id, op["reopen"])
     elif "register" in op:
         register_model_version(state["store"], run_id, op["register"])
+
+
+def reopen(client, run_id: str, config_yaml: str) -> int:
+    """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the resumed config
+    (`config_yaml`, secrets hidden already) next to the original. Returns the resume's number (1 for the first)."""
+    attempt = int(client.get_run(run_id).data.tags.get(RESUMES_TAG, "0")) + 1
+    client.update_run(run_id, status="RUNNING")
+    client.set_tag(run_id, RESUMES_TAG, str(attempt))
+    client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")
+    return attempt
 
 
 def register_model_version(uri: str, run_id: str, name: str) -> str:
@@ -403,7 +416,7 @@ class Outbox:
                 # a 401/403 says the store is there but the credentials are not taken (rotated, a token expired)
                 why = (" (its credentials were not accepted: they may have been rotated; the calls wait for ones that "
                        "work)") if http_status(err) in (401, 403) else ""
-                print(f"[tracking] {self.uri} unreachable ({_one_line(err)}){why}; nothing waits for it: what is "
+                print(f"[tracking] {self.uri} unreachable ({one_line(err)}){why}; nothing waits for it: what is "
                       "logged is kept and delivered when the store answers again", flush=True)
             self.cv.notify_all()
 
@@ -441,7 +454,7 @@ class Outbox:
     def _set_aside(self, batch: list[dict], err: BaseException) -> None:
         """`batch`, refused by the store, out of the queue into refused.jsonl (with the store's answer): never tried
         again, and nothing waits for it."""
-        answer = _one_line(err)
+        answer = one_line(err)
         entries = [{"id": uuid.uuid4().hex, "answer": answer, "op": op} for op in batch]
         self.folder.mkdir(parents=True, exist_ok=True)
         with (self.folder / REFUSED_FILE).open("a") as f:
@@ -547,6 +560,19 @@ def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Pa
     fs.makedirs(root, exist_ok=True)
     write_bytes_atomic(fs, f"{root}/{PENDING}", text.encode())
     return len(ops)
+
+
+def add_to_pending(target: str, run_id: str, uri: str, ops: list[dict]) -> None:
+    """`ops` (no files) after the calls kept in `target`, which stay as they are: what a driver that found the store
+    away hands to the run's next rank 0, delivered first with the rest."""
+    fs, root = fs_path(target)
+    head, kept = {"run_id": run_id, "uri": hide_credentials(uri), "unreachable_s": 0.0}, []
+    if fs.exists(f"{root}/{PENDING}"):
+        with fs.open(f"{root}/{PENDING}", "rb") as f:
+            lines = f.read().decode().splitlines()
+        head, kept = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    fs.makedirs(root, exist_ok=True)
+    write_bytes_atomic(fs, f"{root}/{PENDING}", "".join(json.dumps(line) + "\n" for line in [head, *kept, *ops]).encode())
 
 
 def keep_refused(target: str, refused: list[dict]) -> None:

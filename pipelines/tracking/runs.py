@@ -3,6 +3,8 @@ training run with what rank 0 left undelivered (`tracked_run`), the results of t
 a sweep's trials."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
 from contextlib import contextmanager
@@ -15,7 +17,9 @@ from mlflow.entities import Metric, Param
 
 from pipelines.config import PROJECT_ROOT
 from pipelines.tracking.logger import StepLogger
-from pipelines.tracking.outbox import COMMAND, UNREACHABLE_METRIC, OutboxReport, register_model_version
+from pipelines.storage import fs_path, read_json, write_bytes_atomic
+from pipelines.tracking.outbox import (COMMAND, QUICK_HTTP, REFUSED, STORE_REFUSALS, UNREACHABLE_METRIC, OutboxReport,
+                                       add_to_pending, answer_of, one_line, register_model_version, reopen)
 from pipelines.tracking.store import experiment_id, hide_credentials, is_local_store, redact, redact_yaml
 
 
@@ -54,12 +58,57 @@ def find_run(uri: str, experiment: str, run_name: str) -> str | None:
 def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
     """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the
     resumed config next to the original. Returns the resume's number (1 for the first)."""
-    client = MlflowClient(uri)
-    attempt = int(client.get_run(run_id).data.tags.get("probvlp.resumes", "0")) + 1
-    client.update_run(run_id, status="RUNNING")
-    client.set_tag(run_id, "probvlp.resumes", str(attempt))
-    client.log_text(run_id, redact_yaml(config_yaml), f"config_resume_{attempt}.yaml")
-    return attempt
+    return reopen(MlflowClient(uri), run_id, redact_yaml(config_yaml))
+
+
+# In a training run's storage folder (run.storage_path/NAME/probvlp/): its MLflow run, so that a resume finds it
+# without asking the store.
+RUN_RECORD = "mlflow_run.json"
+
+
+def _recorded_run(record_in: str | None) -> str | None:
+    if record_in is None:
+        return None
+    fs, path = fs_path(f"{record_in}/{RUN_RECORD}")
+    return (read_json(fs, path) or {}).get("run_id")
+
+
+def _record_run(record_in: str | None, run_id: str) -> None:
+    if record_in is not None:
+        fs, path = fs_path(f"{record_in}/{RUN_RECORD}")
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        write_bytes_atomic(fs, path, json.dumps({"run_id": run_id}).encode())
+
+
+def _resume(uri: str, experiment: str, run_name: str, config_yaml: str, record_in: str | None,
+            pending_in: str | None) -> str | None:
+    """The MLflow run a resumed job continues, reopened: the one its storage records (no store asked to find it),
+    else the latest of `run_name` in the store (runs that predate the record). With the store away, a recorded run
+    resumes without it: its reopening is handed to the run's next rank 0 in `pending_in` (delivered first, with what
+    the run logs, once the store answers), in one line. None: no run to resume (a new one is started)."""
+    recorded = _recorded_run(record_in)
+    if recorded is None:
+        existing = find_run(uri, experiment, run_name)
+        if existing:
+            reopen_run(uri, existing, config_yaml)
+        return existing
+    if uri.startswith(("http://", "https://")):
+        for key, value in QUICK_HTTP.items():  # one try a call, bounded: the resume does not wait on the store
+            os.environ.setdefault(key, value)
+    try:
+        reopen_run(uri, recorded, config_yaml)
+    except Exception as err:  # noqa: BLE001 - the store's answer, or its absence
+        # the run is not in the store (deleted, or another store on the same storage): a new one
+        if answer_of(err, {}, Path()) == REFUSED or getattr(err, "error_code", None) in STORE_REFUSALS:
+            print(f"[tracking] run {recorded} of the run's storage is refused by {hide_credentials(uri)} "
+                  f"({one_line(err)}): a new MLflow run is started", flush=True)
+            return None
+        if pending_in is None or is_local_store(uri):  # nowhere to hand it over, or no outage: a file on this node
+            raise
+        add_to_pending(pending_in, recorded, uri, [{"reopen": redact_yaml(config_yaml)}])
+        print(f"[tracking] {hide_credentials(uri)} is away as the run resumes ({one_line(err)}): run {recorded} "
+              "goes on without it; its reopening and what the run logs are delivered when it answers", flush=True)
+    return recorded
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
@@ -138,15 +187,18 @@ class TrackedRun:
 
 @contextmanager
 def tracked_run(uri: str, experiment: str, run_name: str, *, resumed: bool, params: dict[str, Any],
-                config_yaml: str, tags: dict[str, str], register_as: str | None = None) -> Iterator[TrackedRun]:
+                config_yaml: str, tags: dict[str, str], register_as: str | None = None,
+                record_in: str | None = None, pending_in: str | None = None) -> Iterator[TrackedRun]:
     """The MLflow run of a training job (pretraining, the adapter): a resumed job reopens the run it started
-    before (its step history goes on), any other starts one. On exit the run ends with `end_status` (and its
-    model is registered under `register_as` when FINISHED; `TrackedRun.end`); an exception ends it FAILED."""
-    existing = find_run(uri, experiment, run_name) if resumed else None
-    if existing:
-        reopen_run(uri, existing, config_yaml)
-    run = TrackedRun(uri, existing or start_run(uri, experiment, run_name, params, config_yaml, tags),
-                     register_as=register_as)
+    before (its step history goes on; `_resume`: the run recorded in `record_in`, the run's storage folder, needs no
+    store), any other starts one (and records it there). On exit the run ends with `end_status` (and its
+    model is registered under `register_as` when FINISHED; `TrackedRun.end`); an exception ends it FAILED.
+    `pending_in`: where rank 0 leaves what it did not deliver (`TrackedRun.pending_in`)."""
+    existing = _resume(uri, experiment, run_name, config_yaml, record_in, pending_in) if resumed else None
+    if existing is None:
+        existing = start_run(uri, experiment, run_name, params, config_yaml, tags)
+        _record_run(record_in, existing)
+    run = TrackedRun(uri, existing, register_as=register_as, pending_in=pending_in)
     # a store on this node's disk, and workers that may run on other nodes: they log through this node
     # (pipelines.tracking.relay). On one machine they write the store themselves: the relay's actor would add a
     # process and seconds to every run's start for nothing.

@@ -10,13 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.storage import fs_path, read_json, write_bytes_atomic
+from pipelines.storage import fs_path, read_json, run_folder, write_bytes_atomic
 
 HEARTBEAT_S = 5.0  # how often rank 0 records the step it reached (off the training thread)
-
-
-def run_folder(storage_path: str, run_name: str) -> str:
-    return f"{storage_path.rstrip('/')}/{run_name}/probvlp"
 
 
 def outbox_folder(storage_path: str, run_name: str) -> str:

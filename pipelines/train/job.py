@@ -98,9 +98,10 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     if not inputs_ready:
         prepare_inputs(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)
     context_length = tower_config(cfg.model.name, **cfg.model.overrides).context_length  # the workers build the model
-    with launch.run(params=cfg.flat(), tags=run_tags(cfg, extra_tags), register_as=cfg.tracking.register_as) as run:
-        # what rank 0 leaves undelivered at the end: delivered by this driver once the workers are released
-        run.pending_in, run.flush_timeout_s = outbox_folder(cfg.run.storage_path, cfg.run.name), cfg.tracking.flush_timeout_s
+    # what rank 0 leaves undelivered: delivered by the next attempt's rank 0, or by this driver at the end
+    with launch.run(params=cfg.flat(), tags=run_tags(cfg, extra_tags), register_as=cfg.tracking.register_as,
+                    pending_in=outbox_folder(cfg.run.storage_path, cfg.run.name)) as run:
+        run.flush_timeout_s = cfg.tracking.flush_timeout_s
         job = uuid.uuid4().hex  # tells a restart within this job from a later command on the same run
         datasets = build_datasets(cfg, context_length, run.run_id)
         worker_read = {k: v for k, v in datasets.items() if isinstance(v, WorkerShards)}
