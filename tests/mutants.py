@@ -343,6 +343,12 @@ MUTANTS = [
            "        raise\n",
            ("tests/test_tracking_outage.py::"
             "test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_later",)),
+    Mutant("register-idempotent",
+           "registering a run's model again (a timed-out call delivered twice) makes no second version",
+           "pipelines/tracking/outbox.py",
+           "    if made:\n        return str(min(int(v.version) for v in made))\n",
+           "",
+           ("tests/test_tracking_outage.py::test_registering_a_runs_model_again_makes_no_second_version",)),
 ]
 
 

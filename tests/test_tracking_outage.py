@@ -408,3 +408,17 @@ def test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_late
     assert sorted(m.step for m in client.get_metric_history(rid, "loss")) == list(range(1, 41))
     assert [r.info.run_id for r in client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
                                                       filter_string="tags.`probvlp.run_name` = 'away'")] == [rid]
+
+
+def test_registering_a_runs_model_again_makes_no_second_version(tmp_path):
+    """`register_model_version` delivered twice (the outbox retries a call whose answer timed out after the store made
+    the version): one version of the run's model, the same number both times; another run's model is a new one."""
+    from pipelines.tracking.outbox import register_model_version
+
+    uri = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment = client.create_experiment("registry")
+    first, second = (client.create_run(experiment).info.run_id for _ in range(2))
+    assert register_model_version(uri, first, "probvlp-m") == register_model_version(uri, first, "probvlp-m") == "1"
+    assert register_model_version(uri, second, "probvlp-m") == "2"
+    assert sorted(int(v.version) for v in client.search_model_versions("name='probvlp-m'")) == [1, 2]

@@ -188,7 +188,9 @@ def reopen(client, run_id: str, config_yaml: str) -> int:
 
 
 def register_model_version(uri: str, run_id: str, name: str) -> str:
-    """Register the run's MLflow model as a new version of `name`; returns the version."""
+    """Register the run's MLflow model as a new version of `name`; returns the version. Idempotent: a version of this
+    run's model that `name` holds already (a call whose answer timed out after the store made it, delivered again)
+    is the one returned."""
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
         client.create_registered_model(name)
@@ -196,6 +198,9 @@ def register_model_version(uri: str, run_id: str, name: str) -> str:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
+    made = [v for v in client.search_model_versions(f"name='{name}' and run_id='{run_id}'") if v.source == source]
+    if made:
+        return str(min(int(v.version) for v in made))
     return str(client.create_model_version(name, source=source, run_id=run_id).version)
 
 
