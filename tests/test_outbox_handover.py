@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
+from pipelines.storage import run_folder
+from pipelines.tracking.runs import RUN_RECORD
 from pipelines.train.faults import ATTEMPT_START, NOTICE_SAVED, released_file
 from tests.helpers import Hold, pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, config
@@ -39,6 +42,7 @@ def test_a_node_lost_hard_during_an_outage_loses_no_metric(ray_local, digits_roo
     cfg = config(tmp_path, digits_root, name, *REFERENCE, "train.log_every=1", f"tracking.uri={server.uri}",
                  "run.max_failures=2", f"run.audit_steps_to={audit}", f"run.notice_file={notice}")
     client = MlflowClient(server.uri)
+    made = Path(run_folder(str(tmp_path / "ray"), name))
     end, start = Hold(tmp_path / "hold"), Hold(tmp_path / "start", ATTEMPT_START)
     saved = Hold(tmp_path / "saved", NOTICE_SAVED)
     for stop in (1, 3):  # only attempt 2 is held as it begins
@@ -57,7 +61,9 @@ def test_a_node_lost_hard_during_an_outage_loses_no_metric(ray_local, digits_roo
 
     def kill_during_an_outage() -> None:
         seen["run_id"] = wait_for("the run in MLflow", run_id, 300, 0.1)
-        server.stop()  # the driver made the run; the workers start (seconds) while the server is away
+        # the driver done making it (its params and config.yaml too): it records the run in the run's storage last
+        wait_for("the run recorded in its storage", (made / RUN_RECORD).exists, 300, 0.1)
+        server.stop()  # the workers start (seconds) while the server is away
         reached = max(audited(audit).get(1, [0]))
         # a registered checkpoint of a step after the outage began: its save persisted the queue first
         past = wait_for("a checkpoint registered after the outage began",
