@@ -66,6 +66,14 @@ S3_TRANSIENT = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Requ
 _NOT_JSON_STATUS = re.compile(r"failed with error code (\d{3}) != \d{3}")
 
 
+def fail_fast(uri: str) -> None:
+    """An HTTP store's calls in this process (and those it starts) tried once, with QUICK_HTTP's timeout, unless the
+    environment says otherwise: what waits on the store never waits for MLflow's minutes of retries."""
+    if uri.startswith(("http://", "https://")):
+        for key, value in QUICK_HTTP.items():
+            os.environ.setdefault(key, value)
+
+
 def one_line(err: BaseException) -> str:
     """`err` in one line, credentials hidden: MLflow's errors name the URI the client was given."""
     text = str(err).strip().splitlines()
@@ -270,9 +278,7 @@ class Outbox:
         self.probe: int | None = None  # metrics a call while the entries the store refuses are looked for
         self.stopped = False
         self.wake = threading.Event()
-        if uri.startswith(("http://", "https://")):
-            for key, value in QUICK_HTTP.items():
-                os.environ.setdefault(key, value)
+        fail_fast(uri)
         for op in carried:
             self._queue(op)
         self.thread = threading.Thread(target=self._run, name=f"probvlp-tracking-{run_id[:8]}", daemon=True)

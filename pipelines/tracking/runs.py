@@ -4,7 +4,6 @@ a sweep's trials."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from contextlib import contextmanager
@@ -18,8 +17,9 @@ from mlflow.entities import Metric, Param
 from pipelines.config import PROJECT_ROOT
 from pipelines.tracking.logger import StepLogger
 from pipelines.storage import fs_path, read_json, write_bytes_atomic
-from pipelines.tracking.outbox import (COMMAND, QUICK_HTTP, REFUSED, STORE_REFUSALS, UNREACHABLE_METRIC, OutboxReport,
-                                       add_to_pending, answer_of, one_line, register_model_version, reopen)
+from pipelines.tracking.outbox import (COMMAND, REFUSED, STORE_REFUSALS, UNREACHABLE_METRIC, OutboxReport,
+                                       add_to_pending, answer_of, fail_fast, one_line, register_model_version,
+                                       reopen)
 from pipelines.tracking.store import experiment_id, hide_credentials, is_local_store, redact, redact_yaml
 
 
@@ -92,9 +92,7 @@ def _resume(uri: str, experiment: str, run_name: str, config_yaml: str, record_i
         if existing:
             reopen_run(uri, existing, config_yaml)
         return existing
-    if uri.startswith(("http://", "https://")):
-        for key, value in QUICK_HTTP.items():  # one try a call, bounded: the resume does not wait on the store
-            os.environ.setdefault(key, value)
+    fail_fast(uri)  # one try a call, bounded: the resume does not wait on the store
     try:
         reopen_run(uri, recorded, config_yaml)
     except Exception as err:  # noqa: BLE001 - the store's answer, or its absence

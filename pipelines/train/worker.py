@@ -422,16 +422,10 @@ class TrainWorker(Hooks):
         if self.journal:  # before the save: a restart that finds it past its checkpoint knows the steps lost
             self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
         p.preemptions += 1
-        p.evaluate_at = p.step if evaluate else -1  # the deadline may come before the evaluation ends
         start = time.perf_counter()
-        self._persist_outbox()
-        # uploaded before the hold
-        train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step),
-                         snapshots=self.t.checkpoint_snapshot_dir, upload_timeout_s=self.t.upload_timeout_s)
-        self.upload, self.saved_at = None, time.monotonic()
+        self._save_at_once(metrics, evaluate)
         if self.hold:  # tests only: the node may go from here on (the outbox went first)
             self.hold(NOTICE_SAVED)
-        p.evaluate_at = -1
         save_s = time.perf_counter() - start
         self.notice.consume_file(p.notice_file_mtime)
         self.notice.hand_over()
@@ -450,6 +444,19 @@ class TrainWorker(Hooks):
         if not self._train_on(taken_at + left, save_s):
             self.notice.hold(notice["deadline_in_s"])
         self.restored_step = None  # training goes on from here (on to the last save, or after a false alarm)
+
+    def _save_at_once(self, metrics: dict[str, Any], evaluate: bool) -> None:
+        """Every rank, a notice's save (the first, and training on, the last) in the one order of every save: the
+        outbox, then the snapshot uploaded and registered before it returns. The checkpoint records an evaluation due
+        at its step (the deadline may come before it ends: a restart evaluates first)."""
+        p = self.progress
+        p.evaluate_at = p.step if evaluate else -1
+        self._persist_outbox()
+        # uploaded before the hold
+        train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step),
+                         snapshots=self.t.checkpoint_snapshot_dir, upload_timeout_s=self.t.upload_timeout_s)
+        self.upload, self.saved_at = None, time.monotonic()
+        p.evaluate_at = -1
 
     def _train_on(self, deadline: float, save_s: float) -> bool:
         """After a notice's save (every rank): whether to train on, as Ray advises for its notices, to a last save
@@ -477,13 +484,8 @@ class TrainWorker(Hooks):
         self.train_on = None
         if self.journal:
             self.journal.update(reached=p.step)
-        p.evaluate_at = p.step if evaluate else -1
         start = time.perf_counter()
-        self._persist_outbox()
-        train_state.save(self.engine, p, {"step": p.step}, name=self._checkpoint_name(p.step),
-                         snapshots=self.t.checkpoint_snapshot_dir, upload_timeout_s=self.t.upload_timeout_s)
-        self.upload, self.saved_at = None, time.monotonic()
-        p.evaluate_at = -1
+        self._save_at_once({"step": p.step}, evaluate)
         save_s, left = time.perf_counter() - start, first["deadline"] - time.time()
         if self.logger:
             kept = p.step - int(first["step"])
