@@ -1,6 +1,7 @@
 """Local folders and fsspec object stores (s3://, gs://, ...) behind one set of small helpers."""
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 
@@ -42,9 +43,22 @@ def total_bytes(uris: list[str]) -> int:
 
 def write_bytes_atomic(fs, path: str, data: bytes) -> None:
     """Readers see the old file or the whole new one, never a partial write."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "wb") as f:
+    with open_atomic(fs, path) as f:
         f.write(data)
+
+
+@contextlib.contextmanager
+def open_atomic(fs, path: str):
+    """A binary file to write `path` through, a piece at a time: readers see the old file or the whole new one,
+    never a partial write (it is written beside, then moved; dropped where the writing fails)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            yield f
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
     fs.mv(tmp, path)
 
 

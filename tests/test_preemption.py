@@ -195,6 +195,48 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
 
 
+def test_a_notice_during_an_evaluation_stops_it_and_saves_the_evaluation_step(ray_local, straight_small_run,
+                                                                              no_notice, tmp_path):
+    """SIGTERM to the rank that is not rank 0 while rank 0 evaluates step 10 (held there by a Hold until the rank has
+    recorded its notice in the run's storage, whatever the machine's speed): rank 0 reads it before its next batch,
+    stops the evaluation and both ranks save step 10 at once, evaluate it after the save and wait for the restart,
+    which resumes at step 10. Counted by the steps each attempt applied: 1-10, then 11-40, none twice; MLflow holds
+    step 10's evaluation once. Without the stop, the notice would wait for the evaluation's end and be saved at
+    step 11."""
+    from pipelines.train.attempts import run_folder
+    from pipelines.train.faults import EVALUATION, held_file, released_file
+
+    audit, steps = tmp_path / "steps.txt", 40
+    only_zeroshot = ('eval.tasks=[{name: digits_zeroshot, kind: zeroshot, data: "{data.root}/eval/zeroshot", '
+                     'templates: "{data.root}/eval/zeroshot/prompts.json"}]')
+    cfg = config(tmp_path, straight_small_run["data_root"], "eval-notice", *REFERENCE, "train.eval_every=10",
+                 "train.checkpoint_every=1000", only_zeroshot, "train.log_every=1", "run.max_failures=0",
+                 "run.sigterm_grace_s=3", f"run.audit_steps_to={audit}")
+    evaluation = Hold(tmp_path / "hold", EVALUATION)
+    records = run_folder(str(tmp_path / "ray"), "eval-notice") + "/notices"
+
+    def notice_during_the_first_evaluation() -> None:
+        wait_for("rank 0 in the evaluation of step 10", evaluation.held, 300, 0.1)
+        rank0 = int(held_file(evaluation.folder, EVALUATION).read_text().split()[0])
+        [other] = [pid for pid in train_workers() if pid != rank0]
+        os.kill(other, signal.SIGTERM)
+        wait_for("the other rank's notice recorded", lambda: os.path.isdir(records) and any(
+            name.endswith("-evaluation.json") for name in os.listdir(records)), 60, 0.1)
+        released_file(evaluation.folder, EVALUATION, 1).touch()  # this stop only: later evaluations go on
+
+    result = pretrain_beside(cfg, notice_during_the_first_evaluation, holds=(evaluation,))
+    attempts = journal(tmp_path / "ray", "eval-notice")
+    assert [a["from_step"] for a in attempts] == [0, 10], attempts
+    assert attempts[0]["notice"] == {"step": 10, "sources": ["SIGTERM"]}, attempts[0]
+    assert audited(audit) == {1: list(range(1, 11)), 2: list(range(11, steps + 1))}
+    client = MlflowClient(result.mlflow_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED" and result.metrics["step"] == steps
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "digits_zeroshot/top1")) == \
+        [10, 20, 30, steps]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
+
+
 # Run alone (the cluster tier): the last save races the deadline, which the other tier's load would stretch.
 @pytest.mark.slow
 @pytest.mark.cluster

@@ -51,7 +51,7 @@ def test_a_restart_logs_every_step_while_the_store_holds_its_one_request(hanging
                   [*(metrics_op([Metric("loss", float(s), 1000 + s, s)], 0) for s in (4, 5)),
                    {"tag": ["probvlp.carried", "from attempt 1"]}], tmp_path / "files", unreachable_s=1.5)
     carried = load(storage, tmp_path / "carried", 5)
-    assert carried is not None and len(carried[1]) == 3
+    assert carried is not None and len(list(carried[1])) == 3
 
     returned: list[tuple[int, int]] = []  # (connections accepted, connections held) as each log call returned
     made: dict = {}

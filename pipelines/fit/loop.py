@@ -59,8 +59,9 @@ class Hooks:
     overrides what it has). After each applied step, in this order: `on_step`; `log` at a log step (True stops the
     fit); then, before the last step, at the points `eval_every` and `checkpoint_every` (steps) or `checkpoint_due`
     (a clock) set: on a notice of preemption (`noticed`), `save_on_notice` alone (the checkpoint first: the
-    evaluation due, `evaluate=True`, may take the whole deadline); otherwise `evaluate` where due, then `checkpoint`
-    with its metrics where due, or `report` of the evaluation's metrics alone. A step whose loss was not finite on
+    evaluation due, `evaluate=True`, may take the whole deadline); otherwise `evaluate` where due (a notice during it
+    stops it: `save_on_notice` then), then `checkpoint` with its metrics where due, or `report` of the evaluation's
+    metrics alone. A step whose loss was not finite on
     some rank applies nothing, and with a notice saves the state of the step before."""
 
     eval_every: int = 0
@@ -81,7 +82,8 @@ class Hooks:
     def checkpoint_due(self) -> bool:
         return False
 
-    def evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """The evaluation's metrics; None where a notice came during it (stopped: `save_on_notice` follows)."""
         return {}
 
     def checkpoint(self, metrics: dict[str, Any]) -> None:
@@ -126,7 +128,11 @@ def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, hooks: Hooks | N
         if hooks.noticed():
             hooks.save_on_notice(p.step, evaluate=due_eval)
             continue
-        metrics = {"step": p.step, **(hooks.evaluate(p.step) if due_eval else {})}
+        evaluated = hooks.evaluate(p.step) if due_eval else {}
+        if evaluated is None:  # a notice came during the evaluation: its save now, the evaluation after it
+            hooks.save_on_notice(p.step, evaluate=True)
+            continue
+        metrics = {"step": p.step, **evaluated}
         if due_checkpoint:
             hooks.checkpoint(metrics)
         elif due_eval:

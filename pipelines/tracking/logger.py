@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Iterable
 
 from mlflow.entities import Metric, RunTag
 
@@ -30,7 +31,7 @@ class StepLogger:
 
     def __init__(self, uri: str, run_id: str, flush_every: int | None = 500, resumed_from: int = 0, *,
                  background: bool = False, flush_timeout_s: float = 600.0,
-                 carried: tuple[dict, list[dict]] | None = None):
+                 carried: tuple[dict, Iterable[dict]] | None = None):
         self.client, self.run_id, self.flush_every = worker_client(uri, run_id), run_id, flush_every
         self.buffer: list = []
         self.logged_through, self.resumed_from = -1, resumed_from
@@ -95,6 +96,10 @@ class StepLogger:
     def persist(self, target: str) -> int:
         """What is not delivered yet, written to `target` (the run's storage) for the next attempt or the driver."""
         return self.outbox.persist(target) if self.outbox else 0
+
+    def persist_more(self, target: str) -> int:
+        """What was logged since the last `persist` to `target`, added beside it (a save's own records)."""
+        return self.outbox.persist_more(target) if self.outbox else 0
 
     def close(self, keep_to: str | None = None) -> OutboxReport | None:
         """The end of the run's logging (again: nothing). With an outbox: wait for delivery while the store answers

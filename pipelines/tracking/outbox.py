@@ -32,12 +32,13 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException, RestException
 
-from pipelines.storage import fs_path, write_bytes_atomic
+from pipelines.storage import fs_path, open_atomic, write_bytes_atomic
 from pipelines.tracking.store import hide_credentials, no_links_with_credentials
 
 LOGGED_THROUGH_TAG = "probvlp.logged_through"  # the highest step a run's metrics are in MLflow for
@@ -50,6 +51,7 @@ QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEO
 RETRY_MAX_S = 5.0  # the longest pause between two tries: how late a returning server is seen at most
 MEMORY_METRICS = 200_000  # ~40 MB of queued metrics, then the queue continues in a file
 PENDING = "pending.jsonl"  # in a persisted outbox folder: a head line (run, store, seconds unreachable), then the ops
+MORE = "more-{id}.jsonl"  # beside it: the calls added after it was written (add_to_pending), named by its head's id
 COMMAND = "python -m pipelines.tracking.deliver"  # pipelines/tracking/deliver.py
 RESUMES_TAG = "probvlp.resumes"  # how many times a command resumed the run
 REFUSED_FILE = "refused.jsonl"  # in an outbox's folder and a persisted one: the calls set aside, one a line
@@ -212,12 +214,19 @@ def register_model_version(uri: str, run_id: str, name: str) -> str:
     return str(client.create_model_version(name, source=source, run_id=run_id).version)
 
 
-def _count(ops: list[dict]) -> dict[str, int]:
+def _count(ops: Iterable[dict]) -> dict[str, int]:
     counts = {"metrics": 0, "tags": 0, "artifacts": 0, "other": 0}
+    for _ in _counting(ops, counts):
+        pass
+    return counts
+
+
+def _counting(ops: Iterable[dict], counts: dict[str, int]) -> Iterator[dict]:
+    """`ops` as they pass, counted into `counts` by kind (metrics by the metric)."""
     for op in ops:
         key = "metrics" if "metrics" in op else "tags" if "tag" in op else "artifacts" if "file" in op else "other"
         counts[key] += len(op["metrics"]) if key == "metrics" else 1
-    return counts
+        yield op
 
 
 def _what(op: dict) -> str:
@@ -256,7 +265,7 @@ class Outbox:
     A call the store refuses is set aside in `folder`'s refused.jsonl (`refused`), the queue goes on."""
 
     def __init__(self, client, run_id: str, uri: str, folder: Path, *, replay_from: int = -1,
-                 carried: list[dict] = (), unreachable_s: float = 0.0, store: str | None = None):
+                 carried: Iterable[dict] = (), unreachable_s: float = 0.0, store: str | None = None):
         """`uri`: the store's, credentials hidden (it is printed, and kept with what was not delivered); `store`:
         the store itself, for a model's registration (the driver's outbox only)."""
         self.client, self.run_id, self.uri = client, run_id, hide_credentials(uri)
@@ -270,6 +279,8 @@ class Outbox:
         self.in_memory = 0  # metrics in self.queue
         self.spilled = 0  # ops in the spill file not read back yet (queued after everything in self.queue)
         self.spill_offset = 0
+        self.queued_total = 0  # every call queued so far: its number ("seq") marks what a persist has written
+        self.persisted: tuple[str, int] | None = None  # the last `persist`: its folder, the last call it held
         self.state = {"horizon": None, "through": -1, "latest": {}, "store": store}
         self.down_since: float | None = None
         self.unreachable_s, self.outages = unreachable_s, 0
@@ -293,6 +304,8 @@ class Outbox:
             self.cv.notify_all()
 
     def _queue(self, op: dict) -> None:
+        self.queued_total += 1
+        op = {**op, "seq": self.queued_total}
         size = len(op.get("metrics", ()))
         if self.spilled or self.in_memory + size > MEMORY_METRICS:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -483,27 +496,63 @@ class Outbox:
                   f"{self.folder / REFUSED_FILE} without a line here", flush=True)
 
     # --- what is left, and the end
-    def snapshot(self) -> list[dict]:
-        """Every call not delivered yet (the one in flight too), in order; metrics filtered by this attempt's horizon
-        where it is known (a later attempt must not use its own for them)."""
+    def undelivered(self, since: int = 0) -> Iterator[dict]:
+        """Every call not delivered yet (the one in flight too; `since`: of those queued after the since-th), in
+        order, read as it is consumed: the queue in memory as it is now, then the spill file's lines one at a time (an
+        open handle keeps them readable should the thread empty and remove the file meanwhile); metrics filtered by
+        this attempt's horizon where it is known (a later attempt must not use its own for them). Memory: the queue's
+        references, one spilled call."""
+        return self._undelivered(since)[1]
+
+    def _undelivered(self, since: int) -> tuple[int, Iterator[dict]]:
+        """`undelivered`, and the number of the last call queued when it was taken (under the lock, now)."""
         with self.cv:
-            ops = list(self.queue)
-            if self.spilled:
-                with self.spill.open() as f:
-                    f.seek(self.spill_offset)
-                    ops += [json.loads(line) for line in f]
-        if self.state["horizon"] is None:
-            return ops
-        filtered = [{**op, "metrics": _kept(op, self.state), "filtered": True} if "metrics" in op else op for op in ops]
-        return [op for op in filtered if op.get("metrics", True)]
+            queued, spilled, mark = list(self.queue), self.spilled, self.queued_total
+            spill = self.spill.open() if spilled else None
+            if spill:
+                spill.seek(self.spill_offset)
+        return mark, self._read(queued, spilled, spill, since)
+
+    def _read(self, queued: list[dict], spilled: int, spill, since: int) -> Iterator[dict]:
+        try:
+            for op in itertools.chain(queued, (json.loads(spill.readline()) for _ in range(spilled))):
+                if op.get("seq", 0) <= since:
+                    continue
+                if self.state["horizon"] is not None and "metrics" in op:
+                    op = {**op, "metrics": _kept(op, self.state), "filtered": True}
+                    if not op["metrics"]:
+                        continue
+                yield op
+        finally:
+            if spill:
+                spill.close()
+
+    def snapshot(self) -> list[dict]:
+        """`undelivered`, as a list (tests, and small queues)."""
+        return list(self.undelivered())
 
     def persist(self, target: str) -> int:
         """Write what is not delivered yet to the folder `target` (a local path or an fsspec URI: the run's storage)
-        for the next attempt or the driver, replacing what an earlier call wrote there; returns the calls written."""
-        ops = self.snapshot()
+        for the next attempt or the driver, replacing what an earlier call wrote there, streamed (bounded memory
+        however long the outage); returns the calls written."""
         with self.cv:
             refused = list(self.refused)
-        return write_pending(target, self.run_id, self.uri, ops, self.files, self.total_unreachable_s(), refused)
+        mark, ops = self._undelivered(0)
+        written = write_pending(target, self.run_id, self.uri, ops, self.files, self.total_unreachable_s(), refused)
+        self.persisted = (target, mark)
+        return written
+
+    def persist_more(self, target: str) -> int:
+        """The calls queued since the last `persist` to `target`, added beside what it wrote there (`add_to_pending`):
+        a save's own few records after the save, where a whole `persist` would write the queue again (a long
+        outage's, to the run's storage, inside a notice's deadline). A whole `persist` where none was made there.
+        Returns the calls added."""
+        if self.persisted is None or self.persisted[0] != target:
+            return self.persist(target)
+        mark, ops = self._undelivered(self.persisted[1])
+        added = add_to_pending(target, self.run_id, self.uri, ops, self.files)
+        self.persisted = (target, mark)
+        return added
 
     def wait(self, timeout_s: float, while_reachable: bool = False) -> bool:
         """Wait up to `timeout_s` for the queue to be delivered (`while_reachable`: only while the store answers);
@@ -531,12 +580,12 @@ class Outbox:
             self.cv.notify_all()
         self.wake.set()
         self.thread.join(timeout=5)
-        ops = self.snapshot()
-        kept = (keep_to or str(self.folder)) if ops else None
-        if kept or keep_to:
-            write_pending(kept or keep_to, self.run_id, self.uri, ops, self.files, self.total_unreachable_s(),
-                          self.refused)
-        if not ops or keep_to:
+        counts = _count([])
+        written = write_pending(keep_to or str(self.folder), self.run_id, self.uri,
+                                _counting(self.undelivered(), counts), self.files, self.total_unreachable_s(),
+                                self.refused)
+        kept = (keep_to or str(self.folder)) if written else None
+        if not written or keep_to:
             if not self.refused:
                 shutil.rmtree(self.folder, ignore_errors=True)
             for path in self.folder.glob("*"):  # but refused.jsonl, where the refusals' lines said
@@ -547,43 +596,97 @@ class Outbox:
         if self.refused:
             print(f"[tracking] {len(self.refused)} calls of run {self.run_id} refused by MLflow were set aside, not "
                   f"retried: listed in {keep_to or self.folder}/{REFUSED_FILE}", flush=True)
-        return OutboxReport(self.total_unreachable_s(), self.outages, _count(ops), kept, len(self.refused))
+        return OutboxReport(self.total_unreachable_s(), self.outages, counts, kept, len(self.refused))
 
 
 # --- an outbox at rest: a folder (local or object storage) holding pending.jsonl and the files it names
-def write_pending(target: str, run_id: str, uri: str, ops: list[dict], files: Path, unreachable_s: float,
+def write_pending(target: str, run_id: str, uri: str, ops: Iterable[dict], files: Path | None, unreachable_s: float,
                   refused: list[dict] = ()) -> int:
-    """`ops` (the calls not delivered) to `target`'s pending.jsonl, their files beside it, and the calls the store
+    """`ops` (the calls not delivered, consumed one at a time: an outage's queue need not fit in memory) to
+    `target`'s pending.jsonl, replacing it whole or not at all, their files beside it, and the calls the store
     refused added to its refused.jsonl (`keep_refused`); returns the calls written."""
     keep_refused(target, refused)
     fs, root = fs_path(target)
-    if not ops:
+    ops = iter(ops)
+    first = next(ops, None)
+    if first is None:
         clear_pending(target)
         return 0
+    fs.makedirs(root, exist_ok=True)
+    head = _head(run_id, uri, unreachable_s)
+    with open_atomic(fs, f"{root}/{PENDING}") as out:
+        out.write((json.dumps(head) + "\n").encode())
+        written = _write_ops(fs, root, out, itertools.chain([first], ops), files)
+    _remove_more(fs, root, but=head["id"])  # an earlier pending.jsonl's: what it added is in this one
+    return written
+
+
+def _head(run_id: str, uri: str, unreachable_s: float) -> dict:
+    """A pending.jsonl's first line: the run, its store (credentials hidden), the seconds it was away, and the id
+    that names the file of calls added to it later (MORE)."""
+    return {"run_id": run_id, "uri": hide_credentials(uri), "unreachable_s": round(unreachable_s, 1),
+            "id": uuid.uuid4().hex[:12]}
+
+
+def _write_ops(fs, root: str, out, ops: Iterable[dict], files: Path | None) -> int:
+    """`ops` as lines of `out`, each one's artifact (in `files`) copied to `root`/files first; returns how many."""
+    written = 0
     for op in ops:
-        if "file" in op and (files / op["file"]).exists():
+        if files is not None and "file" in op and (files / op["file"]).exists():
             remote = f"{root}/files/{op['file']}"
             if not fs.exists(remote):
                 fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
                 fs.put(str(files / op["file"]), remote, recursive=(files / op["file"]).is_dir())
-    head = {"run_id": run_id, "uri": hide_credentials(uri), "unreachable_s": round(unreachable_s, 1)}
-    text = "".join(json.dumps(line) + "\n" for line in [head, *ops])
-    fs.makedirs(root, exist_ok=True)
-    write_bytes_atomic(fs, f"{root}/{PENDING}", text.encode())
-    return len(ops)
+        out.write((json.dumps(op) + "\n").encode())
+        written += 1
+    return written
 
 
-def add_to_pending(target: str, run_id: str, uri: str, ops: list[dict]) -> None:
-    """`ops` (no files) after the calls kept in `target`, which stay as they are: what a driver that found the store
-    away hands to the run's next rank 0, delivered first with the rest."""
+def _remove_more(fs, root: str, but: str | None = None) -> None:
+    """The files of calls added to an earlier pending.jsonl (none read any more), best effort."""
+    for path in fs.glob(f"{root}/{MORE.format(id='*')}"):
+        if but is None or not path.endswith(MORE.format(id=but)):
+            try:
+                fs.rm(path)
+            except OSError:
+                pass
+
+
+def add_to_pending(target: str, run_id: str, uri: str, ops: Iterable[dict], files: Path | None = None) -> int:
+    """`ops` after the calls kept in `target`, whose pending.jsonl stays as it is: in its MORE file, rewritten with
+    the calls added before (a few: a save's own records, a driver's reopening of the run that found the store away)
+    and these; their artifacts (in `files`) beside. Returns the calls added."""
     fs, root = fs_path(target)
-    head, kept = {"run_id": run_id, "uri": hide_credentials(uri), "unreachable_s": 0.0}, []
-    if fs.exists(f"{root}/{PENDING}"):
-        with fs.open(f"{root}/{PENDING}", "rb") as f:
-            lines = f.read().decode().splitlines()
-        head, kept = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-    fs.makedirs(root, exist_ok=True)
-    write_bytes_atomic(fs, f"{root}/{PENDING}", "".join(json.dumps(line) + "\n" for line in [head, *kept, *ops]).encode())
+    head = _read_head(fs, root)
+    if head is None or "id" not in head:  # nothing kept there, or a file without an id: one pending.jsonl
+        ops = list(ops)
+        write_pending(target, run_id, uri, itertools.chain(_raw_ops(fs, root) if head else [], ops), files,
+                      head.get("unreachable_s", 0.0) if head else 0.0)
+        return len(ops)
+    more = f"{root}/{MORE.format(id=head['id'])}"
+    earlier = b""
+    if fs.exists(more):
+        with fs.open(more, "rb") as f:
+            earlier = f.read()
+    with open_atomic(fs, more) as out:
+        out.write(earlier)
+        return _write_ops(fs, root, out, ops, files)
+
+
+def _raw_ops(fs, root: str) -> Iterator[dict]:
+    """The calls of `root`'s pending.jsonl as written, a line at a time (their files stay where they are)."""
+    with fs.open(f"{root}/{PENDING}", "rb") as f:
+        f.readline()
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _read_head(fs, root: str) -> dict | None:
+    if not fs.exists(f"{root}/{PENDING}"):
+        return None
+    with fs.open(f"{root}/{PENDING}", "rb") as f:
+        return json.loads(f.readline())
 
 
 def keep_refused(target: str, refused: list[dict]) -> None:
@@ -614,37 +717,63 @@ def clear_pending(target: str) -> None:
     fs, root = fs_path(target)
     if fs.exists(f"{root}/{PENDING}"):
         fs.rm(f"{root}/{PENDING}")
+        _remove_more(fs, root)
         if fs.exists(f"{root}/files"):
             fs.rm(f"{root}/files", recursive=True)
 
 
 def load(target: str, files: Path, resumed_step: int | None = None,
-         drop_ends: bool = False) -> tuple[dict, list[dict]] | None:
-    """The head and calls written to `target` (None: nothing there), their files fetched into `files` (never the
-    calls the store refused: they stay in its refused.jsonl, `refused_in`). With
-    `resumed_step` (a restart's): metrics of later steps are left out, the restart logs them again. `drop_ends`: an
-    earlier job's end of the run (its status, its model's registration) is left out: this job ends it again."""
+         drop_ends: bool = False) -> tuple[dict, Iterable[dict]] | None:
+    """The head and calls written to `target` (None: nothing there), the calls read a line at a time as they are
+    iterated (each time anew), their files fetched into `files` then (never the calls the store refused: they stay
+    in its refused.jsonl, `refused_in`). With `resumed_step` (a restart's): metrics of later steps are left out, the
+    restart logs them again. `drop_ends`: an earlier job's end of the run (its status, its model's registration) is
+    left out: this job ends it again."""
     fs, root = fs_path(target)
-    if not fs.exists(f"{root}/{PENDING}"):
-        return None
-    with fs.open(f"{root}/{PENDING}", "rb") as f:
-        lines = f.read().decode().splitlines()
-    head, ops = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-    kept = []
-    for op in ops:
-        if drop_ends and ("status" in op or "register" in op):
-            continue
-        if "metrics" in op and resumed_step is not None:
-            op = {**op, "metrics": [m for m in op["metrics"] if m[3] <= resumed_step]}
+    head = _read_head(fs, root)
+    return None if head is None else (head, _Kept(fs, root, head.get("id"), files, resumed_step, drop_ends))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """The calls of a persisted outbox (`load`), streamed from its pending.jsonl at each iteration."""
+    fs: Any
+    root: str
+    id: str | None  # the head's: names the MORE file of calls added later
+    files: Path
+    resumed_step: int | None
+    drop_ends: bool
+
+    def __iter__(self) -> Iterator[dict]:
+        for line in self._lines():
+            if line.strip():
+                op = self._kept(json.loads(line))
+                if op is not None:
+                    yield op
+
+    def _lines(self) -> Iterator[bytes]:
+        with self.fs.open(f"{self.root}/{PENDING}", "rb") as f:
+            f.readline()  # the head
+            yield from f
+        more = f"{self.root}/{MORE.format(id=self.id)}"
+        if self.id and self.fs.exists(more):
+            with self.fs.open(more, "rb") as f:
+                yield from f
+
+    def _kept(self, op: dict) -> dict | None:
+        """`op` as the reader gets it (None: left out), its artifact fetched into `files`."""
+        if self.drop_ends and ("status" in op or "register" in op):
+            return None
+        if "metrics" in op and self.resumed_step is not None:
+            op = {**op, "metrics": [m for m in op["metrics"] if m[3] <= self.resumed_step]}
             if not op["metrics"]:
-                continue
+                return None
         if "file" in op:
-            local = files / op["file"]
-            if not local.exists() and fs.exists(f"{root}/files/{op['file']}"):
+            local, remote = self.files / op["file"], f"{self.root}/files/{op['file']}"
+            if not local.exists() and self.fs.exists(remote):
                 local.parent.mkdir(parents=True, exist_ok=True)
-                fs.get(f"{root}/files/{op['file']}", str(local), recursive=fs.isdir(f"{root}/files/{op['file']}"))
-        kept.append(op)
-    return head, kept
+                self.fs.get(remote, str(local), recursive=self.fs.isdir(remote))
+        return op
 
 
 def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, extra: list[dict] = (), *,
@@ -658,13 +787,16 @@ def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, 
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        head, ops = load(target, folder / "files") or ({}, [])
+        head, kept = load(target, folder / "files") or ({}, [])
+        ops = iter(kept)
+        first = next(ops, None)
+        ops = itertools.chain([] if first is None else [first], ops)
         run_id, store = head.get("run_id", run_id), uri or head.get("uri")
-        if not ops and not extra:
+        if first is None and not extra:
             return OutboxReport(0.0, 0, _count([]), None, len(refused_in(target)))
         if run_id is None or store is None:
             raise ValueError(f"{target}: no kept calls of a run (and no store named)")
         outbox = Outbox(MlflowClient(store), run_id, head.get("uri", shown_uri or store), folder,
-                        carried=[*ops, *extra], unreachable_s=head.get("unreachable_s", 0.0), store=store)
+                        carried=itertools.chain(ops, extra), unreachable_s=head.get("unreachable_s", 0.0), store=store)
         report = outbox.close(-1, timeout_s, keep_to=target, while_reachable=while_reachable, summary=False)
         return dataclasses.replace(report, refused=len(refused_in(target)))

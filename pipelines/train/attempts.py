@@ -88,13 +88,20 @@ def record_failure(folder: str, attempt: int, rank: int, error: BaseException, s
                {"rank": rank, "error": f"{type(error).__name__}: {lines[0][:1000] if lines else ''}", "step": step})
 
 
-def record_notice(folder: str, attempt: int, rank: int, step: int, sources: list[str], file_mtime: float = 0.0) -> None:
-    """A notice one rank saw where no collective tells rank 0 (before the first step, after the final checkpoint),
-    for the next attempt's line and guard. `file_mtime`: the time of the notice file whose save is done (the final
-    checkpoint's), which no later attempt takes for a notice again (`taken_file_mtime`), even where renaming the file
-    failed."""
-    write_json(f"{folder}/notices/attempt-{attempt:06d}-rank-{rank}.json",
-               {"step": step, "sources": sources, "file_mtime": file_mtime})
+def record_notice(folder: str, attempt: int, rank: int, step: int, sources: list[str], file_mtime: float = 0.0,
+                  during: str = "") -> None:
+    """A notice one rank saw where no collective tells rank 0 (before the first step, during rank 0's evaluation,
+    after the final checkpoint), for rank 0 (`notice_during`) and the next attempt's line and guard. `file_mtime`:
+    the time of the notice file whose save is done (the final checkpoint's), which no later attempt takes for a
+    notice again (`taken_file_mtime`), even where renaming the file failed. `during`: the phase (a record of its own)."""
+    write_json(f"{folder}/notices/attempt-{attempt:06d}-rank-{rank}{f'-{during}' if during else ''}.json",
+               {"step": step, "sources": sources, "file_mtime": file_mtime, "during": during})
+
+
+def notice_during(folder: str, attempt: int, step: int, during: str) -> bool:
+    """Whether some rank recorded a notice during phase `during` of step `step` of attempt `attempt`."""
+    return any(f.get("during") == during and f["step"] == step
+               for f in _notice_records(folder, f"attempt-{attempt:06d}-"))
 
 
 def _notice_records(folder: str, prefix: str = "") -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,11 +25,26 @@ from pipelines.train.model_card import summary_table
 from pipelines.fit.trainer import eval_dataset_name
 
 
-def eval_batches(task: EvalTask, batch_size: int):
+class EvaluationStopped(Exception):
+    """The evaluation was stopped by its `stop` check (a notice of preemption came during it): its step's save is due
+    now, and the evaluation comes again after it."""
+
+
+def eval_batches(task: EvalTask, batch_size: int, stop: Callable[[], bool] | None = None):
+    """The task's batches from its dataset shard; with `stop`, checked before each batch (EvaluationStopped)."""
     shard = dataset_shard(eval_dataset_name(task))
     if task.kind == "loss":
-        return shard.iter_torch_batches(batch_size=batch_size, drop_last=False)
-    return shard.iter_batches(batch_size=batch_size, batch_format="numpy")
+        batches = shard.iter_torch_batches(batch_size=batch_size, drop_last=False)
+    else:
+        batches = shard.iter_batches(batch_size=batch_size, batch_format="numpy")
+    return batches if stop is None else _stoppable(batches, stop)
+
+
+def _stoppable(batches: Iterable, stop: Callable[[], bool]) -> Iterator:
+    for batch in batches:
+        if stop():
+            raise EvaluationStopped
+        yield batch
 
 
 @torch.no_grad()
@@ -64,32 +80,42 @@ class Evaluation:
         objective.loss.load_state_dict(loss_weights)
         return objective.eval()
 
-    def evaluate(self, objective: torch.nn.Module, step: int) -> tuple[dict[str, float], dict[str, TaskResult]]:
+    def evaluate(self, objective: torch.nn.Module, step: int, stop: Callable[[], bool] | None = None
+                 ) -> tuple[dict[str, float], dict[str, TaskResult]]:
         """The `{task}/{metric}` numbers (logged at `step`) and per-task results of the objective's model, on its
-        device under the training autocast. EvaluationError names the task that failed."""
+        device under the training autocast. EvaluationError names the task that failed; EvaluationStopped where
+        `stop` (checked before each batch) said so (nothing logged)."""
         cfg, model = self.cfg, objective.model
         metrics: dict[str, float] = {}
         results: dict[str, TaskResult] = {}
         for task in self.tasks:
             try:
-                batches = eval_batches(task, cfg.eval.batch_size)
+                batches = eval_batches(task, cfg.eval.batch_size, stop)
                 if task.kind == "loss":
                     metrics[f"{task.name}/loss"] = held_out_loss(objective, batches, self.use_bf16)
                     continue
                 embeddings = embed_task_locally(model, task, batches, cfg.eval.batch_size, self.use_bf16)
                 results[task.name] = score_task(model, task, embeddings, cfg.eval.calibration_bins)
+            except EvaluationStopped:
+                raise
             except Exception as err:  # noqa: BLE001 - any failure of a task is reported by its name
                 raise EvaluationError.of(task.name, err) from err
             metrics.update(prefixed(task, results[task.name]))
         self.logger.log(metrics, step)
         return metrics, results
 
-    def validate(self, weights, loss_weights, step: int) -> dict[str, float]:
+    def validate(self, weights, loss_weights, step: int, stop: Callable[[], bool] | None = None
+                 ) -> dict[str, float] | None:
         """Every eval task's metrics at `step`. A task that fails is reported (printed, MLflow tag
         `probvlp.eval_error`) and training goes on with every metric NaN in this report (a sweep's scheduler needs
-        its metric in each report; NaN is never a score): the final evaluation decides the run's status."""
+        its metric in each report; NaN is never a score): the final evaluation decides the run's status. None where
+        `stop` stopped it (a notice during it)."""
         try:
-            return self.evaluate(self.objective(weights, loss_weights), step)[0]
+            return self.evaluate(self.objective(weights, loss_weights), step, stop)[0]
+        except EvaluationStopped:
+            print(f"[preemption] a notice during the evaluation of step {step}: stopped, for the notice's save; the "
+                  "evaluation comes again after it", flush=True)
+            return None
         except EvaluationError as err:
             print(f"[probvlp] step {step}: {err}", flush=True)
             self.logger.tag("probvlp.eval_error", f"step {step}: {err}")

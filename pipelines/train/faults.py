@@ -8,7 +8,8 @@ hook, None unless something outside the product's jobs turns it on, and calls it
   after the final checkpoint and the saved model; ATTEMPT_START: an attempt that has begun, its journal entry written
   and its progress checked, before its first step; NOTICE_SAVED: a notice's checkpoint registered, before its
   evaluation, its file taken and its hand-over to Ray) until the test lets it go, at every stop or at one (the n-th
-  stop there, counted over the attempts). What a test does "during" that point (a notice, a kill) then happens there
+  stop there, counted over the attempts; EVALUATION: the start of an evaluation between steps, where a notice may stop
+  it). What a test does "during" that point (a notice, a kill) then happens there
   by construction, whatever the machine's speed: the phase cannot end before the test has acted and seen the run's
   answer. Turned on by the training loop's config (key HOLDS: point -> a folder), which no job of the product sets: a
   test adds it (tests/helpers.py, `pretrain_beside(..., holds=...)`). Off, it is one dictionary look-up per attempt
@@ -26,6 +27,7 @@ import ray.train
 # The training loop's config key that turns holds on (point -> folder), and the points the worker holds at.
 HOLDS = "holds"
 FINAL_EVALUATION = "final_evaluation"
+EVALUATION = "evaluation"
 ATTEMPT_START = "attempt_start"
 NOTICE_SAVED = "notice_saved"
 # How often a held rank 0 looks for its release.

@@ -39,8 +39,13 @@ from pipelines.fit.trainer import eval_dataset_name, private
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
 from pipelines.compat.ray_private import default_preemption_deadline_s
 from pipelines.train.preemption import NOTICE_MARGIN_S, Notice
-from pipelines.train.faults import ATTEMPT_START, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once, hold_at
+from pipelines.train.faults import (ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once,
+                                   hold_at)
 from pipelines.train.step import DeepSpeedFit
+
+
+# How often rank 0, evaluating, reads the notices the other ranks recorded meanwhile (the run's storage)
+EVALUATION_POLL_S = 1.0
 
 
 class NoticeLoop(RuntimeError):
@@ -297,8 +302,8 @@ class TrainWorker(Hooks):
     def checkpoint_due(self) -> bool:
         return self.ds_fit.clock_due
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        return self.validate()
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        return self.validate(stoppable=True)
 
     def checkpoint(self, metrics: dict[str, Any]) -> None:
         self.save(metrics, behind=True)
@@ -436,8 +441,9 @@ class TrainWorker(Hooks):
             print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
                   f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
                   f"{save_s:.1f} s", flush=True)
-            # the notice's own records too, before its evaluation (a restart evaluates again: one record either way)
-            self._persist_outbox()
+            # the notice's own records too, before its evaluation (a restart evaluates again: one record either way),
+            # beside the queue its save wrote (not the queue again)
+            self.logger.persist_more(self.outbox_folder)
         if evaluate:  # after the save: a restart before its end evaluates again (evaluate_at), one record either way
             train_state.report({"step": p.step, **self.validate()})
         left = default_preemption_deadline_s() if notice["deadline_in_s"] is None else notice["deadline_in_s"]
@@ -493,7 +499,7 @@ class TrainWorker(Hooks):
                             event=True)
             print(f"[preemption] trained on {kept} step(s) after the notice's save; the last checkpoint, of step "
                   f"{p.step}, saved in {save_s:.1f} s, {left:.0f} s before the deadline", flush=True)
-            self._persist_outbox()
+            self.logger.persist_more(self.outbox_folder)
         if evaluate:
             train_state.report({"step": p.step, **self.validate()})
         self.notice.hold(first["deadline"] - time.time())
@@ -547,14 +553,53 @@ class TrainWorker(Hooks):
         loss_weights = full_state_dict(self.engine, module.loss, self.device)
         return (weights, loss_weights) if self.rank == 0 else (None, None)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, stoppable: bool = False) -> dict[str, float] | None:
         """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them; a failing
-        task gives NaNs, pipelines.train.evaluation)."""
+        task gives NaNs, pipelines.train.evaluation). `stoppable` (an evaluation between steps, which may outlast a
+        notice's deadline): a notice on any rank during it stops it, None on every rank (the notice's save is due
+        now): rank 0 checks its own notices before each batch, the other ranks, waiting for its answer in a
+        collective, record theirs in the run's storage (`_watch_evaluation`), which rank 0 reads then too, at most
+        once a second."""
         weights, loss_weights = self._gathered_weights()
-        result = [self.evaluation.validate(weights, loss_weights, self.progress.step) if self.rank == 0 else None]
-        del weights, loss_weights
-        torch.distributed.broadcast_object_list(result, src=0)
+        waiting = threading.Event()
+        if stoppable and self.rank != 0:
+            threading.Thread(target=self._watch_evaluation, args=(waiting,), daemon=True,
+                             name="probvlp-evaluation-notices").start()
+        try:
+            if stoppable and self.hold:  # tests only: a notice "during the evaluation" lands here
+                self.hold(EVALUATION)
+            result = [self.evaluation.validate(weights, loss_weights, self.progress.step,
+                                               self._evaluation_stop() if stoppable else None)
+                      if self.rank == 0 else None]
+            del weights, loss_weights
+            torch.distributed.broadcast_object_list(result, src=0)
+        finally:
+            waiting.set()
         return result[0]
+
+    def _evaluation_stop(self) -> Callable[[], bool]:
+        """Rank 0's check before each batch of a stoppable evaluation: its own notice (or, training on, the time of
+        the last save), or another rank's recorded in the run's storage during this evaluation."""
+        step, polled = self.progress.step, [-math.inf]
+
+        def stop() -> bool:
+            if self._notice_due():
+                return True
+            if self.world.size == 1 or time.monotonic() - polled[0] < EVALUATION_POLL_S:
+                return False
+            polled[0] = time.monotonic()
+            return attempts.notice_during(self.folder, self.attempt, step, "evaluation")
+
+        return stop
+
+    def _watch_evaluation(self, done: threading.Event) -> None:
+        """A rank other than 0 while rank 0 evaluates: its notice (or, training on, the time of the last save)
+        recorded in the run's storage for rank 0, which no collective can tell meanwhile."""
+        while not done.wait(EVALUATION_POLL_S / 2):
+            if self._notice_due():
+                attempts.record_notice(self.folder, self.attempt or self._attempt_of_rank0(), self.rank,
+                                       self.progress.step, self.notice.take()["sources"], during="evaluation")
+                return
 
     def finish(self) -> None:
         """The final checkpoint (all ranks; before judging: a notice from here on costs no step, and a restart only
