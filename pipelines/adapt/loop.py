@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray.train
 import ray.train.torch
@@ -27,6 +27,7 @@ from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
 from pipelines.tracking import StepLogger
 from pipelines.fit.config import LoopConfig
+from pipelines.fit.faults import fail_once
 from pipelines.fit.loop import Hooks, epoch_batches, run_steps
 from pipelines.fit.optim import lr_at, optimizer_for
 from pipelines.fit.trainer import private
@@ -112,12 +113,17 @@ STATE_FILE = "state.safetensors"
 
 class AdapterHooks(Hooks):
     """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow, and
-    every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state."""
+    every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state.
+    `fault`: called with each step applied (train.fail_once_at_step, pipelines.fit.faults)."""
 
-    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None):
-        self.fit, self.t, self.logger = fit, cfg.train, logger
+    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None, fault: Callable[[int], None] | None = None):
+        self.fit, self.t, self.logger, self.fault = fit, cfg.train, logger, fault
         self.checkpoint_every = self.t.checkpoint_every
         self.first_step, self.start, self.loss = fit.progress.step, time.perf_counter(), float("nan")
+
+    def on_step(self, step: int) -> None:
+        if self.fault:
+            self.fault(step)
 
     def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
         p = self.fit.progress
@@ -169,7 +175,7 @@ def adapt_loop(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
     logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
-    hooks = AdapterHooks(fit, cfg, logger)
+    hooks = AdapterHooks(fit, cfg, logger, fail_once(t.fail_once_at_step, config.get("failure_marker")))
     shard = ray.train.get_dataset_shard("train")
 
     def pairs(epoch: int):
