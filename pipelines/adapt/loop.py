@@ -3,10 +3,11 @@
 The frozen source model is not here at all: the workers see only its embeddings, so no gradient or
 optimizer can reach its weights. The loop, the optimizer, the schedule and the step are the training core's
 (`pipelines.fit`: the place in the data, skipped non-finite steps, logging points, AdamW from the train section); what
-is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow and
-reports a Ray Train checkpoint every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and
-the progress counters (safetensors). A run started again under the same `run.name` gets that checkpoint back from
-Ray Train and continues from its step (a finished one trains no further unless `train.steps` was raised).
+is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow (each step once, where a
+restart after a failed worker trains steps again) and reports a Ray Train checkpoint every `train.checkpoint_every`
+steps and at the end: the adapters, AdamW's moments and the progress counters (safetensors). A run started again under
+the same `run.name` gets that checkpoint back from Ray Train and continues from its step (a finished one trains no
+further unless `train.steps` was raised).
 """
 from __future__ import annotations
 
@@ -174,7 +175,9 @@ def adapt_loop(config: dict[str, Any]) -> None:
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
+    # a restart trains the steps after its checkpoint again: what MLflow has of them is not logged twice
+    logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500,
+                        resumed_from=fit.progress.step) if rank == 0 else None
     hooks = AdapterHooks(fit, cfg, logger, fail_once(t.fail_once_at_step, config.get("failure_marker")))
     shard = ray.train.get_dataset_shard("train")
 
