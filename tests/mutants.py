@@ -369,6 +369,12 @@ MUTANTS = [
            "    if made:\n        return str(min(int(v.version) for v in made))\n",
            "",
            ("tests/test_tracking_outage.py::test_registering_a_runs_model_again_makes_no_second_version",)),
+    Mutant("adapter-replay",
+           "a restarted adapter fit logs the steps it trains again once, not a second time beside the first attempt's",
+           "pipelines/adapt/loop.py",
+           "flush_every=500,\n                        resumed_from=fit.progress.step)",
+           "flush_every=500)",
+           ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
 ]
 
 

@@ -695,3 +695,50 @@ def test_same_run_name_resumes_a_stopped_fit(trained_clip, digits_root, tmp_path
     steps = [m.step for m in client.get_metric_history(again.mlflow_run_id, "adapter/loss")]
     assert sorted(steps) == sorted(set(steps)) and min(steps) == 1 and max(steps) == 200 and 101 in steps
     assert again.model_file.is_file() and "digits_retrieval/i2t_calib_score" in again.metrics
+
+
+# A worker lost at step RESTART_FAIL_AT (train.fail_once_at_step), after the step-RESTART_CHECKPOINT checkpoint: with a
+# log at every step, rank 0's buffer (flush_every=500 metrics, 12 a step) was written to MLflow at step 87, so the
+# first attempt delivered most of the steps the restart trains again.
+RESTART_STEPS, RESTART_CHECKPOINT, RESTART_FAIL_AT = 100, 45, 90
+PER_STEP = ("loss", "adapter/loss", "baseline/loss", "lr", "samples_per_s")
+
+
+def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, tmp_path):
+    """jobs.adapt on the digits loses its worker at step 90 and Ray Train restarts it from the step-45 checkpoint
+    (run.max_failures): the steps the first attempt had written to MLflow (46-87) are not written again by the replay,
+    and none is lost. Seen from MLflow: each per-step metric's history holds every step 1-100 exactly once."""
+    from mlflow import MlflowClient
+
+    from pipelines.adapt.job import run_adapt
+    from pipelines.config import STATE_DIR
+
+    torch.manual_seed(0)
+    clip = tmp_path / "clip.safetensors"  # an untrained source: the adapter learns on any embeddings
+    save_model(create_model("clip_tiny").state_dict(), clip, "clip_tiny", {})
+    cfg = load_adapt_config(CONFIG, [
+        f"source.model={clip}", f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"run.storage_path={tmp_path}/ray", "run.name=test_adapt_restart", "run.max_failures=1",
+        f"train.steps={RESTART_STEPS}", f"train.checkpoint_every={RESTART_CHECKPOINT}",
+        f"train.fail_once_at_step={RESTART_FAIL_AT}", "train.log_every=1", "train.batch_size=32",
+        "adapter.hidden=32", "adapter.mc_samples=2",
+        'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]'])
+    res = run_adapt(cfg, tmp_path / "out")
+
+    marker = STATE_DIR / "injected_failures" / f"{res.mlflow_run_id}.done"
+    assert marker.read_text() == str(RESTART_FAIL_AT)  # the worker failed there, once
+    # the attempt that finished began at the checkpoint: a restart, from the step-45 checkpoint
+    assert (res.train["step"], res.train["steps_this_run"]) == (RESTART_STEPS, RESTART_STEPS - RESTART_CHECKPOINT)
+    client = MlflowClient(res.mlflow_uri)
+    assert client.get_run(res.mlflow_run_id).info.status == "FINISHED"
+    failed_at_ms = marker.stat().st_mtime * 1000
+    for key in PER_STEP:
+        history = client.get_metric_history(res.mlflow_run_id, key)
+        steps = sorted(m.step for m in history)
+        twice = sorted({s for s in steps if steps.count(s) > 1})
+        assert not twice, f"{key}: steps logged more than once: {twice}"
+        assert steps == list(range(1, RESTART_STEPS + 1)), f"{key}: steps missing: " \
+            f"{sorted(set(range(1, RESTART_STEPS + 1)) - set(steps))}"
+        # the case in question: the first attempt had delivered steps past the checkpoint the restart replays from
+        before_failure = [m.step for m in history if m.timestamp <= failed_at_ms]
+        assert max(before_failure) > RESTART_CHECKPOINT, (key, max(before_failure))

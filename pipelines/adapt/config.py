@@ -99,6 +99,9 @@ class AdaptTrainConfig(LoopConfig):
     # A Ray Train checkpoint (adapters, optimizer, step) every this many steps and at the end; the same
     # run.name again resumes from the latest.
     checkpoint_every: int = Field(500, ge=1)
+    # Fault injection for testing recovery (pretraining's key, pipelines.fit.faults): one worker raises when this step
+    # is applied, once per MLflow run; Ray Train restarts the group from the last checkpoint (run.max_failures).
+    fail_once_at_step: int | None = Field(None, ge=1)
 
 
 class EmbedConfig(Section):

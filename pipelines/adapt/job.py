@@ -136,7 +136,9 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
               "data.images": pairs.n_images, "data.texts": pairs.n_texts, "embed_dim": width}
     common = dict(mlflow_uri=uri, run_name=cfg.run.name, out=out, source=source, pairs=len(pairs.image))
     with launch.run(params=params, tags=tags) as run:
-        result = launch.fit(adapt_loop, {"dim": width},
+        # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
+        marker = str(STATE_DIR / "injected_failures" / f"{run.run_id}.done")
+        result = launch.fit(adapt_loop, {"dim": width, "failure_marker": marker},
                             {"train": ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))})
         train = dict(result.metrics or {})
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()

@@ -3,17 +3,18 @@
 The frozen source model is not here at all: the workers see only its embeddings, so no gradient or
 optimizer can reach its weights. The loop, the optimizer, the schedule and the step are the training core's
 (`pipelines.fit`: the place in the data, skipped non-finite steps, logging points, AdamW from the train section); what
-is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow and
-reports a Ray Train checkpoint every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and
-the progress counters (safetensors). A run started again under the same `run.name` gets that checkpoint back from
-Ray Train and continues from its step (a finished one trains no further unless `train.steps` was raised).
+is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow (each step once, where a
+restart after a failed worker trains steps again) and reports a Ray Train checkpoint every `train.checkpoint_every`
+steps and at the end: the adapters, AdamW's moments and the progress counters (safetensors). A run started again under
+the same `run.name` gets that checkpoint back from Ray Train and continues from its step (a finished one trains no
+further unless `train.steps` was raised).
 """
 from __future__ import annotations
 
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray.train
 import ray.train.torch
@@ -27,6 +28,7 @@ from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
 from pipelines.tracking import StepLogger
 from pipelines.fit.config import LoopConfig
+from pipelines.fit.faults import fail_once
 from pipelines.fit.loop import Hooks, epoch_batches, run_steps
 from pipelines.fit.optim import lr_at, optimizer_for
 from pipelines.fit.trainer import private
@@ -112,12 +114,17 @@ STATE_FILE = "state.safetensors"
 
 class AdapterHooks(Hooks):
     """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow, and
-    every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state."""
+    every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state.
+    `fault`: called with each step applied (train.fail_once_at_step, pipelines.fit.faults)."""
 
-    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None):
-        self.fit, self.t, self.logger = fit, cfg.train, logger
+    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None, fault: Callable[[int], None] | None = None):
+        self.fit, self.t, self.logger, self.fault = fit, cfg.train, logger, fault
         self.checkpoint_every = self.t.checkpoint_every
         self.first_step, self.start, self.loss = fit.progress.step, time.perf_counter(), float("nan")
+
+    def on_step(self, step: int) -> None:
+        if self.fault:
+            self.fault(step)
 
     def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
         p = self.fit.progress
@@ -168,8 +175,10 @@ def adapt_loop(config: dict[str, Any]) -> None:
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500) if rank == 0 else None
-    hooks = AdapterHooks(fit, cfg, logger)
+    # a restart trains the steps after its checkpoint again: what MLflow has of them is not logged twice
+    logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500,
+                        resumed_from=fit.progress.step) if rank == 0 else None
+    hooks = AdapterHooks(fit, cfg, logger, fail_once(t.fail_once_at_step, config.get("failure_marker")))
     shard = ray.train.get_dataset_shard("train")
 
     def pairs(epoch: int):

@@ -1,9 +1,9 @@
 """Faults put into a run on purpose, to try its recovery, outside the worker's own code: the worker is handed each
 hook, None unless something outside the product's jobs turns it on, and calls it where the fault belongs.
 
-- train.fail_once_at_step (`fail_once`): one worker raises once when a step is applied, once per MLflow run, as a
-  crashed worker would; Ray Train restarts the group from the last checkpoint (run.max_failures). The run's config
-  alone turns it on.
+- train.fail_once_at_step (`fail_once`, the training core's: pipelines.fit.faults, the adapter's too): one worker raises
+  once when a step is applied, once per MLflow run, as a crashed worker would; Ray Train restarts the group from the
+  last checkpoint (run.max_failures). The run's config alone turns it on.
 - Holds (`hold_at`, tests only): rank 0 stops at a named point of the run (FINAL_EVALUATION: the final evaluation,
   after the final checkpoint and the saved model; ATTEMPT_START: an attempt that has begun, its journal entry written
   and its progress checked, before its first step; NOTICE_SAVED: a notice's checkpoint registered, before its
@@ -24,6 +24,8 @@ from typing import Callable
 
 import ray.train
 
+from pipelines.fit.faults import fail_once  # noqa: F401 - the worker's hooks from one module
+
 # The training loop's config key that turns holds on (point -> folder), and the points the worker holds at.
 HOLDS = "holds"
 FINAL_EVALUATION = "final_evaluation"
@@ -32,23 +34,6 @@ ATTEMPT_START = "attempt_start"
 NOTICE_SAVED = "notice_saved"
 # How often a held rank 0 looks for its release.
 HOLD_POLL_S = 0.05
-
-
-def fail_once(step: int | None, marker: str | None) -> Callable[[int], None] | None:
-    """The hook of the last rank (None on the others, or without train.fail_once_at_step): raises at `step`, unless
-    `marker` (a file per MLflow run, written before raising) says it did already."""
-    context = ray.train.get_context()
-    if step is None or not marker or context.get_world_rank() != context.get_world_size() - 1:
-        return None
-
-    def fault(applied: int) -> None:
-        if applied != step or Path(marker).exists():
-            return
-        Path(marker).parent.mkdir(parents=True, exist_ok=True)
-        Path(marker).write_text(str(applied))
-        raise RuntimeError(f"injected failure at step {applied} (train.fail_once_at_step)")
-
-    return fault
 
 
 def held_file(folder: str | Path, point: str) -> Path:
