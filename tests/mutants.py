@@ -359,10 +359,17 @@ MUTANTS = [
     Mutant("resume-reopening-queued",
            "a resume that finds the store away hands the run's reopening to rank 0 and trains on",
            "pipelines/tracking/runs.py",
-           "        add_to_pending(pending_in, recorded, uri, [{\"reopen\": redact_yaml(config_yaml)}])\n",
+           "        add_to_pending(pending_in, recorded, uri, [{\"reopen\": redact_yaml(config_yaml), \"key\": key}])\n",
            "        raise\n",
            ("tests/test_tracking_outage.py::"
             "test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_later",)),
+    Mutant("reopen-idempotent",
+           "a resume's reopening done twice (its try cut short by an outage, then its queued copy) counts once",
+           "pipelines/tracking/outbox.py",
+           "    attempt = done[0] if done else int(tags.get(RESUMES_TAG, \"0\")) + 1\n",
+           "    attempt = int(tags.get(RESUMES_TAG, \"0\")) + 1\n",
+           ("tests/test_tracking_outage.py::"
+            "test_a_resume_reopened_twice_by_its_try_and_its_queued_copy_counts_once",)),
     Mutant("register-idempotent",
            "registering a run's model again (a timed-out call delivered twice) makes no second version",
            "pipelines/tracking/outbox.py",

@@ -422,3 +422,22 @@ def test_registering_a_runs_model_again_makes_no_second_version(tmp_path):
     assert register_model_version(uri, first, "probvlp-m") == register_model_version(uri, first, "probvlp-m") == "1"
     assert register_model_version(uri, second, "probvlp-m") == "2"
     assert sorted(int(v.version) for v in client.search_model_versions("name='probvlp-m'")) == [1, 2]
+
+
+def test_a_resume_reopened_twice_by_its_try_and_its_queued_copy_counts_once(tmp_path):
+    """A resume's reopening tried by the driver and cut short by an outage after some of its calls reached the store,
+    then delivered from the queue: the same resume (its key), counted once; another resume is the next number."""
+    from pipelines.tracking.outbox import reopen
+
+    uri = tracking.tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(uri)
+    rid = client.create_run(client.create_experiment("reopen", tracking.sqlite_artifact_root(uri))).info.run_id
+    client.set_terminated(rid, "KILLED")
+    assert reopen(client, rid, "a: 1", "key-one") == 1
+    client.set_terminated(rid, "KILLED")  # as if the rest of the try never happened: its queued copy comes
+    assert reopen(client, rid, "a: 1", "key-one") == 1
+    run = client.get_run(rid)
+    assert run.info.status == "RUNNING" and run.data.tags["probvlp.resumes"] == "1"
+    assert reopen(client, rid, "a: 2", "key-two") == 2
+    assert client.get_run(rid).data.tags["probvlp.resumes"] == "2"
+    assert {a.path for a in client.list_artifacts(rid)} == {"config_resume_1.yaml", "config_resume_2.yaml"}

@@ -54,6 +54,7 @@ PENDING = "pending.jsonl"  # in a persisted outbox folder: a head line (run, sto
 MORE = "more-{id}.jsonl"  # beside it: the calls added after it was written (add_to_pending), named by its head's id
 COMMAND = "python -m pipelines.tracking.deliver"  # pipelines/tracking/deliver.py
 RESUMES_TAG = "probvlp.resumes"  # how many times a command resumed the run
+RESUME_KEY_TAG = "probvlp.resume"  # .N: the key of the N-th resume (outbox.reopen: a resume done twice counts once)
 REFUSED_FILE = "refused.jsonl"  # in an outbox's folder and a persisted one: the calls set aside, one a line
 REFUSALS_SHOWN = 10  # refusals printed one line each; past it only refused.jsonl has them (a deleted run refuses all)
 
@@ -182,15 +183,22 @@ def _deliver(client, run_id: str, batch: list[dict], files: Path, unreachable_s:
     elif "status" in op:
         client.set_terminated(run_id, status=op["status"])
     elif "reopen" in op:  # a resume that found the store away (runs.reopen_run): its reopening, as it would have been
-        reopen(client, run_id, op["reopen"])
+        reopen(client, run_id, op["reopen"], op.get("key"))
     elif "register" in op:
         register_model_version(state["store"], run_id, op["register"])
 
 
-def reopen(client, run_id: str, config_yaml: str) -> int:
+def reopen(client, run_id: str, config_yaml: str, key: str | None = None) -> int:
     """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the resumed config
-    (`config_yaml`, secrets hidden already) next to the original. Returns the resume's number (1 for the first)."""
-    attempt = int(client.get_run(run_id).data.tags.get(RESUMES_TAG, "0")) + 1
+    (`config_yaml`, secrets hidden already) next to the original. Returns the resume's number (1 for the first).
+    `key`: the resume's own, recorded first (tag probvlp.resume.N): the same resume done again (a try cut short by an
+    outage, then its queued copy delivered) keeps its number instead of counting twice."""
+    tags = client.get_run(run_id).data.tags
+    done = [int(k.rsplit(".", 1)[1]) for k, v in tags.items()
+            if key and v == key and k.startswith(f"{RESUME_KEY_TAG}.") and k.rsplit(".", 1)[1].isdigit()]
+    attempt = done[0] if done else int(tags.get(RESUMES_TAG, "0")) + 1
+    if key:
+        client.set_tag(run_id, f"{RESUME_KEY_TAG}.{attempt}", key)
     client.update_run(run_id, status="RUNNING")
     client.set_tag(run_id, RESUMES_TAG, str(attempt))
     client.log_text(run_id, config_yaml, f"config_resume_{attempt}.yaml")

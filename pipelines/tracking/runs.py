@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +56,10 @@ def find_run(uri: str, experiment: str, run_name: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def reopen_run(uri: str, run_id: str, config_yaml: str) -> int:
+def reopen_run(uri: str, run_id: str, config_yaml: str, key: str | None = None) -> int:
     """Continue an existing run: mark it running, count the resume (tag probvlp.resumes) and keep the
-    resumed config next to the original. Returns the resume's number (1 for the first)."""
-    return reopen(MlflowClient(uri), run_id, redact_yaml(config_yaml))
+    resumed config next to the original. Returns the resume's number (1 for the first). `key`: outbox.reopen's."""
+    return reopen(MlflowClient(uri), run_id, redact_yaml(config_yaml), key)
 
 
 # In a training run's storage folder (run.storage_path/NAME/probvlp/): its MLflow run, so that a resume finds it
@@ -93,8 +94,9 @@ def _resume(uri: str, experiment: str, run_name: str, config_yaml: str, record_i
             reopen_run(uri, existing, config_yaml)
         return existing
     fail_fast(uri)  # one try a call, bounded: the resume does not wait on the store
+    key = uuid.uuid4().hex[:12]  # the try below and its queued copy are one resume, counted once
     try:
-        reopen_run(uri, recorded, config_yaml)
+        reopen_run(uri, recorded, config_yaml, key)
     except Exception as err:  # noqa: BLE001 - the store's answer, or its absence
         # the run is not in the store (deleted, or another store on the same storage): a new one
         if answer_of(err, {}, Path()) == REFUSED or getattr(err, "error_code", None) in STORE_REFUSALS:
@@ -103,7 +105,7 @@ def _resume(uri: str, experiment: str, run_name: str, config_yaml: str, record_i
             return None
         if pending_in is None or is_local_store(uri):  # nowhere to hand it over, or no outage: a file on this node
             raise
-        add_to_pending(pending_in, recorded, uri, [{"reopen": redact_yaml(config_yaml)}])
+        add_to_pending(pending_in, recorded, uri, [{"reopen": redact_yaml(config_yaml), "key": key}])
         print(f"[tracking] {hide_credentials(uri)} is away as the run resumes ({one_line(err)}): run {recorded} "
               "goes on without it; its reopening and what the run logs are delivered when it answers", flush=True)
     return recorded
