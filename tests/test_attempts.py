@@ -27,6 +27,18 @@ def test_a_restart_knows_why_the_attempt_before_it_ended(tmp_path):
     assert [e["attempt"] for e in journal.entries] == [1, 2, 3, 4]
 
 
+def test_a_restart_after_training_on_knows_the_steps_it_runs_again(tmp_path):
+    """Trained on after the notice's save (step 37) to a last save at step 60 that the machine's end cut short: the
+    restart from the notice's save runs 23 steps again, and says so."""
+    folder = str(tmp_path / "probvlp")
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(0, None)
+    journal.update(notice={"step": 37, "sources": ["ray_drain"]}, reached=60)
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(37, "ckpt-37")
+    assert attempts.why_restarted(journal, []) == ("a notice of preemption (ray_drain) at step 37", 60)
+
+
 def test_attempts_a_notice_ended_without_a_step_are_counted_until_another_one(tmp_path):
     """Attempts of this job restarted from the same step that a notice ended without a step trained count (rank 0's
     save on it, or a rank's record of one seen before the first step); one that trained, one that ended without a

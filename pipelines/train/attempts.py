@@ -152,7 +152,10 @@ def why_restarted(journal: Journal, failures: list[dict]) -> tuple[str, int | No
     notice = notices(journal.folder, prev)
     if notice:
         sources = ", ".join(notice["sources"]) or "another rank"
-        return f"a notice of preemption ({sources}) at step {notice['step']}", notice["step"]
+        # training on after the notice's save, the attempt reached its last save (a restart from the notice's
+        # save, that last one cut short, runs those steps again)
+        return f"a notice of preemption ({sources}) at step {notice['step']}", max(notice["step"],
+                                                                                     prev.get("reached") or 0)
     if failures:
         first = failures[0]
         reached = max([prev.get("reached", 0), *(f["step"] for f in failures if f.get("step") is not None)])
