@@ -42,11 +42,11 @@ STEPS = 5000
 # for room to grow every 2 s.
 # ZeRO-2: every resize restarts from a checkpoint of the other world size, which the training worker's restore converts
 # (pipelines.train.state.restore -> pipelines.train.reshard.load).
-# The notices' saves hold to the restart (run.notice_train_on false): each scenario's restart resumes from the notice's
-# own step, which the test reads in the journal; training on to a last save is tests/test_preemption.py's.
+# A notice's save is followed by training on to a last save before the deadline where it leaves room (the drain's
+# does): each scenario's restart resumes from its attempt's last save, which the test reads in the journal.
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",
            "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
-           "run.max_failures=4", "run.notice_train_on=false"]
+           "run.max_failures=4"]
 
 
 def registered(s3, run_folder: str) -> list[str]:
@@ -113,9 +113,10 @@ def killed(cluster: Cluster, node: Node, client: MlflowClient, going) -> None:
     cluster.lose(node)
 
 
-# The seconds of notice in the preemption scenario: the drain's deadline, and a SIGTERM'd worker's grace
-# (run.sigterm_grace_s). Each is waited out before the node is killed, as the cloud or the kubelet would.
-DRAIN_DEADLINE_S, SIGTERM_GRACE_S = 12, 10
+# The seconds of notice in the preemption scenario: the drain's deadline (room to train on: a last save's reserve is
+# ~10 s here), and a SIGTERM'd worker's grace (run.sigterm_grace_s: room or not). Each is waited out before the node
+# is killed, as the cloud or the kubelet would.
+DRAIN_DEADLINE_S, SIGTERM_GRACE_S = 30, 10
 TIMES: dict[str, float] = {}  # when the scenario's notices were given (time.time()), for what the test prints
 
 
@@ -128,12 +129,20 @@ def journal(s3, storage: str) -> list[dict]:
         return []
 
 
+def resumed_after_notices(s3, storage: str) -> dict[int, int]:
+    """Each notice's step (the journal's) -> the step the next attempt resumed from: the notice's own, or its last
+    save's where the attempt trained on."""
+    entries = journal(s3, storage)
+    return {a["notice"]["step"]: b["from_step"] for a, b in zip(entries, entries[1:]) if "notice" in a}
+
+
 def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, going, outage: MlflowServer, s3,
                         storage: str) -> None:
     """An idle node (no CPUs: no training worker) drained as the autoscaler scales it down, which the run must not
     notice; then, with the tracking server stopped, `node` drained with reason PREEMPTION and a deadline: the run's
-    notice checkpoint must come before the deadline, at which the node is killed; the restart must train (seen in the
-    run's journal on S3, not in MLflow) before the server comes back."""
+    notice checkpoint must come before the deadline, at which the node is killed; the restart (from the last save of
+    the attempt, which trains on after the notice's) must train (seen in the run's journal on S3, not in MLflow)
+    before the server comes back."""
     idle = cluster.add(cpus=0)
     wait_for("an idle node", lambda: going() and idle.node_id in cluster.alive(), 120, 0.5)
     drain(cluster, idle.node_id, "DRAIN_NODE_REASON_IDLE_TERMINATION")
@@ -145,8 +154,13 @@ def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, goin
         (a["notice"]["step"] for a in journal(s3, storage) if "notice" in a), None), DRAIN_DEADLINE_S, 0.5)
     time.sleep(max(0.0, deadline - time.time()))
     cluster.lose(node)
-    wait_for("a step trained by the restart with the tracking server away", lambda: going() and any(
-        a["from_step"] == noticed and a["reached"] > noticed for a in journal(s3, storage)), 300, 1)
+    def restart_trained() -> bool:
+        entries = journal(s3, storage)
+        after = [b for a, b in zip(entries, entries[1:]) if a.get("notice", {}).get("step") == noticed]
+        return bool(after) and after[0]["reached"] > after[0]["from_step"]
+
+    wait_for("a step trained by the restart with the tracking server away", lambda: going() and restart_trained(),
+             300, 1)
     outage.start()
     TIMES["up"] = time.time()
 
@@ -284,10 +298,11 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
                                                             restartable_mlflow):
     """Two workers on the two nodes checkpoint (ZeRO-2, every 10 steps). An idle node is drained as the autoscaler
     scales one down: the run does not notice. One worker's node is drained with reason PREEMPTION and a deadline:
-    both ranks save at the next step, and at the deadline the node is killed; Ray Train restarts from that step with
-    the one worker that fits, then with two once a node is added (from the last checkpoint), and the new node's
-    training worker processes get SIGTERM: both ranks save again at the next step, the node is killed at the end of
-    the grace period, and the run goes on with one worker from that step. Each restart converts the checkpoint to
+    both ranks save at the next step, train on and save again before the deadline, at which the node is killed; Ray
+    Train restarts from that last save with the one worker that fits, then with two once a node is added (from the
+    last checkpoint), and the new node's training worker processes get SIGTERM: both ranks save again at the next
+    step (and train on to a last save where the grace leaves room), the node is killed at the end of the grace
+    period, and the run goes on with one worker from that save. Each restart converts the checkpoint to
     the new world size in the workers' restore, at exactly the steps where the world size changed; no step is run
     twice after a notice (counted by the steps each attempt applied, run.audit_steps_to, not by MLflow, which drops
     replays before they reach it); every step is logged once across the restarts, every loss is finite, and the
@@ -317,13 +332,17 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     assert len(saved) == 2, saved
     drained, sigtermed = sorted(saved)
     assert "ray_drain" in saved[drained]["sources"], saved
+    # where each notice's restart resumed: the drain's after training on, the SIGTERM's at its save or after
+    resumed_at = resumed_after_notices(s3, storage)
+    drain_at, sigterm_at = resumed_at[drained], resumed_at[sigtermed]
+    assert drain_at > drained and sigterm_at >= sigtermed, resumed_at
     # each resize went through the restore's conversion, at the step it resumed from
     resized = {int(k.rsplit("_", 1)[1]): json.loads(v) for k, v in run.data.tags.items()
                if k.startswith("probvlp.resharded.step_")}
     assert sorted((r["from_world_size"], r["to_world_size"]) for r in resized.values()) == [(1, 2), (2, 1), (2, 1)], \
         resized
     history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-               for key in ("world_size", "loss", "lr", "preemption_steps_lost")}
+               for key in ("world_size", "loss", "lr", "preemption_steps_lost", "preemption_trained_on_steps")}
     last = max(history["world_size"])
     steps = range(1, last + 1)
     # every step once, across the restarts: a step logged twice would show twice in the list
@@ -331,20 +350,23 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     sizes = [int(history["world_size"][s]) for s in steps]
     changes = [(s + 1, a, b) for s, (a, b) in enumerate(zip(sizes, sizes[1:]), start=1) if a != b]
     runs = size_runs(sizes)
-    # each notice's restart resumed from the notice's own checkpoint: no step run twice; the regrowth from a
-    # periodic checkpoint of the one worker
-    assert [(step, a, b) for step, a, b in changes if (a, b) == (2, 1)] == [(drained + 1, 2, 1),
-                                                                          (sigtermed + 1, 2, 1)], (runs, saved)
+    # each notice's restart resumed from its attempt's last save: no step run twice; the regrowth from a periodic
+    # checkpoint of the one worker
+    assert [(step, a, b) for step, a, b in changes if (a, b) == (2, 1)] == [(drain_at + 1, 2, 1),
+                                                                          (sigterm_at + 1, 2, 1)], (runs, saved)
+    trained_on = {drain_at: drain_at - drained, **({sigterm_at: sigterm_at - sigtermed} if sigterm_at > sigtermed
+                                                   else {})}
+    assert history["preemption_trained_on_steps"] == trained_on, resumed_at
     # the regrowth restarts from the one worker's last periodic checkpoint; the steps it runs again after it are in
     # MLflow as the one worker ran them first (what is delivered stays: the replays are dropped)
-    [regrowth] = [step for step in resized if step not in (drained, sigtermed)]
-    assert regrowth % 10 == 0 and drained < regrowth < sigtermed, (runs, resized)
+    [regrowth] = [step for step in resized if step not in (drain_at, sigterm_at)]
+    assert regrowth % 10 == 0 and drain_at < regrowth < sigtermed, (runs, resized)
     assert any(regrowth < step <= sigtermed and (a, b) == (1, 2) for step, a, b in changes), runs
-    assert history["preemption_steps_lost"] == {drained: 0, sigtermed: 0}
-    attempts_resized(ran, client, run, resized, (drained, sigtermed))
+    assert history["preemption_steps_lost"] == {drain_at: 0, sigterm_at: 0}
+    attempts_resized(ran, client, run, resized, (drain_at, sigterm_at))
     # the restart after the drain trained with the tracking server away, and said why in one line
     restart = next(json.loads(v) for k, v in run.data.tags.items() if k.startswith("probvlp.attempt.")
-                   and json.loads(v)["resumed_from_step"] == drained)
+                   and json.loads(v)["resumed_from_step"] == drain_at)
     assert f"notice of preemption (ray_drain) at step {drained}" in restart["why"] and restart["steps_again"] == 0
     # finite at every size (learning is not judged here: these few dozen steps sit near chance, log(batch), and the
     # batch changes with the size)
@@ -362,8 +384,10 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
     # what a notice cost (docs/SCALING.md "Preemption"): the save, and the time to the restart's first step
     stamps = {m.step: m.timestamp / 1000 for m in client.get_metric_history(run.info.run_id, "loss")}
     for name, step, given in (("drain", drained, TIMES["drain"]), ("SIGTERM", sigtermed, TIMES["sigterm"])):
+        at = resumed_at[step]
         print(f"{name}: notice saved at step {step} in {saved[step]['save_s']:.2f} s, {stamps[step] - given:.1f} s "
-              f"after the notice; step {step + 1} trained {stamps[step + 1] - given:.1f} s after it")
+              f"after the notice; trained on to step {at}; step {at + 1} trained {stamps[at + 1] - given:.1f} s "
+              "after the notice")
     print(runs)
     print(f"tracking server away {TIMES['up'] - TIMES['down']:.0f} s, across the drain and the restart")
 
