@@ -94,3 +94,40 @@ def test_a_saves_own_records_are_added_beside_the_queue_it_wrote_not_written_aga
     assert spilled.persist(str(storage)) == CALLS + 2
     assert not list(storage.glob(MORE.format(id="*")))
     assert len(list(load(str(storage), tmp_path / "files")[1])) == CALLS + 2
+
+
+@pytest.mark.slow
+def test_the_queue_and_a_saves_records_travel_through_object_storage(monkeypatch, tmp_path, s3):
+    """On S3 (the tests' server), as on a cluster: the queue, a save's records added beside it, and a driver's
+    reopening after them, read back whole and in order by another process (a fresh filesystem: no cached listing),
+    then replaced by the next whole persist."""
+    import s3fs
+
+    from pipelines.tracking.outbox import MORE, add_to_pending
+    from tests.helpers import BUCKET
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://127.0.0.1:{free_port()}"
+    box = Outbox(MlflowClient(uri), "1" * 32, uri, tmp_path / "node")
+    try:
+        for call in range(20):
+            box.put_metrics([Metric("loss", float(call), 1_000 + call, call)])
+        target = f"s3://{BUCKET}/outbox-{tmp_path.name}"
+        assert box.persist(target) == 20
+        box.put({"tag": ["probvlp.preemption.step_19", "{}"]})
+        assert box.persist_more(target) == 1
+        assert add_to_pending(target, "1" * 32, uri, [{"reopen": "a: 1"}]) == 1
+
+        def read_back() -> list[dict]:
+            s3fs.S3FileSystem.clear_instance_cache()  # another node's process
+            return list(load(target, tmp_path / f"files-{len(tmp_path.name)}")[1])
+
+        ops = read_back()
+        assert [op["metrics"][0][3] for op in ops[:20]] == list(range(20))
+        assert ops[20]["tag"][0] == "probvlp.preemption.step_19" and ops[21] == {"reopen": "a: 1"}
+        box.put_metrics([Metric("loss", 20.0, 1_020, 20)])
+        assert box.persist(target) == 22
+        assert len(read_back()) == 22
+        assert not s3.glob(f"{BUCKET}/outbox-{tmp_path.name}/{MORE.format(id='*')}")
+    finally:
+        box.close(0, 0.0, keep_to=str(tmp_path / "closed"), summary=False)
