@@ -388,6 +388,20 @@ MUTANTS = [
            "flush_every=500,\n                        resumed_from=fit.progress.step)",
            "flush_every=500)",
            ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
+    Mutant("stale-snapshots-at-start",
+           "a job's driver removes killed uploads' snapshots on every node before its workers start, not only where a "
+           "later training worker starts",
+           "pipelines/train/snapshot_sweep.py",
+           "            choice): node for node in self.names}",
+           "            choice): node for node in ()}",
+           ("tests/test_stale_snapshots.py::test_a_job_removes_killed_uploads_snapshots_before_its_workers_start",)),
+    Mutant("stale-snapshots-each-node",
+           "the sweep of killed uploads' snapshots runs on each node, pinned there, not wherever Ray places it",
+           "pipelines/train/snapshot_sweep.py",
+           "task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(\n            choice)",
+           "task.remote(\n            choice)",
+           ("tests/test_stale_snapshots.py::"
+            "test_every_node_removes_its_own_and_a_node_that_does_not_answer_is_skipped",)),
 ]
 
 

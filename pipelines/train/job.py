@@ -26,6 +26,7 @@ from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
 from pipelines.train.data_health import run_stats_name
+from pipelines.train.snapshot_sweep import SnapshotSweep
 from pipelines.fit.launch import Launch
 from pipelines.fit.trainer import eval_dataset_name
 from pipelines.result import JobResult
@@ -93,6 +94,8 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     warning = without_checkpoints(t, spans_nodes())
     if warning:
         print(warning, flush=True)
+    # what killed uploads left on any node, removed while this driver prepares the job (awaited before the workers)
+    sweep = SnapshotSweep(t.checkpoint_snapshot_dir)
     from pipelines.train.worker import train_loop  # deferred until init_ray quietened the logs: it imports DeepSpeed
 
     if not inputs_ready:
@@ -105,6 +108,7 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
         job = uuid.uuid4().hex  # tells a restart within this job from a later command on the same run
         datasets = build_datasets(cfg, context_length, run.run_id)
         worker_read = {k: v for k, v in datasets.items() if isinstance(v, WorkerShards)}
+        sweep.wait()
         result = launch.fit(
             train_loop,
             {"worker_datasets": worker_read,
