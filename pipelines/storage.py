@@ -20,6 +20,13 @@ def run_folder(storage_path: str, run_name: str) -> str:
     return f"{storage_path.rstrip('/')}/{run_name}/probvlp"
 
 
+def outbox_folder(storage_path: str, run_name: str) -> str:
+    """Where rank 0 of a training run (pretraining, the adapter) leaves the MLflow calls it has not delivered: at every
+    checkpoint, as an attempt fails and at the end (pipelines.tracking.outbox). The next attempt's rank 0, on any node,
+    and the driver find them there without the tracking store."""
+    return f"{run_folder(storage_path, run_name)}/tracking_outbox"
+
+
 def _protocol(fs) -> str:
     return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 

@@ -382,11 +382,20 @@ MUTANTS = [
            "    if made:\n        return str(min(int(v.version) for v in made))\n",
            "",
            ("tests/test_tracking_outage.py::test_registering_a_runs_model_again_makes_no_second_version",)),
+    # the adapter's rank 0 logs through the outbox (pipelines.fit.step_log): the outbox's replay rule is what drops the
+    # steps a restart trains again; the adapter's resumed_from only bounds it from below (without it, 0 drops the same)
     Mutant("adapter-replay",
            "a restarted adapter fit logs the steps it trains again once, not a second time beside the first attempt's",
-           "pipelines/adapt/loop.py",
-           "flush_every=500,\n                        resumed_from=fit.progress.step)",
-           "flush_every=500)",
+           "pipelines/tracking/outbox.py",
+           "return step >= resumed_from and latest.get(key, -1) >= step",
+           "return False",
+           ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
+    Mutant("adapter-outbox",
+           "the adapter's fit outlives a tracking outage: rank 0 logs through the outbox, so neither its loop nor a "
+           "restart waits for the store",
+           "pipelines/fit/step_log.py",
+           "resumed_from=resumed_from, background=True,",
+           "resumed_from=resumed_from,",
            ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
     Mutant("stale-snapshots-at-start",
            "a job's driver removes killed uploads' snapshots on every node before its workers start, not only where a "

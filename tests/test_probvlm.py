@@ -698,32 +698,101 @@ def test_same_run_name_resumes_a_stopped_fit(trained_clip, digits_root, tmp_path
 
 
 # A worker lost at step RESTART_FAIL_AT (train.fail_once_at_step), after the step-RESTART_CHECKPOINT checkpoint: with a
-# log at every step, rank 0's buffer (flush_every=500 metrics, 12 a step) was written to MLflow at step 87, so the
-# first attempt delivered most of the steps the restart trains again.
+# log at every step, rank 0's outbox delivers within a second while the store answers, so the first attempt delivered
+# most of the steps the restart trains again.
 RESTART_STEPS, RESTART_CHECKPOINT, RESTART_FAIL_AT = 100, 45, 90
 PER_STEP = ("loss", "adapter/loss", "baseline/loss", "lr", "samples_per_s")
 
 
-def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, tmp_path):
+def checkpoint_steps(run: Path) -> list[int]:
+    """The steps of the checkpoints Ray Train has registered for `run` (its snapshot file; [] before it is written)."""
+    try:
+        snapshot = json.loads((run / "checkpoint_manager_snapshot.json").read_text())
+        return [c["metrics"]["step"] for c in snapshot["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
+        return []
+
+
+def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable_mlflow, tmp_path, monkeypatch):
     """jobs.adapt on the digits loses its worker at step 90 and Ray Train restarts it from the step-45 checkpoint
-    (run.max_failures): the steps the first attempt had written to MLflow (46-87) are not written again by the replay,
-    and none is lost. Seen from MLflow: each per-step metric's history holds every step 1-100 exactly once."""
+    (run.max_failures), and the tracking server (a real `mlflow server`) stops as the worker fails and starts again
+    only once the restart has trained back to step 90 and checkpointed there: an outage with a restart in it, as users
+    meet them. The restart never reads the store and its loop never waits for it (rank 0's outbox: its queue travels
+    with the checkpoint, and what is left at the fit's end goes to the driver, which delivers it as the run ends). The
+    job succeeds, the run ends FINISHED, and, read from MLflow after the job, each per-step metric's history holds
+    every step 1-100 exactly once: the steps the first attempt had delivered (46-~89) are not written again by the
+    replay, and none is lost. The driver's own steps after the fit (the model, the evaluation) log straight to the
+    store: they wait for the server to be back (the test's hold), where the fit did not."""
+    import threading
+    import time
+
     from mlflow import MlflowClient
 
     from pipelines.adapt.job import run_adapt
     from pipelines.config import STATE_DIR
+    from pipelines.fit.launch import Launch
+    from pipelines.storage import run_folder
+    from pipelines.tracking.outbox import UNREACHABLE_METRIC
+    from pipelines.tracking.runs import RUN_RECORD
+    from tests.helpers import wait_for
+    from tests.pace import scaled
 
+    server, name, storage = restartable_mlflow, "test_adapt_restart", tmp_path / "ray"
+    record = Path(run_folder(str(storage), name)) / RUN_RECORD
+    seen: dict[str, float] = {}
+    errors: list[BaseException] = []
+    back = threading.Event()  # the server is up again (or never went)
+
+    def outage() -> None:
+        """The server away from the injected failure until the restart's checkpoint of step 90 is registered."""
+        try:
+            run_id = wait_for("the run recorded in its storage", lambda: record.exists() and
+                              json.loads(record.read_text())["run_id"], 300, 0.1)
+            marker = STATE_DIR / "injected_failures" / f"{run_id}.done"
+            wait_for("the injected failure at step 90", marker.exists, 300, 0.05)
+            server.stop()
+            seen["down"] = time.monotonic()
+            wait_for("the restart's checkpoint of step 90, trained with the tracking server away (a restart that "
+                     "reads the store, or a loop that waits for it, never gets there)",
+                     lambda: RESTART_FAIL_AT in checkpoint_steps(storage / name), 60, 0.05)
+            seen["checkpoint"] = time.monotonic()
+        except BaseException as error:  # noqa: BLE001 - raised once the job has ended
+            errors.append(error)
+        finally:
+            if "down" in seen:
+                server.start()  # same port, same database
+                seen["up"] = time.monotonic()
+            back.set()
+
+    fit = Launch.fit
+
+    def fit_then_wait(self, *args, **kwargs):
+        """The fit, then (the driver's next calls to the store are synchronous) the server back."""
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            seen["fit_ended"] = time.monotonic()
+            back.wait(scaled(300))
+
+    monkeypatch.setattr(Launch, "fit", fit_then_wait)
     torch.manual_seed(0)
     clip = tmp_path / "clip.safetensors"  # an untrained source: the adapter learns on any embeddings
     save_model(create_model("clip_tiny").state_dict(), clip, "clip_tiny", {})
     cfg = load_adapt_config(CONFIG, [
-        f"source.model={clip}", f"data.root={digits_root}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-        f"run.storage_path={tmp_path}/ray", "run.name=test_adapt_restart", "run.max_failures=1",
+        f"source.model={clip}", f"data.root={digits_root}", f"tracking.uri={server.uri}",
+        f"run.storage_path={storage}", f"run.name={name}", "run.max_failures=1",
         f"train.steps={RESTART_STEPS}", f"train.checkpoint_every={RESTART_CHECKPOINT}",
         f"train.fail_once_at_step={RESTART_FAIL_AT}", "train.log_every=1", "train.batch_size=32",
         "adapter.hidden=32", "adapter.mc_samples=2",
         'eval.tasks=[{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}]'])
-    res = run_adapt(cfg, tmp_path / "out")
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    try:
+        res = run_adapt(cfg, tmp_path / "out")
+    finally:
+        thread.join(scaled(600))
+    if errors:
+        raise errors[0]
 
     marker = STATE_DIR / "injected_failures" / f"{res.mlflow_run_id}.done"
     assert marker.read_text() == str(RESTART_FAIL_AT)  # the worker failed there, once
@@ -731,6 +800,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, tmp_path):
     assert (res.train["step"], res.train["steps_this_run"]) == (RESTART_STEPS, RESTART_STEPS - RESTART_CHECKPOINT)
     client = MlflowClient(res.mlflow_uri)
     assert client.get_run(res.mlflow_run_id).info.status == "FINISHED"
+    assert res.model_file.is_file() and "digits_retrieval/i2t_calib_score" in res.metrics
     failed_at_ms = marker.stat().st_mtime * 1000
     for key in PER_STEP:
         history = client.get_metric_history(res.mlflow_run_id, key)
@@ -742,3 +812,9 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, tmp_path):
         # the case in question: the first attempt had delivered steps past the checkpoint the restart replays from
         before_failure = [m.step for m in history if m.timestamp <= failed_at_ms]
         assert max(before_failure) > RESTART_CHECKPOINT, (key, max(before_failure))
+    # the outage as rank 0's outbox saw it, delivered with the rest
+    [unreachable] = client.get_metric_history(res.mlflow_run_id, UNREACHABLE_METRIC)
+    assert unreachable.value > 0, unreachable
+    print(f"server away {seen['up'] - seen['down']:.1f} s from the failure at step {RESTART_FAIL_AT}; the restart's "
+          f"checkpoint of step {RESTART_FAIL_AT} {seen['checkpoint'] - seen['down']:.1f} s into it; the fit ended "
+          f"{seen['fit_ended'] - seen['down']:.1f} s into it; {UNREACHABLE_METRIC} {unreachable.value}")

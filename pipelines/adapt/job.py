@@ -36,6 +36,7 @@ from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
 from pipelines.fit.launch import Launch
 from pipelines.result import JobResult
+from pipelines.storage import outbox_folder
 from pipelines.tracking import TrackedRun, git_commit, save_mlflow_model
 
 EXAMPLE_CAPTION = "a photo of a dog"
@@ -135,7 +136,10 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
     params = {**cfg.flat(), "source.file": str(source.path), "source.sha256": source.sha256, "data.pairs": len(pairs.image),
               "data.images": pairs.n_images, "data.texts": pairs.n_texts, "embed_dim": width}
     common = dict(mlflow_uri=uri, run_name=cfg.run.name, out=out, source=source, pairs=len(pairs.image))
-    with launch.run(params=params, tags=tags) as run:
+    # what rank 0 leaves undelivered (the store away): delivered by the next attempt's rank 0, or by this driver as the
+    # run ends (for up to tracking.flush_timeout_s; past it, one line says how many calls are pending where)
+    with launch.run(params=params, tags=tags, pending_in=outbox_folder(cfg.run.storage_path, cfg.run.name)) as run:
+        run.flush_timeout_s = cfg.tracking.flush_timeout_s
         # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
         marker = str(STATE_DIR / "injected_failures" / f"{run.run_id}.done")
         result = launch.fit(adapt_loop, {"dim": width, "failure_marker": marker},

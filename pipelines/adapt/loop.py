@@ -3,9 +3,11 @@
 The frozen source model is not here at all: the workers see only its embeddings, so no gradient or
 optimizer can reach its weights. The loop, the optimizer, the schedule and the step are the training core's
 (`pipelines.fit`: the place in the data, skipped non-finite steps, logging points, AdamW from the train section); what
-is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow (each step once, where a
-restart after a failed worker trains steps again) and reports a Ray Train checkpoint every `train.checkpoint_every`
-steps and at the end: the adapters, AdamW's moments and the progress counters (safetensors). A run started again under
+is the adapter's own is its objective (`AdapterSet`). Rank 0 logs step metrics to MLflow through the training core's
+outbox logger (`pipelines.fit.step_log`): the fit never waits for the tracking store, a restart never reads it, and
+each step lands once, where a restart after a failed worker trains steps again. Every rank reports a Ray Train
+checkpoint every `train.checkpoint_every` steps and at the end: the adapters, AdamW's moments and the progress counters
+(safetensors), rank 0's undelivered MLflow calls written to the run's storage before it. A run started again under
 the same `run.name` gets that checkpoint back from Ray Train and continues from its step (a finished one trains no
 further unless `train.steps` was raised).
 """
@@ -26,6 +28,7 @@ from models.gather import World
 from models.losses import create_loss
 from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
+from pipelines.storage import outbox_folder
 from pipelines.tracking import StepLogger
 from pipelines.fit.config import LoopConfig
 from pipelines.fit.faults import fail_once
@@ -35,6 +38,7 @@ from pipelines.fit.trainer import private
 from pipelines.fit.plain_state import fit_state, load_fit_state
 from pipelines.fit.progress import Progress
 from pipelines.fit.step import plain_step
+from pipelines.fit.step_log import rank0_logger
 
 ADAPTER_FILE = "adapters.safetensors"
 
@@ -115,10 +119,12 @@ STATE_FILE = "state.safetensors"
 class AdapterHooks(Hooks):
     """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow, and
     every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state.
-    `fault`: called with each step applied (train.fail_once_at_step, pipelines.fit.faults)."""
+    `outbox`: the run's folder for rank 0's undelivered MLflow calls (pipelines.storage.outbox_folder); `fault`:
+    called with each step applied (train.fail_once_at_step, pipelines.fit.faults)."""
 
-    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None, fault: Callable[[int], None] | None = None):
-        self.fit, self.t, self.logger, self.fault = fit, cfg.train, logger, fault
+    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None, outbox: str,
+                 fault: Callable[[int], None] | None = None):
+        self.fit, self.t, self.logger, self.outbox, self.fault = fit, cfg.train, logger, outbox, fault
         self.checkpoint_every = self.t.checkpoint_every
         self.first_step, self.start, self.loss = fit.progress.step, time.perf_counter(), float("nan")
 
@@ -138,7 +144,9 @@ class AdapterHooks(Hooks):
         self.save(final=False)
 
     def save(self, final: bool) -> None:
-        """Every rank reports; rank 0's report carries the checkpoint (the adapters are the same on every rank)."""
+        """Every rank reports; rank 0's report carries the checkpoint (the adapters are the same on every rank), in the
+        one order of every save: what MLflow has not got yet first, into the run's storage, then the checkpoint, so
+        that whichever checkpoint a restart resumes from, the metrics up to its step travel with it."""
         p, world = self.fit.progress, self.fit.world
         seconds = time.perf_counter() - self.start
         done = p.step - self.first_step
@@ -150,7 +158,7 @@ class AdapterHooks(Hooks):
             return
         if final:
             self.logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, p.step)
-        self.logger.flush()
+        self.logger.persist(self.outbox)
         with tempfile.TemporaryDirectory() as tmp:
             state = self.fit.state()
             save_file(state, str(Path(tmp) / STATE_FILE))
@@ -175,10 +183,12 @@ def adapt_loop(config: dict[str, Any]) -> None:
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    # a restart trains the steps after its checkpoint again: what MLflow has of them is not logged twice
-    logger = StepLogger(job["mlflow_uri"], config["mlflow_run_id"], flush_every=500,
-                        resumed_from=fit.progress.step) if rank == 0 else None
-    hooks = AdapterHooks(fit, cfg, logger, fail_once(t.fail_once_at_step, config.get("failure_marker")))
+    outbox = outbox_folder(cfg.run.storage_path, cfg.run.name)
+    # what an earlier attempt had not delivered, first; the steps after the checkpoint come again, and what MLflow has
+    # of them is not logged twice
+    logger = rank0_logger(job["mlflow_uri"], config["mlflow_run_id"], fit.progress.step, cfg.tracking.flush_timeout_s,
+                          outbox) if rank == 0 else None
+    hooks = AdapterHooks(fit, cfg, logger, outbox, fail_once(t.fail_once_at_step, config.get("failure_marker")))
     shard = ray.train.get_dataset_shard("train")
 
     def pairs(epoch: int):
@@ -187,9 +197,21 @@ def adapt_loop(config: dict[str, Any]) -> None:
                                               local_shuffle_seed=cfg.run.seed + epoch):
             yield batch["data"].float()
 
-    run_steps(fit, epoch_batches(pairs, fit.progress), t.last_step, hooks, max_bad_batches=t.max_bad_batches,
-              log_every=t.log_every)
-    hooks.save(final=True)
+    try:
+        run_steps(fit, epoch_batches(pairs, fit.progress), t.last_step, hooks, max_bad_batches=t.max_bad_batches,
+                  log_every=t.log_every)
+        hooks.save(final=True)
+    except BaseException:
+        # what rank 0 had not delivered goes to the run's storage: the next attempt delivers it first (its steps after
+        # the checkpoint it resumes from come again with the restart)
+        if logger:
+            try:
+                logger.persist(outbox)
+            except Exception as failure:  # noqa: BLE001 - the attempt's own error is the one that matters
+                print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
+        raise
+    if logger:  # released: the driver delivers what the store has not taken yet
+        logger.close(keep_to=outbox)
 
 
 def fit_device(net: nn.Module) -> torch.device:

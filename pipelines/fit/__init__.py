@@ -3,7 +3,8 @@
 `config.LoopConfig` (the loop's and the optimizer's knobs), `loop.run_steps` and its `Fit` protocol, `progress.Progress`
 (where a fit stands, saved with every checkpoint), `optim` (AdamW's groups and the warm-up + cosine schedule, from one
 LoopConfig), `step` (the ranks' agreement on a step, and a plain fit's step: agree, backward, clip, schedule, apply),
-`plain_state` (a plain fit's checkpoint as safetensors tensors), `trainer` (the Ray Train TorchTrainer of a job),
-`launch` (the driver's steps every training stage takes) and `in_process` (a fit in this process, for tests and
-studies). No DeepSpeed here: pipelines.train adds its engine's step, state and resharding; pipelines.adapt its
-adapters."""
+`plain_state` (a plain fit's checkpoint as safetensors tensors), `step_log` (rank 0's MLflow logger through the
+outbox that travels with the run's storage: the fit outlives a tracking outage), `trainer` (the Ray Train
+TorchTrainer of a job), `launch` (the driver's steps every training stage takes) and `in_process` (a fit in this
+process, for tests and studies). No DeepSpeed here: pipelines.train adds its engine's step, state and resharding;
+pipelines.adapt its adapters."""

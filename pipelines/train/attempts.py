@@ -10,13 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.storage import fs_path, read_json, run_folder, write_bytes_atomic
+# outbox_folder: the stages that train share it (pipelines.storage); its name here stays for pretraining's modules
+from pipelines.storage import fs_path, outbox_folder, read_json, run_folder, write_bytes_atomic
 
 HEARTBEAT_S = 5.0  # how often rank 0 records the step it reached (off the training thread)
-
-
-def outbox_folder(storage_path: str, run_name: str) -> str:
-    return f"{run_folder(storage_path, run_name)}/tracking_outbox"
 
 
 def write_json(uri: str, value: Any) -> None:
