@@ -25,7 +25,7 @@ class StepLogger:
     with the run (`persist` at checkpoints, `carried` into the next attempt). A restart's replayed steps (after
     `resumed_from`) that an earlier attempt delivered are not delivered again; the store is never read on the way.
 
-    Otherwise (the adapter's fit, tests) metrics are buffered and written in batches of `flush_every` (one MLflow call
+    Otherwise (tests, small tools) metrics are buffered and written in batches of `flush_every` (one MLflow call
     per flush), each flush recording the last step written (tag probvlp.logged_through); a restart from
     `resumed_from` reads the run once and skips of each key the replayed steps MLflow has."""
 
