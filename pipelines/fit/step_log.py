@@ -3,8 +3,7 @@ through an outbox (pipelines.tracking.outbox) that a thread delivers while the s
 delivered travels with the run in its storage (`pipelines.storage.outbox_folder`), not with the node. The stage's
 worker does the rest, in the one order of every save: `logger.persist(folder)` before each checkpoint, again as an
 attempt fails, and `logger.close(keep_to=folder)` at the end, after which the driver delivers what is left
-(`Launch.run(pending_in=folder)`). The adapter's fit builds its logger here; pretraining's worker builds the same
-one itself (pipelines.train.worker)."""
+(`Launch.run(pending_in=folder)`). Pretraining's workers and the adapter's build their logger here."""
 from __future__ import annotations
 
 import os

@@ -103,8 +103,7 @@ class TrainWorker(Hooks):
         self.attempt = 0
         self.started = threading.Event()  # the attempt's first step is done
         if self.rank == 0:
-            from pipelines.tracking import StepLogger  # deferred: MLflow in rank 0's process only
-            from pipelines.tracking.outbox import load
+            from pipelines.fit.step_log import rank0_logger  # deferred: MLflow in rank 0's process only
 
             self.journal = attempts.Journal.open(self.folder, job)
             checkpoint = ray.train.get_checkpoint()
@@ -120,10 +119,8 @@ class TrainWorker(Hooks):
                       flush=True)
             self.heartbeat = attempts.Heartbeat(self.journal)
             # what an earlier attempt had not delivered, first; its steps after this checkpoint come again
-            self.logger = StepLogger(mlflow_uri, run_id, None, resumed_from=self.progress.step, background=True,
-                                     flush_timeout_s=cfg.tracking.flush_timeout_s,
-                                     carried=load(self.outbox_folder, self._outbox_files(run_id), self.progress.step,
-                                                  drop_ends=True))
+            self.logger = rank0_logger(mlflow_uri, run_id, self.progress.step, cfg.tracking.flush_timeout_s,
+                                       self.outbox_folder)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
         # what the readers skip (rank 0 polls it at log steps); a run past data.max_bad_frac stops with data_error
         self.data_health = DataHealth(run_id, ["train", *map(eval_dataset_name, self.tasks)],
@@ -158,11 +155,6 @@ class TrainWorker(Hooks):
             # finds this job's reason (one line) instead of Ray's traceback
             attempts.record_failure(self.folder, self.attempt, self.rank, stop, self.progress.step)
             raise stop
-
-    def _outbox_files(self, run_id: str) -> Path:
-        from pipelines.tracking import OUTBOX_DIR
-
-        return OUTBOX_DIR / f"{run_id}-{os.getpid()}" / "files"
 
     def _say_resumed(self) -> None:
         """Rank 0 of an attempt that did not start at step 0: one line (and tag probvlp.attempt.K) saying what it
