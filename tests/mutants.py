@@ -384,12 +384,6 @@ MUTANTS = [
            ("tests/test_tracking_outage.py::test_registering_a_runs_model_again_makes_no_second_version",)),
     # the adapter's rank 0 logs through the outbox (pipelines.fit.step_log): the outbox's replay rule is what drops the
     # steps a restart trains again; the adapter's resumed_from only bounds it from below (without it, 0 drops the same)
-    Mutant("adapter-replay",
-           "a restarted adapter fit logs the steps it trains again once, not a second time beside the first attempt's",
-           "pipelines/tracking/outbox.py",
-           "return step >= resumed_from and latest.get(key, -1) >= step",
-           "return False",
-           ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
     Mutant("adapter-outbox",
            "the adapter's fit outlives a tracking outage: rank 0 logs through the outbox, so neither its loop nor a "
            "restart waits for the store",

@@ -195,8 +195,11 @@ def test_notices_at_the_edges_cost_no_step_and_a_notice_file_is_taken_once(ray_l
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
 
 
-def test_a_notice_during_an_evaluation_stops_it_and_saves_the_evaluation_step(ray_local, straight_small_run,
-                                                                              no_notice, tmp_path):
+# The fault tier (make test-cluster, run alone): a SIGTERM and a restart, with the other tier's time budget in mind
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_notice_during_an_evaluation_stops_it_and_saves_the_evaluation_step(ray_local, digits_root, no_notice,
+                                                                              tmp_path):
     """SIGTERM to the rank that is not rank 0 while rank 0 evaluates step 10 (held there by a Hold until the rank has
     recorded its notice in the run's storage, whatever the machine's speed): rank 0 reads it before its next batch,
     stops the evaluation and both ranks save step 10 at once, evaluate it after the save and wait for the restart,
@@ -209,7 +212,7 @@ def test_a_notice_during_an_evaluation_stops_it_and_saves_the_evaluation_step(ra
     audit, steps = tmp_path / "steps.txt", 40
     only_zeroshot = ('eval.tasks=[{name: digits_zeroshot, kind: zeroshot, data: "{data.root}/eval/zeroshot", '
                      'templates: "{data.root}/eval/zeroshot/prompts.json"}]')
-    cfg = config(tmp_path, straight_small_run["data_root"], "eval-notice", *REFERENCE, "train.eval_every=10",
+    cfg = config(tmp_path, digits_root, "eval-notice", *REFERENCE, "train.eval_every=10",
                  "train.checkpoint_every=1000", only_zeroshot, "train.log_every=1", "run.max_failures=0",
                  "run.sigterm_grace_s=3", f"run.audit_steps_to={audit}")
     evaluation = Hold(tmp_path / "hold", EVALUATION)
