@@ -4,18 +4,46 @@ A periodic checkpoint's snapshot waits for its upload in a folder of its node (p
 where it is in /dev/shm, and Ray Train deletes it once uploaded; a process killed before that leaves it there. A
 training worker removes those of its own node when it starts (state.remove_stale_snapshots), so a node that gets no
 later training worker would keep them for as long as it runs: the driver of every job sweeps every alive node too.
-It launches the sweep as soon as Ray is up and waits for it just before its workers start: a node's task starts a
-process that imports torch (seconds), which runs while the driver prepares the job instead of before it."""
+It launches the sweep as soon as Ray is up and waits for it just before its workers start; the task's module imports
+neither torch nor Ray Train, so a node's first sweep costs a Ray worker's start, not the training stack's imports."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipelines.train.state import remove_stale_snapshots
-
 TIMEOUT_S = 30.0  # from the launch: a node that has not answered by then is skipped
+# Each rank's snapshot waits for its upload in a folder of this name (pipelines.train.state.snapshot_root; Ray Train
+# deletes it once uploaded)
+SNAPSHOTS = "probvlp-snapshot-"
+SHM = "/dev/shm"
+
+
+def remove_stale_snapshots(choice: str = "auto") -> int:
+    """The snapshots of this node's processes that ended before their upload did (killed, preempted): removed, as
+    nothing will upload them. Returns how many."""
+    removed = 0
+    for root in {tempfile.gettempdir(), SHM} if choice == "auto" else {choice}:
+        for entry in os.listdir(root) if os.path.isdir(root) else []:
+            pid = entry[len(SNAPSHOTS):].split("-", 1)[0]
+            if entry.startswith(SNAPSHOTS) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class SnapshotSweep:

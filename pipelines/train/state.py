@@ -31,12 +31,11 @@ from pipelines.fit.progress import Progress
 from pipelines.storage import fs_path
 from pipelines.train import reshard
 from pipelines.train.config import TrainConfig
+# the snapshot folders' names, and their removal after a kill: in the torch-free module the job's sweep runs on every node
+from pipelines.train.snapshot_sweep import SHM, SNAPSHOTS, remove_stale_snapshots  # noqa: F401 - the worker's name
 
 TAG = "state"
 _NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+)?")
-# Each rank's snapshot waits for its upload in a folder of this name (snapshot_root; Ray Train deletes it once uploaded)
-SNAPSHOTS = "probvlp-snapshot-"
-SHM = "/dev/shm"
 # cgroup v1's "no limit" is its page counter's maximum in bytes (9223372036854771712 with 4-KiB pages): at least this
 _CGROUP_V1_UNLIMITED = 1 << 62
 UPLOAD_TIMEOUT_S: float = TrainConfig.model_fields["upload_timeout_s"].default
@@ -236,29 +235,6 @@ def remove_cut_short(run_dir: str, resumed_step: int, attempt: int) -> list[str]
             fs.rm(path, recursive=True)
             removed.append(match[0])
     return sorted(removed)
-
-
-def remove_stale_snapshots(choice: str = "auto") -> int:
-    """The snapshots of this node's processes that ended before their upload did (killed, preempted): removed, as
-    nothing will upload them. Returns how many."""
-    removed = 0
-    for root in {tempfile.gettempdir(), SHM} if choice == "auto" else {choice}:
-        for entry in os.listdir(root) if os.path.isdir(root) else []:
-            pid = entry[len(SNAPSHOTS):].split("-", 1)[0]
-            if entry.startswith(SNAPSHOTS) and pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-                removed += 1
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def restore(engine) -> tuple[Progress, dict | None] | None:
