@@ -148,7 +148,7 @@ MUTANTS = [
            "        train_state.wait_for_uploads(previous, self.t.upload_timeout_s)\n        self.upload = None\n",
            "        self.upload = None\n",
            ("tests/test_checkpoint_upload.py::"
-            "test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_from_the_one_before",)),
+            "test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_during_one_resumes_from_the_one_before",)),
     Mutant("outbox-at-checkpoint",
            "every periodic checkpoint carries rank 0's undelivered metrics into the run's storage (a node lost hard "
            "during an outage costs none)",

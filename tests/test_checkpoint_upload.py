@@ -10,10 +10,12 @@ import socket
 import statistics
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from mlflow import MlflowClient
 
 from pipelines.train.config import TrainConfig
 from pipelines.train.job import without_checkpoints
@@ -23,32 +25,40 @@ from tests.small_runs import REFERENCE, assert_identical, config, load_state
 from tests.test_preemption import audited, journal, train_workers
 
 HELD_STEP = 10  # REFERENCE checkpoints every 5 steps: the upload of step 10 is held, step 15's save waits for it
+KILL_HELD_STEP = 25  # the second attempt's upload of step 25 held too, step 30's save waiting for it: then the kill
 
 
-def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_from_the_one_before(
+def test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_during_one_resumes_from_the_one_before(
         ray_local, straight_small_run, tmp_path):
     """The test holds rank 0's upload of the step-10 checkpoint (the file it uploads to in the run's storage is a
     named pipe nobody reads: its open blocks): the loop trains steps 11-15 meanwhile, then the step-15 save waits for
-    it (the journal says so) and no step after 15 runs. A worker killed then: the restart resumes from step 5, the
-    last checkpoint whose upload was whole (step 10's was never registered; the restart removes its folder), and the
-    run ends bit for bit on an uninterrupted run's state (REFERENCE). Counted by the steps each attempt applied
-    (run.audit_steps_to)."""
-    audit, storage = tmp_path / "steps.txt", tmp_path / "ray"
+    it (the journal says so) and no step after 15 runs. A notice of preemption comes then (the hook's file, no time
+    left) and the upload is let go: the notice is seen at step 16, whose save follows the uploads before it (ordered:
+    10, 15, then 16, each registered) and the restart resumes there. In that attempt the upload of step 25 is held
+    the same way and a worker killed while the step-30 save waits for it: the restart resumes from step 20, the last
+    checkpoint whose upload was whole (step 25's was never registered; the restart removes its folder). Counted by the
+    steps each attempt applied (run.audit_steps_to): none lost, only the kill's repeated; MLflow has every step, the
+    ones up to the kill's checkpoint once; the run ends bit for bit on an uninterrupted run's state (REFERENCE)."""
+    audit, storage, notice = tmp_path / "steps.txt", tmp_path / "ray", tmp_path / "notice"
     cfg = config(tmp_path, straight_small_run["data_root"], "held", *REFERENCE, "train.log_every=1",
-                 "run.max_failures=1", f"run.audit_steps_to={audit}")
-    held = storage / "held" / f"checkpoint_{HELD_STEP:08d}_attempt001" / "state" / "mp_rank_00_model_states.pt"
+                 "run.max_failures=1", f"run.audit_steps_to={audit}", f"run.notice_file={notice}",
+                 "run.keep_checkpoints=8")  # every registration stays listed: their order is checked
+    held, held_again = (storage / "held" / f"checkpoint_{step:08d}_attempt{attempt:03d}" / "state" /
+                        "mp_rank_00_model_states.pt" for step, attempt in ((HELD_STEP, 1), (KILL_HELD_STEP, 2)))
     seen: dict = {}
 
-    def hold_then_kill() -> None:
+    def waiting_for(step: int) -> list[dict]:
+        return [a for a in journal(storage, "held") if a.get("waiting_for_upload") == step]
+
+    def hold_notice_release_then_kill() -> None:
         try:
             wait_for("the run's first step", lambda: audited(audit).get(1), 300, 0.05)
-            held.parent.mkdir(parents=True)
-            os.mkfifo(held)
+            for fifo in (held, held_again):
+                fifo.parent.mkdir(parents=True)
+                os.mkfifo(fifo)
             before = audited(audit)[1]
             assert before[-1] < HELD_STEP, f"the run reached step {before[-1]} before the test held its upload"
-            entry = wait_for("the step-15 save waiting for the upload of step 10",
-                             lambda: [a for a in journal(storage, "held") if a.get("waiting_for_upload")], 120, 0.1)
-            seen["waiting"] = entry[0]["waiting_for_upload"]
+            wait_for("the step-15 save waiting for the upload of step 10", lambda: waiting_for(HELD_STEP), 120, 0.1)
             # the loop stays at step 15 while that upload cannot end: watched for five of its own steps' time (a
             # loop that went on, two uploads in flight, trains step 16 within one)
             times = [float(line.split()[2]) for line in audit.read_text().splitlines()]
@@ -56,22 +66,36 @@ def test_training_goes_on_while_an_upload_is_held_and_a_kill_during_it_resumes_f
             time.sleep(min(5 * step_s, scaled(30)))
             seen["after_wait"] = audited(audit)[1][-1]
             seen["registered"] = registered(storage / "held")
+            notice.write_text("0\n")  # a notice while a save waits on an upload in flight; no time left
+            release(held)
+            wait_for("the step-30 save waiting for the upload of step 25", lambda: waiting_for(KILL_HELD_STEP),
+                     300, 0.1)
+            seen["registered_again"] = registered(storage / "held")
             os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
                     signal.SIGKILL)
         except BaseException:
-            release(held)  # the held upload would keep the run (its final checkpoint) waiting for ever
+            for fifo in (held, held_again):  # a held upload would keep the run (its last save) waiting for ever
+                release(fifo)
             raise
 
-    result = pretrain_beside(cfg, hold_then_kill)
+    result = pretrain_beside(cfg, hold_notice_release_then_kill)
     ran = audited(audit)
-    # steps 11-15 trained while the upload of 10 could not end; none after 15 (the next save waited for it)
-    assert ran == {1: list(range(1, 16)), 2: list(range(6, 41))}, ran
-    assert seen["waiting"] == HELD_STEP and seen["registered"][-1] == "checkpoint_00000005_attempt001", seen
-    assert seen["after_wait"] == 15, seen  # held at the save of 15: one upload in flight
+    # steps 11-15 trained while the upload of 10 could not end, none after 15 until it did; the notice's save at 16;
+    # the kill's attempt held at the save of 30 (one upload in flight), its steps after 20 applied again
+    assert ran == {1: list(range(1, 17)), 2: list(range(17, 31)), 3: list(range(21, 41))}, ran
+    assert seen["registered"][-1] == "checkpoint_00000005_attempt001" and seen["after_wait"] == 15, seen
     attempts = journal(storage, "held")
-    assert [a["from_step"] for a in attempts] == [0, 5], attempts
+    assert [a["from_step"] for a in attempts] == [0, 16, 20], attempts
+    assert attempts[0]["notice"] == {"step": 16, "sources": ["file"]}, attempts[0]
+    # the notice's save registered after the uploads before it, the one it waited for included
+    names = [f"checkpoint_{s:08d}_attempt001" for s in (5, HELD_STEP, 15, 16)]
+    assert seen["registered_again"] == names + ["checkpoint_00000020_attempt002"], seen
     # never registered, and removed by the restart (an upload cut short is nobody's checkpoint)
-    assert held.parent.parent.name not in registered(storage / "held") and not held.parent.parent.exists()
+    assert held_again.parent.parent.name not in registered(storage / "held")
+    assert not held_again.parent.parent.exists()
+    client = MlflowClient(result.mlflow_uri)
+    logged = Counter(m.step for m in client.get_metric_history(result.mlflow_run_id, "loss"))
+    assert sorted(logged) == list(range(1, 41)) and all(logged[s] == 1 for s in range(1, 21)), logged
     assert result.metrics["step"] == 40
     assert assert_identical(load_state(result.checkpoint_path), load_state(straight_small_run["checkpoint"])) > 20
 
