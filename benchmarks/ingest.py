@@ -22,7 +22,7 @@ registry's tiny towers at 224 px with 32 px patches), "b16" (ProLIP ViT-B/16; fo
 backward and AdamW, and reads the loss back as the product's finiteness check does.
 
 Per (path, model), over whole epochs after the first batch of each (the pipeline's start), rounds alternating:
-samples/s, data_wait_frac (share of the loop spent waiting for the next batch, as `pipelines.train.data_wait.DataWait`
+samples/s, data_wait_frac (share of the loop spent waiting for the next batch, as `pipelines.fit.data_wait.DataWait`
 counts it), CPU-seconds per sample (every process of this Ray session and this driver), bytes per sample that came
 through the object store (the batch as the worker received it), and the model alone on a batch already on the
 device (its step rate is the ceiling: end to end / model only is the share of it the data path delivers).
@@ -117,7 +117,7 @@ def loop(config: dict) -> None:
     import ray.train
 
     from pipelines.data.device_augment import model_images
-    from pipelines.train.data_wait import DataWait
+    from pipelines.fit.data_wait import DataWait
 
     device = ray.train.torch.get_device()
     dtype = torch.bfloat16 if config["bf16"] else torch.float32

@@ -66,7 +66,7 @@ def one(data: str, deadline_s: float, train_on: bool, work: Path) -> dict:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    from pipelines.train.attempts import load_json, run_folder
+    from pipelines.storage import load_json, run_folder
 
     attempts = load_json(f"{run_folder(str(storage), 'notice')}/attempts.json")
     ran = _audited(audit)

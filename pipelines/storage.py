@@ -69,6 +69,19 @@ def open_atomic(fs, path: str):
     fs.mv(tmp, path)
 
 
+def write_json(uri: str, value) -> None:
+    """`value` as JSON at `uri` (a local path or an fsspec URI), its folder made, written atomically."""
+    fs, path = fs_path(uri)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    write_bytes_atomic(fs, path, json.dumps(value).encode())
+
+
+def load_json(uri: str):
+    """The JSON at `uri`, None where there is no such file."""
+    fs, path = fs_path(uri)
+    return read_json(fs, path)
+
+
 def read_json(fs, path: str) -> dict | None:
     if not fs.exists(path):
         return None

@@ -122,12 +122,12 @@ def wait_http(url: str, proc, timeout: float = 120) -> None:
 
 
 class Hold:
-    """A point of a run where rank 0 stops until the test releases it (pipelines.train.faults.hold_at, tests only):
+    """A point of a run where rank 0 stops until the test releases it (pipelines.fit.faults.hold_at, tests only):
     what the test does "during" that point then happens there whatever the machine's speed. `folder` (created) holds
     the files through which the worker and the test talk: on rank 0's node, this machine."""
 
     def __init__(self, folder: Path, point: str | None = None):
-        from pipelines.train.faults import FINAL_EVALUATION
+        from pipelines.fit.faults import FINAL_EVALUATION
 
         self.folder, self.point = Path(folder), point or FINAL_EVALUATION
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -137,14 +137,14 @@ class Hold:
 
     def held(self) -> int:
         """How many times rank 0 has stopped there so far (each attempt that reached the point once)."""
-        from pipelines.train.faults import held_file
+        from pipelines.fit.faults import held_file
 
         path = held_file(self.folder, self.point)
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def release(self) -> None:
         """Rank 0 goes on, now and at every later stop there."""
-        from pipelines.train.faults import released_file
+        from pipelines.fit.faults import released_file
 
         released_file(self.folder, self.point).touch()
 
@@ -157,7 +157,7 @@ def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
     import threading
 
     from pipelines.fit.launch import Launch
-    from pipelines.train.faults import HOLDS
+    from pipelines.fit.faults import HOLDS
     from pipelines.train.job import run_pretrain
 
     errors: list[BaseException] = []

@@ -1,8 +1,8 @@
-"""The run's journal of attempts in its storage (pipelines.train.attempts): what a restart says about the attempt
+"""The run's journal of attempts in its storage (pipelines.fit.attempts): what a restart says about the attempt
 before it, and when a run that restarts without training stops."""
 from __future__ import annotations
 
-from pipelines.train import attempts
+from pipelines.fit import attempts
 
 
 def test_a_restart_knows_why_the_attempt_before_it_ended(tmp_path):

@@ -121,7 +121,7 @@ TIMES: dict[str, float] = {}  # when the scenario's notices were given (time.tim
 
 
 def journal(s3, storage: str) -> list[dict]:
-    """The run's journal of attempts in its storage on S3 (pipelines.train.attempts), read without the tracking store."""
+    """The run's journal of attempts in its storage on S3 (pipelines.fit.attempts), read without the tracking store."""
     s3.invalidate_cache()
     try:
         return json.loads(s3.cat(f"{storage}/elastic/probvlp/attempts.json"))

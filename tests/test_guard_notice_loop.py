@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from pipelines.config import RunStopped
-from pipelines.train.attempts import run_folder
-from pipelines.train.faults import ATTEMPT_START, released_file
+from pipelines.storage import run_folder
+from pipelines.fit.faults import ATTEMPT_START, released_file
 from tests.helpers import Hold, pretrain_beside, wait_for
 from tests.small_runs import config
 from tests.test_preemption import journal, train_workers

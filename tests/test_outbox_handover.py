@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from pipelines.storage import run_folder
 from pipelines.tracking.runs import RUN_RECORD
-from pipelines.train.faults import ATTEMPT_START, NOTICE_SAVED, released_file
+from pipelines.fit.faults import ATTEMPT_START, NOTICE_SAVED, released_file
 from tests.helpers import Hold, pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, config
 from tests.test_preemption import audited, journal, train_workers

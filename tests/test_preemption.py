@@ -1,4 +1,4 @@
-"""Notices of preemption on one node (pipelines.train.preemption): the hook's file, the budget Ray Train counts a
+"""Notices of preemption on one node (pipelines.fit.preemption): the hook's file, the budget Ray Train counts a
 preemption against, and SIGTERM to a training worker on the shared local Ray, which saves at the next step on every
 rank and resumes there. A drain by Ray (reason PREEMPTION) of a node that then goes needs nodes of their own: the
 multi-node tier, tests/test_elastic.py."""
@@ -12,8 +12,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from pipelines.train import preemption
-from pipelines.train.preemption import NOTICE_FILE_ENV, Notice
+from pipelines.fit import preemption
+from pipelines.fit.preemption import NOTICE_FILE_ENV, Notice
 from tests.helpers import Hold, pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
 
@@ -128,7 +128,7 @@ def audited(path) -> dict[int, list[int]]:
 
 
 def journal(storage, name: str) -> list[dict]:
-    from pipelines.train.attempts import load_json, run_folder
+    from pipelines.storage import load_json, run_folder
 
     return load_json(f"{run_folder(str(storage), name)}/attempts.json") or []
 
@@ -206,8 +206,8 @@ def test_a_notice_during_an_evaluation_stops_it_and_saves_the_evaluation_step(ra
     which resumes at step 10. Counted by the steps each attempt applied: 1-10, then 11-40, none twice; MLflow holds
     step 10's evaluation once. Without the stop, the notice would wait for the evaluation's end and be saved at
     step 11."""
-    from pipelines.train.attempts import run_folder
-    from pipelines.train.faults import EVALUATION, held_file, released_file
+    from pipelines.storage import run_folder
+    from pipelines.fit.faults import EVALUATION, held_file, released_file
 
     audit, steps = tmp_path / "steps.txt", 40
     only_zeroshot = ('eval.tasks=[{name: digits_zeroshot, kind: zeroshot, data: "{data.root}/eval/zeroshot", '
@@ -252,7 +252,7 @@ def test_a_notice_with_room_trains_on_and_saves_again_before_its_deadline(ray_lo
     save. Counted by the steps each attempt applied: attempt 1 trained past the notice's step (a hold would have
     stopped there) up to the last save's, attempt 2 went on from the next one, no step twice; MLflow's
     preemption_trained_on_steps says as many, and every step's loss is there once."""
-    from pipelines.train.preemption import NOTICE_MARGIN_S
+    from pipelines.fit.preemption import NOTICE_MARGIN_S
     from tests.small_runs import audited as timed_audit
 
     def timed_steps(path):

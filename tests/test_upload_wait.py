@@ -14,7 +14,8 @@ import ray.train
 
 from pipelines.config import ConfigError
 from pipelines.train import state
-from pipelines.train.attempts import Journal, run_folder
+from pipelines.fit.attempts import Journal
+from pipelines.storage import run_folder
 from pipelines.train.state import checkpoint_name
 from tests.helpers import registered
 from tests.pace import scaled

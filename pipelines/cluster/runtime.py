@@ -31,7 +31,7 @@ _LOCAL_ENV = {
     # reporting workers wait: a local run with frequent evaluations spends seconds per report on it.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
     # Its actor polls Ray for the node draining of a cloud cluster's preemption notices: a one-machine Ray has none
-    # (a SIGTERM to a training worker and the notice file still reach the run: pipelines.train.preemption).
+    # (a SIGTERM to a training worker and the notice file still reach the run: pipelines.fit.preemption).
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Ray starts a worker per CPU for the first driver, ready for its tasks; a training job's processes are actors
     # with runtime environments of their own (Ray Train's controller and all it starts) or detached ones, which never

@@ -51,7 +51,7 @@ PRIVATE_NAMES = (
 )
 
 
-# --- Notices of preemption (pipelines.train.preemption) -------------------------------------------------------------
+# --- Notices of preemption (pipelines.fit.preemption) -------------------------------------------------------------
 
 def _train_context():
     """Ray Train's internal context of this worker; None outside a Ray Train (v2) worker. Public alternative missing:

@@ -4,7 +4,10 @@
 (where a fit stands, saved with every checkpoint), `optim` (AdamW's groups and the warm-up + cosine schedule, from one
 LoopConfig), `step` (the ranks' agreement on a step, and a plain fit's step: agree, backward, clip, schedule, apply),
 `plain_state` (a plain fit's checkpoint as safetensors tensors), `step_log` (rank 0's MLflow logger through the
-outbox that travels with the run's storage: the fit outlives a tracking outage), `trainer` (the Ray Train
+outbox that travels with the run's storage: the fit outlives a tracking outage); the fault machinery any stage that
+trains composes, whatever its engine: `preemption` (a worker's notices of preemption: SIGTERM, the hook's file, Ray's
+drain), `attempts` (the run's journal of attempts, its heartbeat, the failures' and notices' records in its storage),
+`data_wait` (the time the loop waits for data), `faults` (the failure and holds put in on purpose); `trainer` (the Ray Train
 TorchTrainer of a job), `launch` (the driver's steps every training stage takes) and `in_process` (a fit in this
 process, for tests and studies). No DeepSpeed here: pipelines.train adds its engine's step, state and resharding;
 pipelines.adapt its adapters."""

@@ -14,7 +14,7 @@ from pipelines.fit.optim import lr_at
 
 def agree(loss: torch.Tensor, world: World, notice: bool = False, clock: bool = False) -> tuple[bool, bool, bool]:
     """Collective, once a step: whether the loss is finite on every rank (a NaN/inf on one rank is skipped on all of
-    them, or the ranks' weights part ways), whether any rank has a notice of preemption (pipelines.train.preemption),
+    them, or the ranks' weights part ways), whether any rank has a notice of preemption (pipelines.fit.preemption),
     and whether any rank's clock says a checkpoint is due (train.checkpoint_every_s). The flags ride on the all-reduce
     the step makes anyway, so every rank saves at the same step."""
     flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, float(notice), float(clock)],

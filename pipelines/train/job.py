@@ -24,7 +24,8 @@ from pipelines.data.stats import BadDataError
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
-from pipelines.train.attempts import load_json, outbox_folder, run_folder, stop_reason
+from pipelines.fit.attempts import stop_reason
+from pipelines.storage import load_json, outbox_folder, run_folder
 from pipelines.train.data_health import run_stats_name
 from pipelines.train.snapshot_sweep import SnapshotSweep
 from pipelines.fit.launch import Launch

@@ -29,17 +29,19 @@ from pipelines.data.eval_tasks import use_texts
 from pipelines.data.worker_reader import dataset_shard, use_worker_datasets
 from pipelines.data.stats import report_metrics
 from pipelines.progress import ProgressLine
-from pipelines.train import attempts, export, state as train_state
+from pipelines import storage
+from pipelines.fit import attempts
+from pipelines.train import export, state as train_state
 from pipelines.train.data_health import DataHealth
-from pipelines.train.data_wait import DataWait
+from pipelines.fit.data_wait import DataWait
 from pipelines.train.evaluation import Evaluation
 from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name, private
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
 from pipelines.compat.ray_private import default_preemption_deadline_s
-from pipelines.train.preemption import NOTICE_MARGIN_S, Notice
-from pipelines.train.faults import (ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once,
+from pipelines.fit.preemption import NOTICE_MARGIN_S, Notice
+from pipelines.fit.faults import (ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once,
                                    hold_at)
 from pipelines.train.step import DeepSpeedFit
 
@@ -61,7 +63,7 @@ class TrainWorker(Hooks):
     """One worker's run: its DeepSpeed fit (`DeepSpeedFit`: the engine's steps), its data, and the loop's hooks
     (pipelines.fit.loop.Hooks: rank 0's logging, the evaluation, checkpoints behind training, a notice's save).
     `fault`: called with each step applied (train.fail_once_at_step); `hold`: rank 0's, called as the attempt begins
-    and at the final evaluation (tests only): both pipelines.train.faults."""
+    and at the final evaluation (tests only): both pipelines.fit.faults."""
 
     def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, fault: Callable[[int], None] | None = None,
                  job_started_at: float | None = None, job: str = "", hold: Callable[[str], None] | None = None):
@@ -80,8 +82,8 @@ class TrainWorker(Hooks):
         self.wait = DataWait()
         self.tasks = cfg.resolved_tasks()
         self.world = World.current()
-        self.folder = attempts.run_folder(cfg.run.storage_path, cfg.run.name)
-        self.outbox_folder = attempts.outbox_folder(cfg.run.storage_path, cfg.run.name)
+        self.folder = storage.run_folder(cfg.run.storage_path, cfg.run.name)
+        self.outbox_folder = storage.outbox_folder(cfg.run.storage_path, cfg.run.name)
         if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
@@ -511,7 +513,7 @@ class TrainWorker(Hooks):
                 print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
 
     def _attempt_of_rank0(self) -> int:
-        entries = attempts.load_json(f"{self.folder}/attempts.json") or []
+        entries = storage.load_json(f"{self.folder}/attempts.json") or []
         return len(entries) or 1
 
     def close(self) -> None:
@@ -621,7 +623,7 @@ class TrainWorker(Hooks):
             shared = [report]  # every rank reports the same metrics
             torch.distributed.broadcast_object_list(shared, src=0)
             if self.rank == 0:  # the driver's result (Ray Train's holds the final checkpoint's metrics)
-                attempts.write_json(f"{self.folder}/final_report.json", {"job": self.journal.job, **shared[0]})
+                storage.write_json(f"{self.folder}/final_report.json", {"job": self.journal.job, **shared[0]})
             ray.train.report(shared[0])
         finally:
             watcher.set()

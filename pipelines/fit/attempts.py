@@ -4,27 +4,13 @@ one ended, where it got to), the failures' one-line errors, the final report, an
 calls wait (pipelines.tracking.outbox)."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-# outbox_folder: the stages that train share it (pipelines.storage); its name here stays for pretraining's modules
-from pipelines.storage import fs_path, outbox_folder, read_json, run_folder, write_bytes_atomic
+from pipelines.storage import fs_path, load_json, read_json, write_json
 
 HEARTBEAT_S = 5.0  # how often rank 0 records the step it reached (off the training thread)
-
-
-def write_json(uri: str, value: Any) -> None:
-    fs, path = fs_path(uri)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    write_bytes_atomic(fs, path, json.dumps(value).encode())
-
-
-def load_json(uri: str) -> Any:
-    fs, path = fs_path(uri)
-    return read_json(fs, path)
 
 
 @dataclass
