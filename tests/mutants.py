@@ -101,13 +101,6 @@ MUTANTS = [
            "    if st.st_mtime <= taken_mtime:\n        return False\n",
            "",
            ("tests/test_preemption.py::test_a_notice_file_no_newer_than_the_one_taken_is_no_notice",)),
-    Mutant("outbox-at-notice",
-           "a notice's save hands rank 0's undelivered metrics to the run's storage first, before its snapshot (a "
-           "node lost hard after the notice's checkpoint costs no metric)",
-           "pipelines/train/worker.py",
-           "        self._persist_outbox()\n        # uploaded before the hold\n",
-           "        # uploaded before the hold\n",
-           ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
     Mutant("notice-records-persisted",
            "a notice's own records (its tag, preemptions, preemption_save_s) go to the run's storage before its "
            "wait: a restart during an outage delivers them",
@@ -144,17 +137,17 @@ MUTANTS = [
             "test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later",)),
     Mutant("one-upload-in-flight",
            "a periodic save behind training first waits for the previous upload to be registered: one in flight",
-           "pipelines/train/worker.py",
+           "pipelines/train/checkpoints.py",
            "        train_state.wait_for_uploads(previous, self.t.upload_timeout_s)\n        self.upload = None\n",
            "        self.upload = None\n",
            ("tests/test_checkpoint_upload.py::"
             "test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_during_one_resumes_from_the_one_before",)),
-    Mutant("outbox-at-checkpoint",
-           "every periodic checkpoint carries rank 0's undelivered metrics into the run's storage (a node lost hard "
-           "during an outage costs none)",
-           "pipelines/train/worker.py",
-           "        self._persist_outbox()\n        waited, registered",
-           "        waited, registered",
+    Mutant("outbox-first-in-every-save",
+           "every save (periodic, a notice's, the final one) hands rank 0's undelivered metrics to the run's storage "
+           "first, before its snapshot: a node lost hard after any checkpoint during an outage costs no metric",
+           "pipelines/train/checkpoints.py",
+           "        if self.logger:  # 1\n            self.logger.persist(self.outbox_folder)\n",
+           "",
            ("tests/test_outbox_handover.py::test_a_node_lost_hard_during_an_outage_loses_no_metric",)),
     Mutant("guard-at-start",
            "attempts that a notice ends before their first step, past run.max_notices_without_progress in a row, stop "

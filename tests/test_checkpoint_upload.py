@@ -68,8 +68,10 @@ def test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_dur
             seen["registered"] = registered(storage / "held")
             notice.write_text("0\n")  # a notice while a save waits on an upload in flight; no time left
             release(held)
-            wait_for("the step-30 save waiting for the upload of step 25", lambda: waiting_for(KILL_HELD_STEP),
-                     300, 0.1)
+            # (or the loop past 31: it did not wait, and the final save would wait for the held upload for ever)
+            wait_for("the step-30 save waiting for the upload of step 25",
+                     lambda: waiting_for(KILL_HELD_STEP) or audited(audit).get(2, [0])[-1] > 31, 300, 0.1)
+            seen["after_wait_again"] = audited(audit)[2][-1]
             seen["registered_again"] = registered(storage / "held")
             os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
                     signal.SIGKILL)
@@ -84,6 +86,7 @@ def test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_dur
     # the kill's attempt held at the save of 30 (one upload in flight), its steps after 20 applied again
     assert ran == {1: list(range(1, 17)), 2: list(range(17, 31)), 3: list(range(21, 41))}, ran
     assert seen["registered"][-1] == "checkpoint_00000005_attempt001" and seen["after_wait"] == 15, seen
+    assert seen["after_wait_again"] == 30, seen
     attempts = journal(storage, "held")
     assert [a["from_step"] for a in attempts] == [0, 16, 20], attempts
     assert attempts[0]["notice"] == {"step": 16, "sources": ["file"]}, attempts[0]

@@ -43,6 +43,7 @@ from pipelines.compat.ray_private import default_preemption_deadline_s
 from pipelines.fit.preemption import NOTICE_MARGIN_S, Notice
 from pipelines.fit.faults import (ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once,
                                    hold_at)
+from pipelines.train.checkpoints import Checkpoints
 from pipelines.train.step import DeepSpeedFit
 
 
@@ -88,13 +89,10 @@ class TrainWorker(Hooks):
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
         train_state.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
-        self.upload: tuple[int, str] | None = None  # the checkpoint whose upload may be in flight: (step, snapshot)
-        self.saved_at = time.monotonic()  # the clock of train.checkpoint_every_s (restarted by fit and every save)
         # after a notice's save, training on to its last save (_train_on): the deadline (epoch s), the seconds kept
         # for the last save, the notice's step
         self.train_on: dict[str, float] | None = None
         self.step_s, self.stepped_at = 0.0, None  # a step's seconds, the longest lately (the last save's reserve)
-        self.checkpoint_names: set[str] = set()
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
         # a notice file whose save is done: the checkpoint's, or one seen after the final checkpoint (recorded)
@@ -123,6 +121,8 @@ class TrainWorker(Hooks):
             # what an earlier attempt had not delivered, first; its steps after this checkpoint come again
             self.logger = rank0_logger(mlflow_uri, run_id, self.progress.step, cfg.tracking.flush_timeout_s,
                                        self.outbox_folder)
+        self.checkpoints = Checkpoints(self.engine, self.t, self.rank, self.attempt, self.outbox_folder, self.logger,
+                                       self.journal)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
         # what the readers skip (rank 0 polls it at log steps); a run past data.max_bad_frac stops with data_error
         self.data_health = DataHealth(run_id, ["train", *map(eval_dataset_name, self.tasks)],
@@ -248,15 +248,14 @@ class TrainWorker(Hooks):
         if self.console:
             self.console.line(p.step)  # starts the clock: the first printed line already has an ETA
         self.wait.start()
-        self.saved_at = time.monotonic()
+        self.checkpoints.restart_clock()
         run_steps(self.ds_fit, self.wait.timed(self.steps_input()), self.last_step, self,
                   max_bad_batches=t.max_bad_batches, micro_batches=t.grad_accum, log_every=t.log_every, log_first=False)
 
     def _flags(self) -> tuple[bool, bool]:
         """This rank's two flags for the step's all-reduce: a notice of preemption, and a checkpoint due by the clock
         (train.checkpoint_every_s)."""
-        every_s = self.t.checkpoint_every_s
-        return self._notice_due(), bool(every_s) and time.monotonic() - self.saved_at >= every_s
+        return self._notice_due(), self.checkpoints.clock_due()
 
     def _notice_due(self) -> bool:
         """A save for a notice is due: a new notice, or, training on after one, the time of its last save (moved by
@@ -300,7 +299,7 @@ class TrainWorker(Hooks):
         return self.validate(stoppable=True)
 
     def checkpoint(self, metrics: dict[str, Any]) -> None:
-        self.save(metrics, behind=True)
+        self.checkpoints.save(self.progress, metrics, behind=True)
 
     def report(self, metrics: dict[str, Any]) -> None:
         train_state.report(metrics)
@@ -336,63 +335,6 @@ class TrainWorker(Hooks):
         self.data_error = verdict[0]
         return self.data_error is not None
 
-    def save(self, metrics: dict[str, Any], behind: bool = False) -> None:
-        """Every rank: the checkpoint, with what rank 0 has not delivered to MLflow yet beside it in the run's
-        storage (the next attempt delivers it first, from any node). `behind` (the periodic ones): the loop goes on
-        once the shard's snapshot is written on this node, its upload behind training, after the previous upload is
-        whole (one in flight). Logged: `checkpoint_blocked_s` (the loop stopped: waiting for the previous upload, writing the
-        snapshot or, not `behind`, the upload too), `checkpoint_wait_s` (of it, waiting for the previous upload)."""
-        p = self.progress
-        start = time.perf_counter()
-        self._persist_outbox()
-        waited, registered = self._wait_for_upload(p.step) if behind else (0.0, {})
-        snapshot = train_state.save(self.engine, p, metrics, behind=behind, name=self._checkpoint_name(p.step),
-                                    snapshots=self.t.checkpoint_snapshot_dir,
-                                    upload_timeout_s=self.t.upload_timeout_s)
-        blocked = time.perf_counter() - start
-        self.upload = (p.step, snapshot) if snapshot else None  # a save at once waited for every upload before it
-        self.saved_at = time.monotonic()
-        if self.journal:  # one write a save: the upload registered before it, this one's step
-            self.journal.update(reached=p.step, **registered, **({} if behind else {"checkpoint_step": p.step}))
-        if self.logger:
-            self.logger.log({"checkpoint_blocked_s": blocked, "checkpoint_wait_s": waited}, p.step, event=True)
-
-    def _persist_outbox(self) -> None:
-        """Rank 0, first in every save (the one order: outbox, snapshot, registration): what MLflow has not got yet,
-        into the run's storage beside the checkpoint about to be written, so that whichever checkpoint a restart
-        resumes from, the metrics up to its step travel with it."""
-        if self.logger:
-            self.logger.persist(self.outbox_folder)
-
-    def _wait_for_upload(self, step: int) -> tuple[float, dict[str, Any]]:
-        """Every rank, before a snapshot: until the previous checkpoint is uploaded and registered (its snapshot
-        folder, which Ray Train deletes once uploaded, still there says so on rank 0, in one line and the journal).
-        Returns the seconds waited and the journal's fields for the registered checkpoint (for the caller's write)."""
-        if self.upload is None:
-            return 0.0, {}
-        previous, snapshot = self.upload
-        start = time.perf_counter()
-        slow = self.rank == 0 and os.path.exists(snapshot)
-        if slow:
-            print(f"[checkpoint] step {step}: the checkpoint of step {previous} is still uploading; waiting for it "
-                  "(one upload at a time: train.checkpoint_every or checkpoint_every_s shorter than an upload?)",
-                  flush=True)
-            self.journal.update(waiting_for_upload=previous)
-        train_state.wait_for_uploads(previous, self.t.upload_timeout_s)
-        self.upload = None
-        registered = {"checkpoint_step": previous, **({"waiting_for_upload": None} if slow else {})}
-        return time.perf_counter() - start, registered
-
-    def _checkpoint_name(self, step: int) -> str | None:
-        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.train.state.checkpoint_name)."""
-        if self.rank != 0:
-            return None
-        name = base = train_state.checkpoint_name(step, self.attempt)
-        while name in self.checkpoint_names:  # the same step saved twice (a notice at a step that applied nothing)
-            name = f"{base}_{len(self.checkpoint_names)}"
-        self.checkpoint_names.add(name)
-        return name
-
     def save_on_notice(self, step: int, evaluate: bool = False) -> None:
         """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
         checkpoint at once in the one order of every save (what rank 0 has not delivered to MLflow into the run's
@@ -422,7 +364,7 @@ class TrainWorker(Hooks):
             self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
         p.preemptions += 1
         start = time.perf_counter()
-        self._save_at_once(metrics, evaluate)
+        self.checkpoints.save(p, metrics, evaluate_at=evaluate)
         if self.hold:  # tests only: the node may go from here on (the outbox went first)
             self.hold(NOTICE_SAVED)
         save_s = time.perf_counter() - start
@@ -444,19 +386,6 @@ class TrainWorker(Hooks):
         if not self._train_on(taken_at + left, save_s):
             self.notice.hold(notice["deadline_in_s"])
         self.restored_step = None  # training goes on from here (on to the last save, or after a false alarm)
-
-    def _save_at_once(self, metrics: dict[str, Any], evaluate: bool) -> None:
-        """Every rank, a notice's save (the first, and training on, the last) in the one order of every save: the
-        outbox, then the snapshot uploaded and registered before it returns. The checkpoint records an evaluation due
-        at its step (the deadline may come before it ends: a restart evaluates first)."""
-        p = self.progress
-        p.evaluate_at = p.step if evaluate else -1
-        self._persist_outbox()
-        # uploaded before the hold
-        train_state.save(self.engine, p, metrics, name=self._checkpoint_name(p.step),
-                         snapshots=self.t.checkpoint_snapshot_dir, upload_timeout_s=self.t.upload_timeout_s)
-        self.upload, self.saved_at = None, time.monotonic()
-        p.evaluate_at = -1
 
     def _train_on(self, deadline: float, save_s: float) -> bool:
         """After a notice's save (every rank): whether to train on, as Ray advises for its notices, to a last save
@@ -485,7 +414,7 @@ class TrainWorker(Hooks):
         if self.journal:
             self.journal.update(reached=p.step)
         start = time.perf_counter()
-        self._save_at_once({"step": p.step}, evaluate)
+        self.checkpoints.save(p, {"step": p.step}, evaluate_at=evaluate)
         save_s, left = time.perf_counter() - start, first["deadline"] - time.time()
         if self.logger:
             kept = p.step - int(first["step"])
@@ -602,10 +531,11 @@ class TrainWorker(Hooks):
         p = self.progress
         report: dict[str, Any] = {"step": p.step, "epoch": p.epoch}
         if self.data_error:  # the driver raises BadDataError
-            return self.save({**report, **(self._data_report() if self.data_health else {}),
-                                    "data_error": self.data_error})
+            self.checkpoints.save(p, {**report, **(self._data_report() if self.data_health else {}),
+                                      "data_error": self.data_error})
+            return
         if self.restored_step != p.step:
-            self.save(dict(report))
+            self.checkpoints.save(p, dict(report))
         watcher = threading.Event()
         threading.Thread(target=self._watch_notices, args=(watcher,), daemon=True, name="probvlp-notices").start()
         try:
