@@ -63,6 +63,12 @@ class Journal:
         return [f for f in found if f]
 
 
+def current_attempt(folder: str) -> int:
+    """The number of the run's current attempt as rank 0's journal has it (for a rank other than 0, which keeps
+    none): the journal's length, 1 before rank 0 has written it."""
+    return len(load_json(f"{folder}/attempts.json") or []) or 1
+
+
 def record_failure(folder: str, attempt: int, rank: int, error: BaseException, step: int | None = None) -> None:
     """A rank's error as its attempt fails (and the step it had reached), for the next attempt's line (best effort:
     the run is failing anyway)."""

@@ -2,15 +2,16 @@
 rank-0 MLflow logging. The driver side is `pipelines.train.job`.
 
 The loop is the training core's (pipelines.fit.loop.run_steps): the DeepSpeed engine is its Fit (`step.DeepSpeedFit`)
-and the worker its Hooks (logging, evaluation, checkpoints, a notice's save). Its pieces live beside it: the engine
-(`engine`), checkpoints (`state`), evaluation on rank 0 (`evaluation`, the only one that imports the evaluate stage),
-the saved model (`export`), the data's health and wait (`data_health`, `data_wait`), notices (`preemption`), the
-attempts' journal (`attempts`), an injected failure (`faults`)."""
+and the worker its Hooks, which hand each matter to the component that owns it: checkpoints (`checkpoints`: the
+clock, the upload in flight, the one save order), notices of preemption (pipelines.fit.notices: when a notice's save
+is due, the save's sequence, the guard, the watchers), the attempts' journal and heartbeat (pipelines.fit.attempts),
+the data's health and wait (`data_health`, pipelines.fit.data_wait), evaluation on rank 0 (`evaluation`, the only
+one that imports the evaluate stage), the saved model (`export`), the engine (`engine`), the faults put in on purpose
+(pipelines.fit.faults)."""
 from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import tempfile
 import threading
@@ -39,20 +40,10 @@ from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name, private
 from pipelines.train.engine import build_engine, full_state_dict, training_objective
-from pipelines.compat.ray_private import default_preemption_deadline_s
-from pipelines.fit.preemption import NOTICE_MARGIN_S, Notice
-from pipelines.fit.faults import (ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, NOTICE_SAVED, fail_once,
-                                   hold_at)
+from pipelines.fit.notices import Notices
+from pipelines.fit.faults import ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, fail_once, hold_at
 from pipelines.train.checkpoints import Checkpoints
 from pipelines.train.step import DeepSpeedFit
-
-
-# How often rank 0, evaluating, reads the notices the other ranks recorded meanwhile (the run's storage)
-EVALUATION_POLL_S = 1.0
-
-
-class NoticeLoop(RuntimeError):
-    """Notices of preemption in a row without a step trained between them (run.max_notices_without_progress)."""
 
 
 def device_name(device: torch.device) -> str:
@@ -69,10 +60,13 @@ class TrainWorker(Hooks):
     def __init__(self, cfg: TrainDocument, mlflow_uri: str, run_id: str, fault: Callable[[int], None] | None = None,
                  job_started_at: float | None = None, job: str = "", hold: Callable[[str], None] | None = None):
         self.cfg, self.t = cfg, cfg.train
-        # first: a SIGTERM from here on is a notice (before the engine is built and the checkpoint restored)
-        self.notice = Notice(cfg.run.sigterm_grace_s, file=cfg.run.notice_file)
-        self.job_started_at = job_started_at
         self.rank = ray.train.get_context().get_world_rank()
+        self.world = World.current()
+        self.folder = storage.run_folder(cfg.run.storage_path, cfg.run.name)
+        self.outbox_folder = storage.outbox_folder(cfg.run.storage_path, cfg.run.name)
+        # first: a SIGTERM from here on is a notice (before the engine is built and the checkpoint restored)
+        self.notices = Notices(cfg.run, self.world, self.rank, self.folder, self.outbox_folder)
+        self.job_started_at = job_started_at
         self.use_gpu = self.t.use_gpu and torch.cuda.is_available()
         self.use_bf16 = self.t.precision == "bf16" or (self.t.precision == "auto" and self.use_gpu)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
@@ -82,21 +76,13 @@ class TrainWorker(Hooks):
         self.eval_every, self.checkpoint_every = self.t.eval_every, self.t.checkpoint_every
         self.wait = DataWait()
         self.tasks = cfg.resolved_tasks()
-        self.world = World.current()
-        self.folder = storage.run_folder(cfg.run.storage_path, cfg.run.name)
-        self.outbox_folder = storage.outbox_folder(cfg.run.storage_path, cfg.run.name)
         if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
         self.engine, self.scheduler = self._build_engine()
         train_state.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
-        # after a notice's save, training on to its last save (_train_on): the deadline (epoch s), the seconds kept
-        # for the last save, the notice's step
-        self.train_on: dict[str, float] | None = None
-        self.step_s, self.stepped_at = 0.0, None  # a step's seconds, the longest lately (the last save's reserve)
         self.progress, resharded = train_state.restore(self.engine) or (Progress(), None)
         self.restored_step = self.progress.step if ray.train.get_checkpoint() is not None else None
-        # a notice file whose save is done: the checkpoint's, or one seen after the final checkpoint (recorded)
-        self.notice.taken_file_mtime = max(self.progress.notice_file_mtime, attempts.taken_file_mtime(self.folder))
+        self.notices.resumed(self.progress)
         self.ds_fit = DeepSpeedFit(self.engine, self.progress, self.t.grad_accum, self.world, self._flags)
         self.audit = open(cfg.run.audit_steps_to, "a") if cfg.run.audit_steps_to and self.rank == 0 else None
         self.logger = self.journal = self.heartbeat = None
@@ -108,8 +94,9 @@ class TrainWorker(Hooks):
             self.journal = attempts.Journal.open(self.folder, job)
             checkpoint = ray.train.get_checkpoint()
             self.attempt = self.journal.begin(self.progress.step, checkpoint.path if checkpoint else None)["attempt"]
-            self._check_progress()
-            threading.Thread(target=self._watch_start, daemon=True, name="probvlp-start-notices").start()
+            self.notices.begin(self.attempt, self.journal, hold=self.hold)
+            self.notices.guard(self.progress.step)
+            self.notices.watch_start(self.started, self.progress.step)
             if self.hold:  # tests only (faults.hold_at): the attempt has begun, before its first step
                 self.hold(ATTEMPT_START)
             cut = train_state.remove_cut_short(f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}", self.progress.step,
@@ -121,6 +108,7 @@ class TrainWorker(Hooks):
             # what an earlier attempt had not delivered, first; its steps after this checkpoint come again
             self.logger = rank0_logger(mlflow_uri, run_id, self.progress.step, cfg.tracking.flush_timeout_s,
                                        self.outbox_folder)
+            self.notices.logger = self.logger
         self.checkpoints = Checkpoints(self.engine, self.t, self.rank, self.attempt, self.outbox_folder, self.logger,
                                        self.journal)
         self.console = ProgressLine("train", self.last_step, unit="step") if self.rank == 0 else None
@@ -139,24 +127,6 @@ class TrainWorker(Hooks):
                 self._say_resumed()
             if resharded:  # a resize's universal conversion (world sizes, seconds, bytes), one tag per resize
                 self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
-
-    def _check_progress(self) -> None:
-        """Rank 0: the attempts of this job right before this one that resumed from this step and ended by a notice of
-        preemption without training a step (its deadline came before the first step, again and again); past
-        run.max_notices_without_progress of them, the run stops with one line instead of restarting for ever. An
-        attempt that trained a step made progress, whatever ended it; one lost before its first step to anything but a
-        notice (a node, a storage error) is a failure, bounded by run.max_failures, not a notice loop."""
-        stalled = attempts.stalled(self.journal, self.progress.step)
-        limit = self.cfg.run.max_notices_without_progress
-        if stalled >= limit:
-            why, _ = attempts.why_restarted(self.journal, self.journal.failures(self.journal.previous))
-            stop = NoticeLoop(f"{stalled} attempts in a row ended by a notice of preemption before training a step "
-                              f"from step {self.progress.step} (run.max_notices_without_progress {limit}; the last "
-                              f"ended after {why}): a notice that never clears? (the notice file, the nodes' drains)")
-            # recorded here: no worker was built, so the loop's failure path (abandon) does not run, and the driver
-            # finds this job's reason (one line) instead of Ray's traceback
-            attempts.record_failure(self.folder, self.attempt, self.rank, stop, self.progress.step)
-            raise stop
 
     def _say_resumed(self) -> None:
         """Rank 0 of an attempt that did not start at step 0: one line (and tag probvlp.attempt.K) saying what it
@@ -255,22 +225,11 @@ class TrainWorker(Hooks):
     def _flags(self) -> tuple[bool, bool]:
         """This rank's two flags for the step's all-reduce: a notice of preemption, and a checkpoint due by the clock
         (train.checkpoint_every_s)."""
-        return self._notice_due(), self.checkpoints.clock_due()
-
-    def _notice_due(self) -> bool:
-        """A save for a notice is due: a new notice, or, training on after one, the time of its last save (moved by
-        a nearer deadline seen since, a SIGTERM's during a drain's, say)."""
-        if self.train_on is None:
-            return self.notice.pending()
-        deadline = min(self.train_on["deadline"], self.notice.deadline() or math.inf)
-        return time.time() >= deadline - self.train_on["reserve_s"]
+        return self.notices.due(), self.checkpoints.clock_due()
 
     def on_step(self, step: int) -> None:
         self.started.set()
-        now = time.monotonic()
-        if self.stepped_at is not None:  # logging, evaluating, a save behind: the slow steps count
-            self.step_s = max(now - self.stepped_at, 0.9 * self.step_s)
-        self.stepped_at = now
+        self.notices.on_step()
         if self.audit:  # what this attempt really applied (the engine's own count)
             self.audit.write(f"{self.attempt} {self.engine.global_steps} {time.time():.3f}\n")
             self.audit.flush()
@@ -336,102 +295,18 @@ class TrainWorker(Hooks):
         return self.data_error is not None
 
     def save_on_notice(self, step: int, evaluate: bool = False) -> None:
-        """Every rank, at the step where they agreed that some node has a notice of preemption: the normal
-        checkpoint at once in the one order of every save (what rank 0 has not delivered to MLflow into the run's
-        storage, the snapshot, the upload registered: only once every rank's part is in, so a save that the
-        machine's end cuts short is never resumed from), the notice's file taken, its own records handed over too,
-        the evaluation due at this step after it; then train on where the deadline leaves room for one more save
-        (_train_on), else wait for Ray Train's restart. Logged: `preemptions`, `preemption_save_s`, a tag per notice
-        (its step, sources, seconds left, the save's seconds). A notice at a step that applied nothing since the
-        attempt resumed is one without progress (_check_progress). Training on, the next call is the last save."""
-        if self.train_on is not None:
-            return self._last_save(evaluate)
-        p, metrics = self.progress, {"step": step}
-        notice = self.notice.take()
-        taken_at = time.time()
-        if self.world.size > 1:  # every rank's sources (a SIGTERM reaches one process), the earliest deadline
-            known: list = [None] * self.world.size
-            torch.distributed.all_gather_object(known, notice)
-            deadlines = [n["deadline_in_s"] for n in known if n["deadline_in_s"] is not None]
-            notice = {"sources": sorted({s for n in known for s in n["sources"]}),
-                      "deadline_in_s": min(deadlines, default=None)}
-        # the newest notice file of any rank's node, kept in the checkpoint: never a notice again
-        mtime = torch.tensor([self.notice.file_mtime()], dtype=torch.float64)
-        if self.world.size > 1:
-            torch.distributed.all_reduce(mtime, op=torch.distributed.ReduceOp.MAX)
-        p.notice_file_mtime = max(p.notice_file_mtime, float(mtime.item()))
-        if self.journal:  # before the save: a restart that finds it past its checkpoint knows the steps lost
-            self.journal.update(notice={"step": p.step, "sources": notice["sources"]}, reached=p.step)
-        p.preemptions += 1
-        start = time.perf_counter()
-        self.checkpoints.save(p, metrics, evaluate_at=evaluate)
-        if self.hold:  # tests only: the node may go from here on (the outbox went first)
-            self.hold(NOTICE_SAVED)
-        save_s = time.perf_counter() - start
-        self.notice.consume_file(p.notice_file_mtime)
-        self.notice.hand_over()
-        if self.logger:
-            self.logger.log({"preemptions": p.preemptions, "preemption_save_s": save_s}, p.step, event=True)
-            self.logger.tag(f"probvlp.preemption.step_{p.step}", json.dumps({**notice, "save_s": round(save_s, 3)}))
-            left = notice["deadline_in_s"]
-            print(f"[preemption] notice ({', '.join(notice['sources']) or 'another rank'}"
-                  f"{'' if left is None else f', {left:.0f} s left'}): checkpoint of step {p.step} saved in "
-                  f"{save_s:.1f} s", flush=True)
-            # the notice's own records too, before its evaluation (a restart evaluates again: one record either way),
-            # beside the queue its save wrote (not the queue again)
-            self.logger.persist_more(self.outbox_folder)
-        if evaluate:  # after the save: a restart before its end evaluates again (evaluate_at), one record either way
-            train_state.report({"step": p.step, **self.validate()})
-        left = default_preemption_deadline_s() if notice["deadline_in_s"] is None else notice["deadline_in_s"]
-        if not self._train_on(taken_at + left, save_s):
-            self.notice.hold(notice["deadline_in_s"])
-        self.restored_step = None  # training goes on from here (on to the last save, or after a false alarm)
-
-    def _train_on(self, deadline: float, save_s: float) -> bool:
-        """After a notice's save (every rank): whether to train on, as Ray advises for its notices, to a last save
-        kept `reserve_s` before `deadline` (twice this save's seconds, two of the slow steps and a margin: the save
-        may take longer, and it comes only at a step's end). Rank 0's answer for every rank (their clocks and saves
-        differ a little); none without room, or with run.notice_train_on false."""
-        reserve = 2 * save_s + 2 * self.step_s + NOTICE_MARGIN_S
-        answer = torch.tensor([float(self.cfg.run.notice_train_on and deadline - time.time() > reserve), reserve],
-                              dtype=torch.float64)
-        if self.world.size > 1:
-            torch.distributed.broadcast(answer, src=0)
-        if not answer[0].item():
-            return False
-        self.train_on = {"deadline": deadline, "reserve_s": answer[1].item(), "step": self.progress.step}
-        if self.logger:
-            print(f"[preemption] training on: {deadline - time.time():.0f} s to the deadline; the last save comes "
-                  f"{answer[1].item():.0f} s before it", flush=True)
-        return True
-
-    def _last_save(self, evaluate: bool) -> None:
-        """Every rank, training on after a notice, when its last save is due: the checkpoint the restart resumes
-        from, in the one order of every save, the evaluation due at this step after it, then wait for the restart.
-        Logged: `preemption_last_save_s`, `preemption_trained_on_steps` (the steps kept by training on)."""
-        p, first = self.progress, self.train_on
-        self.train_on = None
-        if self.journal:
-            self.journal.update(reached=p.step)
-        start = time.perf_counter()
-        self.checkpoints.save(p, {"step": p.step}, evaluate_at=evaluate)
-        save_s, left = time.perf_counter() - start, first["deadline"] - time.time()
-        if self.logger:
-            kept = p.step - int(first["step"])
-            self.logger.log({"preemption_last_save_s": save_s, "preemption_trained_on_steps": kept}, p.step,
-                            event=True)
-            print(f"[preemption] trained on {kept} step(s) after the notice's save; the last checkpoint, of step "
-                  f"{p.step}, saved in {save_s:.1f} s, {left:.0f} s before the deadline", flush=True)
-            self.logger.persist_more(self.outbox_folder)
-        if evaluate:
-            train_state.report({"step": p.step, **self.validate()})
-        self.notice.hold(first["deadline"] - time.time())
+        """Every rank, at the step where they agreed that some node has a notice of preemption (or, training on after
+        one, its last save is due): pipelines.fit.notices, with this stage's checkpoint (its one save order) and
+        evaluation. Training goes on from here after it (on to the last save, or after a false alarm)."""
+        p = self.progress
+        self.notices.save(p, evaluate, lambda metrics, due: self.checkpoints.save(p, metrics, evaluate_at=due),
+                          lambda: train_state.report({"step": p.step, **self.validate()}))
         self.restored_step = None
 
     def abandon(self, err: BaseException) -> None:
         """This attempt fails (any rank): its one-line error for the next attempt; rank 0 hands over its queue."""
         try:
-            attempts.record_failure(self.folder, self.attempt or self._attempt_of_rank0(), self.rank, err,
+            attempts.record_failure(self.folder, self.attempt or attempts.current_attempt(self.folder), self.rank, err,
                                     self.progress.step)
         except Exception as failure:  # noqa: BLE001 - the run's own error is the one that matters
             print(f"[probvlp] could not record rank {self.rank}'s failure: {failure}", flush=True)
@@ -441,13 +316,9 @@ class TrainWorker(Hooks):
             except Exception as failure:  # noqa: BLE001
                 print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
 
-    def _attempt_of_rank0(self) -> int:
-        entries = storage.load_json(f"{self.folder}/attempts.json") or []
-        return len(entries) or 1
-
     def close(self) -> None:
         self.started.set()  # the start's notice watcher ends with the attempt
-        self.notice.restore_ray_handler()  # Ray's teardown of a finished or failed worker is no notice
+        self.notices.close()
         if self.heartbeat:
             self.heartbeat.close()
         if self.audit:
@@ -481,48 +352,22 @@ class TrainWorker(Hooks):
         task gives NaNs, pipelines.train.evaluation). `stoppable` (an evaluation between steps, which may outlast a
         notice's deadline): a notice on any rank during it stops it, None on every rank (the notice's save is due
         now): rank 0 checks its own notices before each batch, the other ranks, waiting for its answer in a
-        collective, record theirs in the run's storage (`_watch_evaluation`), which rank 0 reads then too, at most
-        once a second."""
+        collective, record theirs in the run's storage, which rank 0 reads then too, at most once a second
+        (pipelines.fit.notices)."""
         weights, loss_weights = self._gathered_weights()
-        waiting = threading.Event()
-        if stoppable and self.rank != 0:
-            threading.Thread(target=self._watch_evaluation, args=(waiting,), daemon=True,
-                             name="probvlp-evaluation-notices").start()
+        step = self.progress.step
+        waiting = self.notices.watch_evaluation(step) if stoppable and self.rank != 0 else threading.Event()
         try:
             if stoppable and self.hold:  # tests only: a notice "during the evaluation" lands here
                 self.hold(EVALUATION)
             result = [self.evaluation.validate(weights, loss_weights, self.progress.step,
-                                               self._evaluation_stop() if stoppable else None)
+                                               self.notices.evaluation_stop(step) if stoppable else None)
                       if self.rank == 0 else None]
             del weights, loss_weights
             torch.distributed.broadcast_object_list(result, src=0)
         finally:
             waiting.set()
         return result[0]
-
-    def _evaluation_stop(self) -> Callable[[], bool]:
-        """Rank 0's check before each batch of a stoppable evaluation: its own notice (or, training on, the time of
-        the last save), or another rank's recorded in the run's storage during this evaluation."""
-        step, polled = self.progress.step, [-math.inf]
-
-        def stop() -> bool:
-            if self._notice_due():
-                return True
-            if self.world.size == 1 or time.monotonic() - polled[0] < EVALUATION_POLL_S:
-                return False
-            polled[0] = time.monotonic()
-            return attempts.notice_during(self.folder, self.attempt, step, "evaluation")
-
-        return stop
-
-    def _watch_evaluation(self, done: threading.Event) -> None:
-        """A rank other than 0 while rank 0 evaluates: its notice (or, training on, the time of the last save)
-        recorded in the run's storage for rank 0, which no collective can tell meanwhile."""
-        while not done.wait(EVALUATION_POLL_S / 2):
-            if self._notice_due():
-                attempts.record_notice(self.folder, self.attempt or self._attempt_of_rank0(), self.rank,
-                                       self.progress.step, self.notice.take()["sources"], during="evaluation")
-                return
 
     def finish(self) -> None:
         """The final checkpoint (all ranks; before judging: a notice from here on costs no step, and a restart only
@@ -536,8 +381,7 @@ class TrainWorker(Hooks):
             return
         if self.restored_step != p.step:
             self.checkpoints.save(p, dict(report))
-        watcher = threading.Event()
-        threading.Thread(target=self._watch_notices, args=(watcher,), daemon=True, name="probvlp-notices").start()
+        watcher = self.notices.watch_final(p.step)
         try:
             if self.wait.loop_s > 0:
                 report["data_wait_frac_mean"] = self.wait.mean()
@@ -557,32 +401,6 @@ class TrainWorker(Hooks):
             ray.train.report(shared[0])
         finally:
             watcher.set()
-
-    def _watch_start(self) -> None:
-        """Rank 0, from the attempt's start to its first step: a notice seen meanwhile (its node's SIGTERM or file,
-        Ray's drain) is recorded in the run's storage, so that an attempt whose machine goes before it trains a step
-        is known to have ended by a notice (_check_progress counts those only)."""
-        while not self.started.wait(0.5):
-            if self.notice.pending():
-                attempts.record_notice(self.folder, self.attempt, self.rank, self.progress.step,
-                                       self.notice.take()["sources"])
-                return
-
-    def _watch_notices(self, done: threading.Event) -> None:
-        """A notice after the final checkpoint: handed to Ray (its restart then counts as a preemption and only
-        finishes the evaluation and the model); its file is taken, as the final checkpoint is the save it asks for,
-        and its time recorded in the run's storage first, so that no restart takes it for a notice again should
-        renaming it fail."""
-        recorded = False
-        while not done.wait(1.0):
-            if self.notice.pending():
-                sources, mtime = self.notice.take()["sources"], self.notice.file_mtime()
-                if not recorded:  # every rank: the one that saw it may be the only one left to tell
-                    recorded = True  # before the file is taken: a restart must not take it for a notice again
-                    attempts.record_notice(self.folder, self.attempt or self._attempt_of_rank0(), self.rank,
-                                           self.progress.step, sources, file_mtime=mtime)
-                self.notice.consume_file(mtime)
-                self.notice.hand_over()
 
     def _final_artifacts(self, weights, loss_weights) -> dict[str, Any]:
         """Save before judging: the model file, the MLflow model, the loss weights and the probe reach MLflow before
