@@ -190,7 +190,7 @@ MUTANTS = [
     Mutant("upload-wait-bounded",
            "a wait for a checkpoint's registration ends after train.upload_timeout_s: an upload stuck on one rank fails "
            "the attempt in one line (UploadTimeout) instead of holding every rank at the next save for ever",
-           "pipelines/train/state.py",
+           "pipelines/fit/registered.py",
            "COMMITTED,\n                                           timeout_s=timeout_s)\n",
            "COMMITTED)\n",
            ("tests/test_upload_wait.py::test_the_wait_passes_its_bound_to_ray_and_a_wait_that_long_is_an_error",
@@ -383,6 +383,13 @@ MUTANTS = [
            "pipelines/fit/step_log.py",
            "resumed_from=resumed_from, background=True,",
            "resumed_from=resumed_from,",
+           ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
+    Mutant("adapter-notices",
+           "the adapter's fit takes notices of preemption as pretraining's does (the core's Notices): a save at the "
+           "step, the file taken, the restart resumed there",
+           "pipelines/adapt/loop.py",
+           "    fit.notice_due = notices.due\n",
+           "",
            ("tests/test_probvlm.py::test_a_restarted_fit_logs_each_step_once",)),
     Mutant("stale-snapshots-at-start",
            "a job's driver removes killed uploads' snapshots on every node before its workers start, not only where a "

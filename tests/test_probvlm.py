@@ -701,6 +701,7 @@ def test_same_run_name_resumes_a_stopped_fit(trained_clip, digits_root, tmp_path
 # log at every step, rank 0's outbox delivers within a second while the store answers, so the first attempt delivered
 # most of the steps the restart trains again.
 RESTART_STEPS, RESTART_CHECKPOINT, RESTART_FAIL_AT = 100, 45, 90
+NOTICE_STEP = RESTART_CHECKPOINT + 1  # the restart's first step: the notice file is there before it
 PER_STEP = ("loss", "adapter/loss", "baseline/loss", "lr", "samples_per_s")
 
 
@@ -719,8 +720,10 @@ def checkpoint_steps(run: Path) -> list[int]:
 def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable_mlflow, tmp_path, monkeypatch):
     """jobs.adapt on the digits loses its worker at step 90 and Ray Train restarts it from the step-45 checkpoint
     (run.max_failures), and the tracking server (a real `mlflow server`) stops as the worker fails and starts again
-    only once the restart has trained back to step 90 and checkpointed there: an outage with a restart in it, as users
-    meet them. The restart never reads the store and its loop never waits for it (rank 0's outbox: its queue travels
+    only once the fit has trained back to step 90 and checkpointed there: an outage with restarts in it, as users
+    meet them. A notice of preemption (the hook's file, no time left) comes with the failure: the restart saves at its
+    first step, 46, hands the notice to Ray Train and waits; the next restart resumes there (pipelines.fit.notices, the
+    core's, composed by the adapter as by pretraining). The restart never reads the store and its loop never waits for it (rank 0's outbox: its queue travels
     with the checkpoint, and what is left at the fit's end goes to the driver, which delivers it as the run ends). The
     job succeeds, the run ends FINISHED, and, read from MLflow after the job, each per-step metric's history holds
     every step 1-100 exactly once: the steps the first attempt had delivered (46-~89) are not written again by the
@@ -741,6 +744,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
     from tests.pace import scaled
 
     server, name, storage = restartable_mlflow, "test_adapt_restart", tmp_path / "ray"
+    notice = tmp_path / "notice"
     record = Path(run_folder(str(storage), name)) / RUN_RECORD
     seen: dict[str, float] = {}
     errors: list[BaseException] = []
@@ -753,6 +757,8 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
                               json.loads(record.read_text())["run_id"], 300, 0.1)
             marker = STATE_DIR / "injected_failures" / f"{run_id}.done"
             wait_for("the injected failure at step 90", marker.exists, 300, 0.05)
+            # the restart's workers take seconds to start: the notice is there before their first step
+            notice.write_text("0\n")
             server.stop()
             seen["down"] = time.monotonic()
             wait_for("the restart's checkpoint of step 90, trained with the tracking server away (a restart that "
@@ -783,7 +789,8 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
     save_model(create_model("clip_tiny").state_dict(), clip, "clip_tiny", {})
     cfg = load_adapt_config(CONFIG, [
         f"source.model={clip}", f"data.root={digits_root}", f"tracking.uri={server.uri}",
-        f"run.storage_path={storage}", f"run.name={name}", "run.max_failures=1",
+        f"run.storage_path={storage}", f"run.name={name}", "run.max_failures=1", f"run.notice_file={notice}",
+        "run.keep_checkpoints=8",  # every registration stays listed
         f"train.steps={RESTART_STEPS}", f"train.checkpoint_every={RESTART_CHECKPOINT}",
         f"train.fail_once_at_step={RESTART_FAIL_AT}", "train.log_every=1", "train.batch_size=32",
         "adapter.hidden=32", "adapter.mc_samples=2",
@@ -799,10 +806,17 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
 
     marker = STATE_DIR / "injected_failures" / f"{res.mlflow_run_id}.done"
     assert marker.read_text() == str(RESTART_FAIL_AT)  # the worker failed there, once
-    # the attempt that finished began at the checkpoint: a restart, from the step-45 checkpoint
-    assert (res.train["step"], res.train["steps_this_run"]) == (RESTART_STEPS, RESTART_STEPS - RESTART_CHECKPOINT)
+    # the failure's restart from the step-45 checkpoint saved at its first step on the notice (the file taken), and
+    # the attempt that finished began there
+    assert checkpoint_steps(storage / name) == [RESTART_CHECKPOINT, NOTICE_STEP, RESTART_FAIL_AT, RESTART_STEPS]
+    assert not notice.exists() and (tmp_path / "notice.taken").exists()
+    assert (res.train["step"], res.train["steps_this_run"]) == (RESTART_STEPS, RESTART_STEPS - NOTICE_STEP)
     client = MlflowClient(res.mlflow_uri)
-    assert client.get_run(res.mlflow_run_id).info.status == "FINISHED"
+    run = client.get_run(res.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert json.loads(run.data.tags[f"probvlp.preemption.step_{NOTICE_STEP}"])["sources"] == ["file"]
+    assert [(m.step, m.value) for m in client.get_metric_history(res.mlflow_run_id, "preemptions")] == \
+        [(NOTICE_STEP, 1)]
     assert res.model_file.is_file() and "digits_retrieval/i2t_calib_score" in res.metrics
     failed_at_ms = marker.stat().st_mtime * 1000
     for key in PER_STEP:

@@ -28,16 +28,18 @@ from models.gather import World
 from models.losses import create_loss
 from models.probvlm import adapter_kind, adapter_options, build_adapter
 from pipelines.adapt.config import adapt_config_from_dict
-from pipelines.storage import outbox_folder
+from pipelines.storage import outbox_folder, run_folder
 from pipelines.tracking import StepLogger
 from pipelines.fit.config import LoopConfig
 from pipelines.fit.faults import fail_once
 from pipelines.fit.loop import Hooks, epoch_batches, run_steps
+from pipelines.fit.notices import Notices
 from pipelines.fit.optim import lr_at, optimizer_for
 from pipelines.fit.trainer import private
 from pipelines.fit.plain_state import fit_state, load_fit_state
 from pipelines.fit.progress import Progress
-from pipelines.fit.step import plain_step
+from pipelines.fit.registered import wait_for_uploads
+from pipelines.fit.step import agree, plain_step
 from pipelines.fit.step_log import rank0_logger
 
 ADAPTER_FILE = "adapters.safetensors"
@@ -86,6 +88,8 @@ class AdapterFit:
         self.optimizer = optimizer_for(net, cfg)
         self.parameters = list(net.parameters())  # what the step clips
         self.progress = Progress()
+        self.notice_due: Callable[[], bool] = lambda: False  # this rank's flag for the step's all-reduce
+        self.noticed = False  # some rank had a notice at the last step (the ranks agreed)
 
     def lr(self) -> float:
         return lr_at(self.cfg, self.progress.step)
@@ -96,8 +100,9 @@ class AdapterFit:
         # dropout masks from (seed, rank, step): a resumed fit draws the ones an uninterrupted fit would have
         torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.progress.step)
         out = self.forward(pairs[:, 0], pairs[:, 1])
+        finite, self.noticed, _ = agree(out["loss"], self.world, notice=self.notice_due())
         return plain_step(out, out["loss"].backward, self.optimizer, self.parameters, self.cfg, self.progress.step,
-                          self.world)
+                          self.world, agreed=finite)
 
     def rows(self, pairs: torch.Tensor) -> int:
         return pairs.shape[0] * self.world.size
@@ -117,20 +122,35 @@ STATE_FILE = "state.safetensors"
 
 
 class AdapterHooks(Hooks):
-    """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow, and
-    every `train.checkpoint_every` steps (and at the end) reports a Ray Train checkpoint of the fit's whole state.
-    `outbox`: the run's folder for rank 0's undelivered MLflow calls (pipelines.storage.outbox_folder); `fault`:
-    called with each step applied (train.fail_once_at_step, pipelines.fit.faults)."""
+    """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow,
+    every `train.checkpoint_every` steps (and at the end) every rank reports a Ray Train checkpoint of the fit's whole
+    state, and a notice of preemption on any rank saves one at once and waits for Ray Train's restart (or trains on to
+    a last save where its deadline leaves room: the training core's `Notices`). `outbox`: the run's folder for rank 0's
+    undelivered MLflow calls (pipelines.storage.outbox_folder); `fault`: called with each step applied
+    (train.fail_once_at_step, pipelines.fit.faults)."""
 
     def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None, outbox: str,
-                 fault: Callable[[int], None] | None = None):
+                 fault: Callable[[int], None] | None = None, notices: Notices | None = None):
         self.fit, self.t, self.logger, self.outbox, self.fault = fit, cfg.train, logger, outbox, fault
+        self.notices = notices
         self.checkpoint_every = self.t.checkpoint_every
         self.first_step, self.start, self.loss = fit.progress.step, time.perf_counter(), float("nan")
 
     def on_step(self, step: int) -> None:
+        if self.notices:
+            self.notices.on_step()
         if self.fault:
             self.fault(step)
+
+    def noticed(self) -> bool:
+        return self.fit.noticed
+
+    def save_on_notice(self, step: int, evaluate: bool) -> None:
+        """Every rank, at the step where they agreed on a notice: the checkpoint at once, registered before any rank
+        goes on (a restart before the registration would resume from the one before), then the training core's
+        notice sequence (the file taken, the hand-over to Ray, training on or the wait for the restart)."""
+        self.notices.save(self.fit.progress, evaluate, lambda metrics, due: self.save(final=False, at_once=True),
+                          lambda: None)
 
     def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
         p = self.fit.progress
@@ -143,10 +163,11 @@ class AdapterHooks(Hooks):
     def checkpoint(self, metrics: dict[str, Any]) -> None:
         self.save(final=False)
 
-    def save(self, final: bool) -> None:
+    def save(self, final: bool, at_once: bool = False) -> None:
         """Every rank reports; rank 0's report carries the checkpoint (the adapters are the same on every rank), in the
         one order of every save: what MLflow has not got yet first, into the run's storage, then the checkpoint, so
-        that whichever checkpoint a restart resumes from, the metrics up to its step travel with it."""
+        that whichever checkpoint a restart resumes from, the metrics up to its step travel with it. `at_once` (a
+        notice's): every rank returns once Ray Train has registered it."""
         p, world = self.fit.progress, self.fit.world
         seconds = time.perf_counter() - self.start
         done = p.step - self.first_step
@@ -155,6 +176,8 @@ class AdapterHooks(Hooks):
                    "samples_per_s": done * self.t.batch_size * world.size / seconds if done else 0.0, "loss": self.loss}
         if world.rank != 0:
             ray.train.report(metrics)
+            if at_once:
+                torch.distributed.barrier()  # rank 0's registration
             return
         if final:
             self.logger.log({"train_seconds": seconds, "samples_per_s_overall": metrics["samples_per_s"]}, p.step)
@@ -166,6 +189,10 @@ class AdapterHooks(Hooks):
             save_file({k.removeprefix("adapters."): v for k, v in state.items() if k.startswith("adapters.")},
                       str(Path(tmp) / ADAPTER_FILE))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        if at_once:
+            wait_for_uploads(p.step)
+            if world.size > 1:
+                torch.distributed.barrier()
 
 
 def adapt_loop(config: dict[str, Any]) -> None:
@@ -173,22 +200,28 @@ def adapt_loop(config: dict[str, Any]) -> None:
     cfg = adapt_config_from_dict(job["config"])
     t = cfg.train
     rank, world = ray.train.get_context().get_world_rank(), World.current()
+    outbox = outbox_folder(cfg.run.storage_path, cfg.run.name)
+    # first: a SIGTERM from here on is a notice of preemption (before the checkpoint is restored)
+    notices = Notices(cfg.run, world, rank, run_folder(cfg.run.storage_path, cfg.run.name), outbox)
     if not t.use_gpu:
         torch.set_num_threads(max(1, int(t.cpus_per_worker)))
     torch.manual_seed(cfg.run.seed)  # the same initial adapters on every rank
     net = build_adapter_set(cfg, int(config["dim"]))
     model = ray.train.torch.prepare_model(net)  # DDP across workers; the device of this worker
     fit = AdapterFit(net, t, cfg.run.seed, rank, forward=model, world=world)
+    fit.notice_due = notices.due
     checkpoint = ray.train.get_checkpoint()  # set when this run name was trained before (or a worker failed)
     if checkpoint:
         with checkpoint.as_directory() as folder:
             fit.load(load_file(str(Path(folder) / STATE_FILE)))
-    outbox = outbox_folder(cfg.run.storage_path, cfg.run.name)
+    notices.resumed(fit.progress)
     # what an earlier attempt had not delivered, first; the steps after the checkpoint come again, and what MLflow has
     # of them is not logged twice
     logger = rank0_logger(job["mlflow_uri"], config["mlflow_run_id"], fit.progress.step, cfg.tracking.flush_timeout_s,
                           outbox) if rank == 0 else None
-    hooks = AdapterHooks(fit, cfg, logger, outbox, fail_once(t.fail_once_at_step, config.get("failure_marker")))
+    notices.logger = logger
+    hooks = AdapterHooks(fit, cfg, logger, outbox, fail_once(t.fail_once_at_step, config.get("failure_marker")),
+                         notices)
     shard = ray.train.get_dataset_shard("train")
 
     def pairs(epoch: int):
@@ -210,6 +243,8 @@ def adapt_loop(config: dict[str, Any]) -> None:
             except Exception as failure:  # noqa: BLE001 - the attempt's own error is the one that matters
                 print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
         raise
+    finally:
+        notices.close()
     if logger:  # released: the driver delivers what the store has not taken yet
         logger.close(keep_to=outbox)
 

@@ -26,12 +26,12 @@ def agree(loss: torch.Tensor, world: World, notice: bool = False, clock: bool = 
 
 
 def plain_step(out: dict[str, torch.Tensor], backward: Callable[[], None], optimizer: torch.optim.Optimizer,
-               parameters: list[torch.nn.Parameter], cfg: LoopConfig, step: int, world: World
-               ) -> dict[str, torch.Tensor] | None:
-    """Apply the step whose forward gave `out`: None (nothing applied) where its loss is not finite on some rank;
-    otherwise `backward()` (the fit's: its loss, its sign, its micro-batches), the gradient clipped to cfg.grad_clip
+               parameters: list[torch.nn.Parameter], cfg: LoopConfig, step: int, world: World,
+               agreed: bool | None = None) -> dict[str, torch.Tensor] | None:
+    """Apply the step whose forward gave `out`: None (nothing applied) where its loss is not finite on some rank
+    (`agreed`: the fit's own `agree` already said whether it is, beside its flags); otherwise `backward()` (the fit's: its loss, its sign, its micro-batches), the gradient clipped to cfg.grad_clip
     (0: not clipped), the learning rate of optimizer step `step` (from 0), and AdamW's update."""
-    if not agree(out["loss"], world)[0]:
+    if not (agree(out["loss"], world)[0] if agreed is None else agreed):
         return None
     optimizer.zero_grad(set_to_none=True)
     backward()

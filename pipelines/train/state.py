@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from fsspec.implementations.arrow import ArrowFSWrapper
 
 from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loading
 from pipelines.fit.progress import Progress
+from pipelines.fit.registered import UploadTimeout, wait_for_uploads  # noqa: F401 - the workers' names
 from pipelines.storage import fs_path
 from pipelines.train import reshard
 from pipelines.train.config import TrainConfig
@@ -39,10 +39,6 @@ _NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+
 # cgroup v1's "no limit" is its page counter's maximum in bytes (9223372036854771712 with 4-KiB pages): at least this
 _CGROUP_V1_UNLIMITED = 1 << 62
 UPLOAD_TIMEOUT_S: float = TrainConfig.model_fields["upload_timeout_s"].default
-
-
-class UploadTimeout(RuntimeError):
-    """A checkpoint Ray Train did not register within train.upload_timeout_s (an upload stuck on some rank)."""
 
 
 def use_weights_only_loading(engine) -> None:
@@ -197,22 +193,6 @@ def _read(path: Path) -> str:
 def report(metrics: dict[str, Any]) -> None:
     """Metrics without a checkpoint (an evaluation's), queued behind an upload in flight instead of waiting for it."""
     ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
-
-
-def wait_for_uploads(step: int | None = None, timeout_s: float = UPLOAD_TIMEOUT_S) -> None:
-    """Until every checkpoint this rank reported (the latest of step `step`) is uploaded by every rank and registered
-    by Ray Train; UploadTimeout after `timeout_s` (train.upload_timeout_s): an upload stuck on one rank would
-    otherwise hold every rank here for ever."""
-    start = time.monotonic()
-    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
-                                           timeout_s=timeout_s)
-    waited = time.monotonic() - start
-    # at its timeout Ray returns what it has registered so far, saying nothing: only a wait this long tells it
-    if waited >= timeout_s:
-        what = "the checkpoints reported" if step is None else f"the checkpoint of step {step}"
-        raise UploadTimeout(f"{what} not registered after {waited:.1f} s of waiting for every rank's upload to "
-                            f"run.storage_path (train.upload_timeout_s {timeout_s:g}): this attempt fails, and Ray "
-                            "Train restarts it from the last registered checkpoint while run.max_failures allows")
 
 
 def checkpoint_name(step: int, attempt: int) -> str:
