@@ -38,7 +38,7 @@ from models.registry import TINY
 from models.towers import TowerConfig
 from models.tokenizer import tokenize
 from pipelines.config import ModelConfig
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.fit.optim import adamw, param_groups
 
 METHODS = {"CLIP": "clip_tiny", "SigLIP": "siglip_tiny", "ProLIP": "prolip_tiny", "PCME++": "pcmepp_tiny",

@@ -135,7 +135,7 @@ def bench_reader(epochs: int, steps: int, rounds: int = 3, copies: int = 8, work
 
     from models.objective import build_objective
     from pipelines.config import ModelConfig
-    from pipelines.train.config import TrainDocument
+    from pipelines.pretrain.config import TrainDocument
     from pipelines.data.captions import CaptionSampler
     from pipelines.digits.shards import write_digit_shards
     from pipelines.cluster.runtime import init_ray

@@ -1,5 +1,5 @@
 """The pretraining workers' DeepSpeed engine for a benchmark's ranks (torch.distributed already set up): a model of the
-registry and the engine the workers build (pipelines.train.engine), in fp32."""
+registry and the engine the workers build (pipelines.pretrain.engine), in fp32."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,8 @@ import torch
 
 def build_engine(model: str, stage: int, world: int):
     """(engine, model) on every rank, with the same initial weights."""
-    from pipelines.train import engine
-    from pipelines.train.config import TrainDocument
+    from pipelines.pretrain import engine
+    from pipelines.pretrain.config import TrainDocument
 
     cfg = TrainDocument.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
     torch.manual_seed(0)

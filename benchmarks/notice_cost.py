@@ -1,5 +1,5 @@
 """What a notice of preemption costs a run: holding from the notice's save to the restart, against training on to a
-last save before the deadline (run.notice_train_on, pipelines.train.worker).
+last save before the deadline (run.notice_train_on, pipelines.pretrain.worker).
 
 Run (one JSON line per deadline and mode, then a markdown table):
 

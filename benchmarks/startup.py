@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} #{i + 1}: first step {r.first_step_s:.1f} s ({r.first_step_cpu:.0f} CPU-s), "
                   f"whole fit {r.total_s:.1f} s ({r.total_cpu:.0f} CPU-s)", flush=True)
     print(f"the commands' output: {tmp}/product*.log, {tmp}/torchrun*.log", flush=True)
-    wall, cpu, top = imports("pipelines.train.worker")
+    wall, cpu, top = imports("pipelines.pretrain.worker")
     markdown = section(args, product, reference, (wall, cpu, top))
     print(markdown)
     if not args.no_write:
@@ -273,7 +273,7 @@ def section(args, product: list[Run], reference: list[Run], worker_imports) -> s
         for kind, (n, cpu) in sorted(r.by_kind.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"| {name}: {kind} | {n or ''} | {cpu:.1f} |")
     wall, cpu, top = worker_imports
-    lines += ["", f"Importing the training worker (`import pipelines.train.worker` in a fresh Python, what every Ray "
+    lines += ["", f"Importing the training worker (`import pipelines.pretrain.worker` in a fresh Python, what every Ray "
                   f"Train worker does first): {wall:.1f} s, {cpu:.1f} CPU-s; own import time by package: " +
               ", ".join(f"{name} {s:.2f} s" for name, s in top[:10]) + "."]
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import webdataset as wds
 from models.objective import build_objective
 from models.preprocess import decode_image, resize, to_model_input
 from models.tokenizer import tokenize
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.data.captions import CaptionSampler
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "prolip_demo.yaml"

@@ -46,7 +46,7 @@ from models.registry import TINY, VIT_B16
 from models.tokenizer import tokenize
 from models.towers import TowerConfig, compile_blocks, set_grad_checkpointing
 from pipelines.config import ModelConfig
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.fit.optim import adamw, param_groups
 
 # A CPU-sized ViT (width 384, 6 blocks) and text transformer (width 256, 6 blocks, context 32).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from jobs.cli import config_parser, job_main
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 
 
 @job_main
@@ -16,8 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_train_config(args.config, args.overrides)  # fail fast, before Ray starts
 
     from pipelines.progress import process_started_at
-    from pipelines.train.job import run_pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
-    from pipelines.train.run_summary import run_summary
+    from pipelines.pretrain.job import run_pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
+    from pipelines.pretrain.run_summary import run_summary
 
     # start-up timed from this process's start; a ConfigError here: eval data that lacks what a task needs, found
     # once the data is prepared

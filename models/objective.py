@@ -67,7 +67,7 @@ def loss_name(cfg: Any) -> str:
 
 
 def build_objective(cfg: Any) -> Objective:
-    """A fresh model and loss for a config (``pipelines.train.config.TrainDocument``, or anything with ``model.name``,
+    """A fresh model and loss for a config (``pipelines.pretrain.config.TrainDocument``, or anything with ``model.name``,
     ``model.overrides``, ``loss.name`` and ``loss.params``)."""
     return Objective(create_model(cfg.model.name, **cfg.model.overrides), create_loss(loss_name(cfg), **cfg.loss.params))
 

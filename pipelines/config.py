@@ -1,7 +1,7 @@
 """Typed configuration loaded from YAML: what several stages share.
 
 One home per stage: a stage's own sections, document and loader live in `pipelines/<stage>/config.py`
-(`download`, `evaluate`, `train`, `tune`, `adapt`); this module holds what more than one stage reads (the run, data,
+(`download`, `evaluate`, `pretrain`, `tune`, `adapt`); this module holds what more than one stage reads (the run, data,
 model, loss, eval, tracking and ray sections, the documents they form, an experiment file's list of sections:
 `ExperimentDocument`) and the loading itself (unknown keys, YAML, `--set` overrides, local paths). Every section
 rejects unknown keys, wrong types and out-of-range values with a one-line message naming the key (`ConfigError`).
@@ -380,14 +380,14 @@ class DataDocument(JobDocument):
 class ExperimentDocument(DataDocument):
     """An experiment file: the sections every stage reading one shares (the data, the model, its loss, beside the run,
     eval, tracking and ray sections), and the sections of one stage each, held here as written. A stage's own
-    document types and checks its sections and lets the file's others stand: `pipelines.train.config.TrainDocument`
+    document types and checks its sections and lets the file's others stand: `pipelines.pretrain.config.TrainDocument`
     the train section, `pipelines.download.config.DownloadDocument` the download section,
     `pipelines.evaluate.config.EvaluateDocument` what an evaluation reads (`stage_document`). So this class's fields
     are the list of an experiment file's sections, and a stage's loader takes it from here."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    # typed and checked by its stage: pipelines.train.config.TrainConfig
+    # typed and checked by its stage: pipelines.pretrain.config.TrainConfig
     train: dict[str, Any] | None = None
     # typed and checked by its stage: pipelines.download.config.DownloadConfig
     download: dict[str, Any] | None = None

@@ -28,7 +28,7 @@ from models.losses import ProLIPLoss
 from models.objective import Objective, build_objective
 from models.tokenizer import tokenize
 from pipelines.config import EvalTask, read_config_file
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts

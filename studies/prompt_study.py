@@ -28,7 +28,7 @@ import torch
 
 from models.registry import create_model
 from pipelines.config import EvalTask
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, OFF_DOMAIN, mid_captions, specific_captions
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.fit.in_process import fit_in_process

@@ -82,8 +82,8 @@ def digits_root(tmp_path_factory) -> str:
 def trained_clip(ray_local, digits_root, tmp_path_factory):
     """The demo's tiny CLIP trained once per pytest run (2 workers, ZeRO-2): (config, PretrainResult, folder).
     Several modules read the run (training, MLflow, evaluation) instead of training again."""
-    from pipelines.train.config import load_train_config
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.config import load_train_config
+    from pipelines.pretrain.job import run_pretrain
 
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = load_train_config(ROOT / "configs" / "demo.yaml", [
@@ -153,7 +153,7 @@ def straight_small_run(ray_local, digits_root, tmp_path_factory, worker_id) -> d
     import fcntl
     import json
 
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.job import run_pretrain
     from tests.small_runs import REFERENCE, config
 
     base = tmp_path_factory.getbasetemp()

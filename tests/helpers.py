@@ -52,7 +52,7 @@ def official_switches(recipe: str) -> tuple[dict[str, Any], dict[str, Any]]:
     overrides, and its loss section as the loss's keywords."""
     from pipelines.adapt.config import load_adapt_config
     from pipelines.config import read_config_file
-    from pipelines.train.config import load_train_config
+    from pipelines.pretrain.config import load_train_config
 
     path = ROOT / "configs" / f"{recipe}_official.yaml"
     if "source" in read_config_file(path):
@@ -158,7 +158,7 @@ def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
 
     from pipelines.fit.launch import Launch
     from pipelines.fit.faults import HOLDS
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.job import run_pretrain
 
     errors: list[BaseException] = []
 
@@ -226,7 +226,7 @@ def failed_evaluation_keeps_the_model(cfg, tmp: Path, device: str = "cpu") -> No
     from models.preprocess import encode_png
     from pipelines.evaluate import EvaluationError
     from pipelines.tracking import find_run, model_file
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.job import run_pretrain
 
     uri = cfg.tracking.uri
     with pytest.raises(EvaluationError, match=r"evaluation task 'digits_zeroshot' failed: ValueError: .*calibration"):

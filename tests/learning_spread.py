@@ -39,7 +39,7 @@ def work(tasks: list[tuple[str, int]], overrides: list[str]) -> None:
     from models.objective import build_objective
     from pipelines.digits.arrays import digit_arrays
     from pipelines.fit.in_process import fit_in_process
-    from pipelines.train.config import load_train_config
+    from pipelines.pretrain.config import load_train_config
     from tests.test_learning import BATCH, CLASS_CAPTIONS, TARGETS, top1
 
     images, labels, _ = digit_arrays("test")

@@ -333,7 +333,7 @@ def test_micro_batches_must_split_the_batch_evenly():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.train.step.cached_step)
+# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.pretrain.step.cached_step)
 # ---------------------------------------------------------------------------------------------------------------
 WORLD = 2
 DS_CASE = "prob_llip"  # masked draws, and the mixer's parameters in the whole-batch stage (gathered by ZeRO-3)
@@ -369,9 +369,9 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     """The weights after one SGD step of a DeepSpeed engine (the worker's config), one pass or cached."""
     import deepspeed
 
-    from pipelines.train.config import TrainDocument
-    from pipelines.train.step import cached_step
-    from pipelines.train.engine import deepspeed_config, full_state_dict
+    from pipelines.pretrain.config import TrainDocument
+    from pipelines.pretrain.step import cached_step
+    from pipelines.pretrain.engine import deepspeed_config, full_state_dict
 
     name, overrides, loss, params = CASES[DS_CASE]
     cfg = TrainDocument.from_dict({"model": {"name": name, "overrides": {**SMALL, **overrides}},
@@ -409,7 +409,7 @@ def _two_workers(rank: int, port: int, out_dir: str) -> None:
     try:
         world = World.current()
         result = {"float64": _float64_methods(rank, world), "deepspeed": {}}
-        from pipelines.train.engine import skip_inference_comm_op
+        from pipelines.pretrain.engine import skip_inference_comm_op
 
         skip_inference_comm_op()
         torch.manual_seed(0)
@@ -493,7 +493,7 @@ def test_deepspeed_step_with_accumulation_equals_the_one_batch_step(two_workers)
 
 def test_config_states_the_contrastive_batch_and_refuses_per_sample_adapters():
     from pipelines.config import ConfigError
-    from pipelines.train.config import TrainDocument
+    from pipelines.pretrain.config import TrainDocument
 
     cfg = TrainDocument.from_dict({"train": {"batch_size": 16, "grad_accum": 4, "num_workers": 2}})
     assert cfg.flat()["train.contrastive_batch"] == 128  # an MLflow param of every run

@@ -10,7 +10,7 @@ import torch
 from models.gather import World
 from models.losses import ProLIPLoss
 from pipelines.config import read_config_file
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, captions_for, mid_captions, specific_captions
 from studies.caption_level_study import ARMS, DEMO, MultiPositiveProLIP, caption_sets, fit_labels, order_holds
 

@@ -1,4 +1,4 @@
-"""Checkpoints uploaded behind training (pipelines.train.state): the loop goes on while an upload is in flight and
+"""Checkpoints uploaded behind training (pipelines.pretrain.state): the loop goes on while an upload is in flight and
 waits at the next save (one upload at a time); a kill during an upload resumes from the checkpoint before and ends
 bit for bit as an uninterrupted run; a checkpoint due by one rank's clock is saved by every rank at the same step; a
 cluster run that never checkpoints says so."""
@@ -17,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
-from pipelines.train.config import TrainConfig
-from pipelines.train.job import without_checkpoints
+from pipelines.pretrain.config import TrainConfig
+from pipelines.pretrain.job import without_checkpoints
 from tests.helpers import pretrain_beside, registered, wait_for
 from tests.pace import scaled
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
@@ -164,8 +164,8 @@ def test_a_cluster_run_without_checkpoints_says_so_in_one_line(every, every_s, s
 def test_a_restart_removes_only_the_uploads_cut_short(tmp_path):
     """At attempt 3's start, resumed from step 20: the folders of earlier attempts past step 20 were never registered
     (a restart resumes from the latest that was) and go; the one it resumed from, earlier ones, this attempt's and
-    anything not named by pipelines.train.state stay."""
-    from pipelines.train.state import checkpoint_name, remove_cut_short
+    anything not named by pipelines.pretrain.state stay."""
+    from pipelines.pretrain.state import checkpoint_name, remove_cut_short
 
     names = {checkpoint_name(10, 1): "stays", checkpoint_name(20, 1): "stays", checkpoint_name(30, 1): "goes",
              checkpoint_name(30, 2) + "_2": "goes", checkpoint_name(40, 3): "stays", "checkpoint_2026-11-29_08-00-00.1":
@@ -187,7 +187,7 @@ def test_the_snapshot_goes_to_memory_where_a_checkpoint_fits_twice_else_to_the_t
     import tempfile
     from types import SimpleNamespace
 
-    from pipelines.train.state import SHM, snapshot_root
+    from pipelines.pretrain.state import SHM, snapshot_root
 
     def engine(params: int):
         return SimpleNamespace(module=torch.nn.Linear(params, 1, bias=False))

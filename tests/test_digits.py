@@ -109,7 +109,7 @@ def test_shards_hold_every_image_once(digits_root):
 def test_run_seed_leaves_the_held_out_split_alone(digits_root):
     """A run, sweep trial or evaluation with another run.seed prepares the same digits: the shards written for
     data.split_seed 0 are kept, so no seed moves a model's training images into the split it is scored on."""
-    from pipelines.train.config import load_train_config
+    from pipelines.pretrain.config import load_train_config
     from pipelines.inputs import prepare_data
 
     root = Path(digits_root)

@@ -17,7 +17,7 @@ from models.scoring.metrics import rank_candidates, rank_queries
 from models.scoring.prompts import (bprw_em, bprw_observations, filter_weights, gaussian_log_density,
                                      weighted_ensemble)
 from pipelines.config import ConfigError, EvalTask
-from pipelines.train.config import TrainDocument, load_train_config
+from pipelines.pretrain.config import TrainDocument, load_train_config
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.in_process import TaskEmbeddings
 

@@ -29,7 +29,7 @@ from models.registry import create_model
 from models.tokenizer import tokenize
 from models.towers import random_keep, random_text_mask
 from pipelines.adapt.config import AdaptLossConfig, load_adapt_config
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 
 f64 = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
@@ -835,8 +835,8 @@ def test_bf16_autocast_leaves_heads_mixer_and_pooling_in_float32():
 
 
 def test_bf16_training_is_deepspeed_torch_autocast():
-    from pipelines.train.config import TrainDocument
-    from pipelines.train.engine import deepspeed_config
+    from pipelines.pretrain.config import TrainDocument
+    from pipelines.pretrain.engine import deepspeed_config
 
     cfg = TrainDocument.from_dict({"model": {"name": "prolip_tiny"}})
     on, off = deepspeed_config(cfg, True), deepspeed_config(cfg, False)
@@ -848,8 +848,8 @@ BF16_ENGINE_STEPS = """
 import json, os, torch, deepspeed
 from models.objective import build_objective
 from models.tokenizer import tokenize
-from pipelines.train.config import load_train_config
-from pipelines.train.engine import deepspeed_config, skip_inference_comm_op
+from pipelines.pretrain.config import load_train_config
+from pipelines.pretrain.engine import deepspeed_config, skip_inference_comm_op
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 skip_inference_comm_op()
 torch.manual_seed(0)

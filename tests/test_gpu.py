@@ -23,7 +23,7 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.model_file import load_model
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.tracking import model_file
 
 GPU = torch.cuda.is_available()
@@ -76,14 +76,14 @@ class Runs:
 
 
 def fit_job(cfg):
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.job import run_pretrain
 
     return lambda: (cfg, run_pretrain(cfg))
 
 
 def resume_job(tmp: Path, digits_root: str):
     """A straight fp32 run and one stopped at RESUME_STOP and restarted by name: (straight, resumed) loss histories."""
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.job import run_pretrain
 
     def history(cfg, result):
         return {m.step: m.value for m in MlflowClient(result.mlflow_uri).get_metric_history(result.mlflow_run_id, "loss")}

@@ -13,7 +13,7 @@ from benchmarks.train_step import LABEL
 from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.config import ModelConfig
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 
 
 @pytest.mark.parametrize("name", list(LABEL))

@@ -1,4 +1,4 @@
-"""The no-progress guard of pipelines.train.worker (run.max_notices_without_progress): a run whose attempts keep
+"""The no-progress guard of pipelines.pretrain.worker (run.max_notices_without_progress): a run whose attempts keep
 ending by a notice before they train a step stops with NoticeLoop instead of restarting for ever; an attempt that
 trained a step, or that a kill without a notice ended, is no notice loop. Each run is held as each attempt begins (faults.ATTEMPT_START, before its first step)
 so that what the test does to an attempt (a kill, a notice file written again) happens before that attempt's first

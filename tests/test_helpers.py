@@ -15,7 +15,7 @@ TEARDOWN = """\x1b[36m(run_trial pid=17046)\x1b[0m Exception ignored in: <functi
 best digits_zeroshot/top1 = 0.0891
 """
 FAILURE = """\x1b[36m(RayTrainWorker pid=8)\x1b[0m Traceback (most recent call last):
-\x1b[36m(RayTrainWorker pid=8)\x1b[0m   File "/work/pipelines/train/worker.py", line 10, in train_loop
+\x1b[36m(RayTrainWorker pid=8)\x1b[0m   File "/work/pipelines/pretrain/worker.py", line 10, in train_loop
 \x1b[36m(RayTrainWorker pid=8)\x1b[0m     worker.fit()
 \x1b[36m(RayTrainWorker pid=8)\x1b[0m RuntimeError: injected failure at step 3
 """
@@ -25,7 +25,7 @@ def test_tracebacks_finds_every_one_but_rays_teardown():
     assert tracebacks(TEARDOWN) == []
     found = tracebacks(TEARDOWN + FAILURE)
     assert len(found) == 1 and found[0].endswith("RuntimeError: injected failure at step 3")
-    assert found[0].splitlines()[1].startswith('  File "/work/pipelines/train/worker.py"')  # Ray's prefix gone
+    assert found[0].splitlines()[1].startswith('  File "/work/pipelines/pretrain/worker.py"')  # Ray's prefix gone
     # the same block outside a finaliser, or ending otherwise, is a traceback of the run's own
     assert len(tracebacks(TEARDOWN.replace("Exception ignored in", "Error in"))) == 1
     assert len(tracebacks(TEARDOWN.replace("SystemExit: 1", "ValueError: bad"))) == 1

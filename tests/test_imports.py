@@ -16,7 +16,7 @@ LAYERS = {"models": 0, "pipelines": 1, "jobs": 2}
 # DeepSpeed), evaluating (whose job prepares its inputs), training (DeepSpeed's: which evaluates), and the two over
 # training: tuning (trials are training runs) and the adapter (which trains on a trained model's embeddings).
 STAGES = {"config": 0, "compat": 0, "tracking": 0, "storage": 0, "result": 0, "cluster": 0, "progress": 0, "plotting": 0, "data": 1,
-          "download": 2, "digits": 3, "inputs": 4, "fit": 4, "evaluate": 5, "train": 6, "tune": 7, "adapt": 7}
+          "download": 2, "digits": 3, "inputs": 4, "fit": 4, "evaluate": 5, "pretrain": 6, "tune": 7, "adapt": 7}
 # Upward imports to go: any other upward import fails; one listed here that no longer occurs fails too, so that the
 # list only shrinks (empty now: a new upward import is a module in the wrong place).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -81,7 +81,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read():
     edges = graph()
-    assert "pipelines.train.job" in edges and "pipelines.tracking" in edges["pipelines.train.job"]
+    assert "pipelines.pretrain.job" in edges and "pipelines.tracking" in edges["pipelines.pretrain.job"]
     assert "models.registry" in edges["models.model_file"]
 
 
@@ -144,27 +144,27 @@ def test_studies_do_not_import_the_tests():
 def test_the_checks_catch_what_they_look_for():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    edges = {"pipelines.data.reader": {"pipelines.train.state", "pipelines.config"},
-             "pipelines.train.state": {"pipelines.data.reader", "models.registry"}}
-    assert upward_stage_imports(edges) == {("pipelines.data.reader", "pipelines.train.state")}
+    edges = {"pipelines.data.reader": {"pipelines.pretrain.state", "pipelines.config"},
+             "pipelines.pretrain.state": {"pipelines.data.reader", "models.registry"}}
+    assert upward_stage_imports(edges) == {("pipelines.data.reader", "pipelines.pretrain.state")}
 
 
-# What the stages over training may take from pipelines.train: a sweep runs pretraining jobs (their driver and
+# What the stages over training may take from pipelines.pretrain: a sweep runs pretraining jobs (their driver and
 # config); the adapter nothing (its loop, optimizer, step and trainer are the training core's, pipelines.fit).
-OVER_TRAINING = {"tune": {"pipelines.train.job", "pipelines.train.config"}, "adapt": set()}
+OVER_TRAINING = {"tune": {"pipelines.pretrain.job", "pipelines.pretrain.config"}, "adapt": set()}
 
 
 def test_the_stages_over_training_take_the_core_not_deepspeeds_internals():
     edges = graph()
     wrong = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
                    if a.split(".")[:2] in (["pipelines", "tune"], ["pipelines", "adapt"])
-                   and b.startswith("pipelines.train.") and b not in OVER_TRAINING[a.split(".")[1]])
+                   and b.startswith("pipelines.pretrain.") and b not in OVER_TRAINING[a.split(".")[1]])
     assert not wrong, "import the training core (pipelines.fit) instead: " + ", ".join(wrong)
     assert any(b.startswith("pipelines.fit.") for b in edges["pipelines.adapt.loop"])
 
 
 def test_the_training_core_loads_no_deepspeed():
-    """In a fresh Python: every module of pipelines/fit/ imported, and DeepSpeed (hence pipelines.train's engine,
+    """In a fresh Python: every module of pipelines/fit/ imported, and DeepSpeed (hence pipelines.pretrain's engine,
     state and step) is not among the loaded modules."""
     import subprocess
     import sys
@@ -173,7 +173,7 @@ def test_the_training_core_loads_no_deepspeed():
     assert "pipelines.fit.loop" in core and "pipelines.fit.in_process" in core
     code = ("import importlib, sys\n"
             f"for name in {core!r}: importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m.startswith('pipelines.train')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m.startswith('pipelines.pretrain')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"importing the training core loaded: {out.stdout.strip()[:500]}"

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from models.preprocess import to_model_input
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.data.device_augment import augment
 from pipelines.data.reader import Preprocess, train_options
 from tests.test_device_augment import photos

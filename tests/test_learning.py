@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from models.objective import build_objective
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.arrays import digit_arrays
 from pipelines.fit.in_process import fit_in_process

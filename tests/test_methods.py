@@ -20,7 +20,7 @@ from models.distributions import inclusion_test
 from models.model_file import load_model
 from models.tokenizer import tokenize
 from models.towers import random_keep
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import (
     GENERAL_CAPTIONS,
     NAMES,
@@ -29,8 +29,8 @@ from pipelines.digits.dataset import (
     specific_captions,
 )
 from pipelines.tracking import model_file
-from pipelines.train.job import run_pretrain
-from pipelines.train.run_summary import run_summary
+from pipelines.pretrain.job import run_pretrain
+from pipelines.pretrain.run_summary import run_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.long  # ~28 min on 2 cores for the paper configs, plus the official recipes: `make test-long`

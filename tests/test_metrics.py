@@ -11,7 +11,7 @@ from sklearn.metrics import balanced_accuracy_score
 from models import create_model
 from models.scoring.metrics import calibration, mean_per_class_recall, rank_queries, retrieval_summary, topk_accuracy
 from pipelines.config import ConfigError
-from pipelines.train.config import TrainDocument, load_train_config
+from pipelines.pretrain.config import TrainDocument, load_train_config
 from pipelines.evaluate.names import metric_names, task_metric_names
 from pipelines.evaluate.tasks import classes_from_prompts, score_task
 from pipelines.evaluate.in_process import TaskEmbeddings

@@ -123,8 +123,8 @@ def test_the_model_table_is_read_without_timm():
     which brings torchvision and torch._dynamo (~2 CPU-s), stays out of it."""
     code = ("import sys; from models.registry import check_overrides, tower_config; "
             "check_overrides('llip_tiny', mixture_tokens=4); tower_config('prolip_vit_b16'); "
-            "from pipelines.train.config import load_train_config; load_train_config('configs/prolip_demo.yaml'); "
-            "import pipelines.train.job, pipelines.train.run_summary; print('timm' in sys.modules)")
+            "from pipelines.pretrain.config import load_train_config; load_train_config('configs/prolip_demo.yaml'); "
+            "import pipelines.pretrain.job, pipelines.pretrain.run_summary; print('timm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
@@ -132,7 +132,7 @@ def test_the_model_table_is_read_without_timm():
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*_tiny.yaml")) + sorted((ROOT / "configs").glob("*_vit_b16.yaml")),
                          ids=lambda p: p.name)
 def test_method_configs_validate(path):
-    from pipelines.train.config import load_train_config
+    from pipelines.pretrain.config import load_train_config
 
     cfg = load_train_config(path)
     assert cfg.model.name in list_models()

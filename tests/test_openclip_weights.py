@@ -83,7 +83,7 @@ def test_state_files_load_into_a_config_built_model(tmp_path, suffix):
     from safetensors.torch import save_file
 
     from pipelines.config import ConfigError
-    from pipelines.train.config import load_train_config
+    from pipelines.pretrain.config import load_train_config
 
     src = tiny_openclip()
     path = tmp_path / f"clip{suffix}"

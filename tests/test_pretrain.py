@@ -13,7 +13,7 @@ from mlflow.artifacts import download_artifacts
 from safetensors.torch import load_file
 
 from models.model_file import load_model
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.tracking import StepLogger, model_file, redact
 from tests.helpers import DEMO_STEPS
 from tests.pace import scaled
@@ -163,7 +163,7 @@ def test_the_summary_shows_the_saved_models_predictions(trained):
     from pipelines.data.eval_tasks import task_paths
     from pipelines.evaluate.in_process import embed_texts, task_texts
     from pipelines.evaluate.tasks import classes_from_prompts
-    from pipelines.train.run_summary import run_summary
+    from pipelines.pretrain.run_summary import run_summary
 
     cfg, result, tmp = trained
     lines = run_summary(cfg, result)

@@ -346,7 +346,7 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     fixed): the demo CLIP trained `source_steps` (pipelines/fit/in_process.py), each training image paired with its
     two retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained `steps` over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
-    from pipelines.train.config import load_train_config
+    from pipelines.pretrain.config import load_train_config
     from pipelines.digits.dataset import iter_digits, retrieval_captions
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
     from pipelines.fit.loop import run_steps

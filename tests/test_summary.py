@@ -1,4 +1,4 @@
-"""What `jobs.pretrain` prints at the end (pipelines/train/run_summary.py), read from a run's final metrics and artifacts.
+"""What `jobs.pretrain` prints at the end (pipelines/pretrain/run_summary.py), read from a run's final metrics and artifacts.
 The whole summary of a real ProLIP run is checked in tests/test_methods.py (`make test-long`)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from pipelines.config import EvalTask
 from pipelines.evaluate.headline import headline
-from pipelines.train.run_summary import plot_lines, uncertainty_lines
+from pipelines.pretrain.run_summary import plot_lines, uncertainty_lines
 
 LEVELS = ["instance", "specific", "mid", "general"]
 TASKS = [EvalTask(name="digits_zeroshot", kind="zeroshot"), EvalTask(name="heldout", kind="retrieval")]

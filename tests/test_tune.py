@@ -15,7 +15,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipelines.config import STATE_DIR, ConfigError
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.tune.config import load_tune_config
 
 from tests.helpers import BUCKET

@@ -1,4 +1,4 @@
-"""Every wait for a checkpoint's registration is bounded (train.upload_timeout_s, pipelines.train.state
+"""Every wait for a checkpoint's registration is bounded (train.upload_timeout_s, pipelines.pretrain.state
 .wait_for_uploads): an upload stuck on one rank fails the attempt in one line, and Ray Train restarts from the last
 registered checkpoint (run.max_failures), instead of every rank waiting at the next save for ever."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import ray.train
 
 from pipelines.config import ConfigError
-from pipelines.train import state
+from pipelines.pretrain import state
 from pipelines.fit.attempts import Journal
 from pipelines.storage import run_folder
-from pipelines.train.state import checkpoint_name
+from pipelines.pretrain.state import checkpoint_name
 from tests.helpers import registered
 from tests.pace import scaled
 from tests.small_runs import config
@@ -72,7 +72,7 @@ def test_an_upload_that_never_ends_fails_the_attempt_after_the_timeout(ray_local
     the registration, TIMEOUT_S seconds, then every rank fails with one line naming the checkpoint and the wait, and
     with run.max_failures 0 the run ends there: no step 3, no checkpoint registered, one attempt. A wait without a
     bound never ends: the test's watchdog ends the run after DEADLINE_S (scaled) and the test fails saying so."""
-    from pipelines.train.job import run_pretrain
+    from pipelines.pretrain.job import run_pretrain
 
     name, audit = "stuck", tmp_path / "steps.txt"
     storage, snapshots = tmp_path / "ray", tmp_path / "snapshots"

@@ -97,10 +97,10 @@ ZERO_FIT = """
 import json, os, sys
 import numpy as np, torch, deepspeed
 from models.tokenizer import tokenize
-from pipelines.train.config import load_train_config
+from pipelines.pretrain.config import load_train_config
 from pipelines.digits.arrays import config_sampler, digit_arrays
-from pipelines.train.engine import training_objective
-from pipelines.train.engine import deepspeed_config, skip_inference_comm_op
+from pipelines.pretrain.engine import training_objective
+from pipelines.pretrain.engine import deepspeed_config, skip_inference_comm_op
 rank, steps, per_rank = int(os.environ["RANK"]), int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 skip_inference_comm_op()

@@ -1,4 +1,4 @@
-"""What a training worker's process imports: every Ray Train worker imports pipelines.train.worker first, so each
+"""What a training worker's process imports: every Ray Train worker imports pipelines.pretrain.worker first, so each
 package in it costs CPU-seconds per worker per run (benchmarks/startup.py)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ NOT_IN_A_WORKER = ("wandb", "img2dataset", "mlflow", "pipelines.download", "pipe
 
 
 def test_a_training_worker_imports_no_other_stage_and_no_unused_integration():
-    code = ("import sys, pipelines.train.worker; "
+    code = ("import sys, pipelines.pretrain.worker; "
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_IN_A_WORKER!r} "
             f"or any(m == p or m.startswith(p + '.') for p in {NOT_IN_A_WORKER!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,

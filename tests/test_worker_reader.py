@@ -13,8 +13,8 @@ from pipelines.config import ConfigError
 from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.reader import read_split
 from pipelines.inputs import prepare_data
-from pipelines.train.config import load_train_config
-from pipelines.train.job import build_datasets
+from pipelines.pretrain.config import load_train_config
+from pipelines.pretrain.job import build_datasets
 ROOT = Path(__file__).resolve().parent.parent
 
 SIZE, CONTEXT = 32, 16

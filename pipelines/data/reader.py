@@ -265,7 +265,7 @@ def read_split(root: str, split: str, image_size: int, context_length: int, seed
 
 
 def train_options(cfg) -> dict:
-    """read_split's image options for a training run's train split (`cfg`: a `pipelines.train.config.TrainDocument`): uint8
+    """read_split's image options for a training run's train split (`cfg`: a `pipelines.pretrain.config.TrainDocument`): uint8
     images, augmented where data.augment_on says."""
     where = cfg.data.augment_on if cfg.data.augment_on != "auto" else ("device" if cfg.train.use_gpu else "reader")
     return dict(uint8=True, augment_on=where, decode_size=cfg.data.decode_size, flip_p=cfg.data.flip_prob)

@@ -1,5 +1,5 @@
 """The lines a job prints about an evaluation's numbers: each eval task's main metrics (`jobs.evaluate`, and the end
-of `jobs.pretrain` through `pipelines.train.run_summary`)."""
+of `jobs.pretrain` through `pipelines.pretrain.run_summary`)."""
 from __future__ import annotations
 
 import math

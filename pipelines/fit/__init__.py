@@ -7,7 +7,9 @@ LoopConfig), `step` (the ranks' agreement on a step, and a plain fit's step: agr
 outbox that travels with the run's storage: the fit outlives a tracking outage); the fault machinery any stage that
 trains composes, whatever its engine: `preemption` (a worker's notices of preemption: SIGTERM, the hook's file, Ray's
 drain), `attempts` (the run's journal of attempts, its heartbeat, the failures' and notices' records in its storage),
-`data_wait` (the time the loop waits for data), `faults` (the failure and holds put in on purpose); `trainer` (the Ray Train
+`data_wait` (the time the loop waits for data), `faults` (the failure and holds put in on purpose), `notices` (the
+notice's save, training on, the guard, the watchers: composed by pretraining's worker and the adapter), `registered`
+(Ray Train's registration of a checkpoint, waited for within a bound); `trainer` (the Ray Train
 TorchTrainer of a job), `launch` (the driver's steps every training stage takes) and `in_process` (a fit in this
-process, for tests and studies). No DeepSpeed here: pipelines.train adds its engine's step, state and resharding;
+process, for tests and studies). No DeepSpeed here: pipelines.pretrain adds its engine's step, state and resharding;
 pipelines.adapt its adapters."""

@@ -6,7 +6,7 @@ the samples and the rate, and when to log, evaluate, checkpoint or save on a not
 the data: epochs, and the batches an epoch has already given (a resumed fit skips them), in the `Progress` every
 checkpoint saves. A job plugs in its `Fit` (the objective and the optimizer: one `step` of a batch, or None where
 nothing was applied) and its `Hooks` (what logging, evaluating, checkpointing and a notice's save do); the optimizer,
-the schedule and the step's rules are `pipelines.fit.optim`'s and `pipelines.fit.step`'s. The pretraining workers (`pipelines.train.worker`:
+the schedule and the step's rules are `pipelines.fit.optim`'s and `pipelines.fit.step`'s. The pretraining workers (`pipelines.pretrain.worker`:
 DeepSpeed's engine), the adapter's (`pipelines.adapt.loop.AdapterFit`) and the in-process fit
 (`pipelines.fit.in_process`) are the fits.
 """

@@ -1,8 +1,8 @@
 """Notices of preemption, from every source a user has, turned into one rank-local flag per training worker.
 
-The flag costs no collective of its own: the step's all-reduce (pipelines.train.step) carries it beside the
+The flag costs no collective of its own: the step's all-reduce (pipelines.pretrain.step) carries it beside the
 non-finite-loss flag, so every rank agrees at the same step boundary that some node is about to go, and the run saves
-its normal checkpoint there (pipelines.train.worker). The sources:
+its normal checkpoint there (pipelines.pretrain.worker). The sources:
 
 - Ray's drain of a node with reason PREEMPTION (the autoscaler on a spot reclaim, KubeRay, `ray drain-node`, and a
   `ray start --block` node that gets SIGTERM, which Ray 2.60 turns into such a drain): Ray Train's preemption watcher

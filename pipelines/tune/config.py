@@ -11,7 +11,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from pipelines.config import ConfigError, Section, apply_overrides, format_validation_error, read_yaml, set_dotted
-from pipelines.train.config import TrainDocument, load_train_config
+from pipelines.pretrain.config import TrainDocument, load_train_config
 from pipelines.evaluate.names import metric_names
 
 

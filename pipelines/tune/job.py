@@ -1,6 +1,6 @@
 """Hyperparameter sweeps (`jobs.tune`): one TorchTrainer run per trial of a sweep file (`pipelines.tune.config`).
 
-One trial is a Ray Tune function trainable that runs `pipelines.train.job.run_pretrain` (Ray Train V2 + Tune:
+One trial is a Ray Tune function trainable that runs `pipelines.pretrain.job.run_pretrain` (Ray Train V2 + Tune:
 the Train run forwards its `ray.train.report`s to Tune through `TuneReportCallback`). Trials log to
 MLflow child runs of the sweep's parent run; the sweep resumes from its Tune experiment folder. The driver prepares
 and checks the data once for every trial (`pipelines.inputs`; a space that would change it is refused first).
@@ -27,7 +27,7 @@ from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
 from pipelines.cluster.runtime import init_ray, local_cpus
 from pipelines.config import STATE_DIR, ConfigError, absolute_path, set_dotted
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.plotting import pyplot
 from pipelines.progress import ProgressLine
 from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, is_local_store, redact_yaml,
@@ -35,7 +35,7 @@ from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, i
 from pipelines.inputs import inputs_of, prepare_inputs
 from pipelines.fit.launch import joined_cluster
 from pipelines.result import JobResult
-from pipelines.train.job import run_pretrain
+from pipelines.pretrain.job import run_pretrain
 from pipelines.tune.asha import ResumableASHA
 from pipelines.tune.config import SweepDocument, trial_config
 

@@ -14,14 +14,14 @@ from models.objective import build_objective
 from models.preprocess import to_device
 from models.tokenizer import tokenize
 from pipelines.config import EvalTask
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.evaluate import EvaluationError
 from pipelines.evaluate.in_process import embed_task_locally, model_device
 from pipelines.evaluate.names import metric_names
 from pipelines.evaluate.samples import sample_predictions, showcase_task
 from pipelines.data.worker_reader import dataset_shard
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
-from pipelines.train.model_card import summary_table
+from pipelines.pretrain.model_card import summary_table
 from pipelines.fit.trainer import eval_dataset_name
 
 

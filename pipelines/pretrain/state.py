@@ -29,10 +29,10 @@ from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loadi
 from pipelines.fit.progress import Progress
 from pipelines.fit.registered import UploadTimeout, wait_for_uploads  # noqa: F401 - the workers' names
 from pipelines.storage import fs_path
-from pipelines.train import reshard
-from pipelines.train.config import TrainConfig
+from pipelines.pretrain import reshard
+from pipelines.pretrain.config import TrainConfig
 # the snapshot folders' names, and their removal after a kill: in the torch-free module the job's sweep runs on every node
-from pipelines.train.snapshot_sweep import SHM, SNAPSHOTS, remove_stale_snapshots  # noqa: F401 - the worker's name
+from pipelines.pretrain.snapshot_sweep import SHM, SNAPSHOTS, remove_stale_snapshots  # noqa: F401 - the worker's name
 
 TAG = "state"
 _NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+)?")
@@ -219,7 +219,7 @@ def remove_cut_short(run_dir: str, resumed_step: int, attempt: int) -> list[str]
 
 def restore(engine) -> tuple[Progress, dict | None] | None:
     """Load Ray Train's latest checkpoint (after a worker failure, a re-run with the same run name, or an elastic
-    resize: a ZeRO-1/2/3 checkpoint of another world size loads resharded, pipelines.train.reshard). Returns the
+    resize: a ZeRO-1/2/3 checkpoint of another world size loads resharded, pipelines.pretrain.reshard). Returns the
     progress and the resharding's record (None where the checkpoint loaded as saved)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:

@@ -21,7 +21,7 @@ class TrainConfig(LoopConfig):
 
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
-    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.train.reshard; per-worker batch and learning rate kept:
+    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.pretrain.reshard; per-worker batch and learning rate kept:
     # docs/SCALING.md "Elastic training").
     num_workers: int | tuple[int, int] = 2
     # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
@@ -37,7 +37,7 @@ class TrainConfig(LoopConfig):
     log_every: int = Field(10, ge=1)
     # Checkpoint every N optimizer steps, or every this many seconds of the attempt's training since its last
     # checkpoint, whichever comes first (0: never that way; the final checkpoint always). Uploaded to run.storage_path
-    # behind training (pipelines.train.state); docs/SCALING.md "Checkpoints" says how to choose them.
+    # behind training (pipelines.pretrain.state); docs/SCALING.md "Checkpoints" says how to choose them.
     checkpoint_every: int = Field(0, ge=0)
     checkpoint_every_s: float = Field(600.0, ge=0)
     # Where each rank writes its shard before the upload: "auto" (the node's memory, /dev/shm, where it has room for a

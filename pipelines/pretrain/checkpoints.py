@@ -8,7 +8,7 @@ upload in flight, and the one order of every save, the periodic ones, a notice's
    checkpoint once every rank's part is in: behind training for a periodic save, before the save returns otherwise;
 4. rank 0's journal of attempts: the step reached and the last registered checkpoint, one write a save.
 
-The shard itself, the upload and its wait are pipelines.train.state's."""
+The shard itself, the upload and its wait are pipelines.pretrain.state's."""
 from __future__ import annotations
 
 import os
@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from pipelines.fit.progress import Progress
-from pipelines.train import state as train_state
-from pipelines.train.config import TrainConfig
+from pipelines.pretrain import state as train_state
+from pipelines.pretrain.config import TrainConfig
 
 
 class Checkpoints:
@@ -91,7 +91,7 @@ class Checkpoints:
         return time.perf_counter() - start, registered
 
     def _name(self, step: int) -> str | None:
-        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.train.state.checkpoint_name)."""
+        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.pretrain.state.checkpoint_name)."""
         if self.rank != 0:
             return None
         name = base = train_state.checkpoint_name(step, self.attempt)

@@ -10,8 +10,8 @@ from models._imports import without
 from models.objective import Objective, build_training_objective
 from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
 from pipelines.fit.optim import optimizer_for, schedule_for
-from pipelines.train.config import TrainDocument
-from pipelines.train.state import use_weights_only_loading
+from pipelines.pretrain.config import TrainDocument
+from pipelines.pretrain.state import use_weights_only_loading
 
 # DeepSpeed tries MLflow for its autotuner as it loads (a second of CPU in every worker): only rank 0 logs, and
 # it imports MLflow itself (pipelines.tracking, when it builds its logger).

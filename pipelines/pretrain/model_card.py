@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 
 
 def model_card(cfg: TrainDocument, metrics: dict[str, Any], step: int) -> str:

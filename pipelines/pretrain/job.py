@@ -1,5 +1,5 @@
 """`jobs.pretrain` on the driver: what is pretraining's own (inputs, datasets, the workers' loop
-`pipelines.train.worker`, the final report's errors) on the training stages' launcher (`pipelines.fit.launch`)."""
+`pipelines.pretrain.worker`, the final report's errors) on the training stages' launcher (`pipelines.fit.launch`)."""
 from __future__ import annotations
 
 import time
@@ -15,7 +15,7 @@ from models.registry import tower_config
 from pipelines.cluster.check import spans_nodes
 from pipelines.cluster.runtime import local_cpus
 from pipelines.config import STATE_DIR
-from pipelines.train.config import TrainConfig, TrainDocument
+from pipelines.pretrain.config import TrainConfig, TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
 from pipelines.evaluate import EvaluationError
@@ -26,8 +26,8 @@ from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.fit.attempts import stop_reason
 from pipelines.storage import load_json, outbox_folder, run_folder
-from pipelines.train.data_health import run_stats_name
-from pipelines.train.snapshot_sweep import SnapshotSweep
+from pipelines.pretrain.data_health import run_stats_name
+from pipelines.pretrain.snapshot_sweep import SnapshotSweep
 from pipelines.fit.launch import Launch
 from pipelines.fit.trainer import eval_dataset_name
 from pipelines.result import JobResult
@@ -97,7 +97,7 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
         print(warning, flush=True)
     # what killed uploads left on any node, removed while this driver prepares the job (awaited before the workers)
     sweep = SnapshotSweep(t.checkpoint_snapshot_dir)
-    from pipelines.train.worker import train_loop  # deferred until init_ray quietened the logs: it imports DeepSpeed
+    from pipelines.pretrain.worker import train_loop  # deferred until init_ray quietened the logs: it imports DeepSpeed
 
     if not inputs_ready:
         prepare_inputs(cfg)  # on the Ray just joined (the digits download runs as Ray tasks)

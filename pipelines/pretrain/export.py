@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from models.model_file import save_model
 from models.preprocess import encode_png
-from pipelines.train.config import TrainDocument
-from pipelines.train.model_card import model_card
+from pipelines.pretrain.config import TrainDocument
+from pipelines.pretrain.model_card import model_card
 
 EXAMPLE_CAPTION = "a photo of a dog"
 

@@ -1,5 +1,5 @@
 """What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
-rank-0 MLflow logging. The driver side is `pipelines.train.job`.
+rank-0 MLflow logging. The driver side is `pipelines.pretrain.job`.
 
 The loop is the training core's (pipelines.fit.loop.run_steps): the DeepSpeed engine is its Fit (`step.DeepSpeedFit`)
 and the worker its Hooks, which hand each matter to the component that owns it: checkpoints (`checkpoints`: the
@@ -24,7 +24,7 @@ import torch
 
 from models.openclip_weights import load_openclip_weights, read_openclip_state
 from models.gather import World
-from pipelines.train.config import TrainDocument
+from pipelines.pretrain.config import TrainDocument
 from pipelines.data.device_augment import model_images
 from pipelines.data.eval_tasks import use_texts
 from pipelines.data.worker_reader import dataset_shard, use_worker_datasets
@@ -32,18 +32,18 @@ from pipelines.data.stats import report_metrics
 from pipelines.progress import ProgressLine
 from pipelines import storage
 from pipelines.fit import attempts
-from pipelines.train import export, state as train_state
-from pipelines.train.data_health import DataHealth
+from pipelines.pretrain import export, state as train_state
+from pipelines.pretrain.data_health import DataHealth
 from pipelines.fit.data_wait import DataWait
-from pipelines.train.evaluation import Evaluation
+from pipelines.pretrain.evaluation import Evaluation
 from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import eval_dataset_name, private
-from pipelines.train.engine import build_engine, full_state_dict, training_objective
+from pipelines.pretrain.engine import build_engine, full_state_dict, training_objective
 from pipelines.fit.notices import Notices
 from pipelines.fit.faults import ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, fail_once, hold_at
-from pipelines.train.checkpoints import Checkpoints
-from pipelines.train.step import DeepSpeedFit
+from pipelines.pretrain.checkpoints import Checkpoints
+from pipelines.pretrain.step import DeepSpeedFit
 
 
 def device_name(device: torch.device) -> str:
@@ -349,7 +349,7 @@ class TrainWorker(Hooks):
 
     def validate(self, stoppable: bool = False) -> dict[str, float] | None:
         """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them; a failing
-        task gives NaNs, pipelines.train.evaluation). `stoppable` (an evaluation between steps, which may outlast a
+        task gives NaNs, pipelines.pretrain.evaluation). `stoppable` (an evaluation between steps, which may outlast a
         notice's deadline): a notice on any rank during it stops it, None on every rank (the notice's save is due
         now): rank 0 checks its own notices before each batch, the other ranks, waiting for its answer in a
         collective, record theirs in the run's storage, which rank 0 reads then too, at most once a second
@@ -417,7 +417,7 @@ class TrainWorker(Hooks):
             if error:
                 return {"eval_error": error}
             self.evaluation.save_results(metrics, results, tmp)
-        # the driver prints them (pipelines.train.run_summary) without loading the model itself
+        # the driver prints them (pipelines.pretrain.run_summary) without loading the model itself
         return {**metrics, "sample_predictions": json.dumps(self.evaluation.samples(objective.model))}
 
 
