@@ -191,14 +191,29 @@ def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
     return result
 
 
-def registered(run_folder: Path) -> list[str]:
-    """Checkpoints Ray Train has registered (listed in its snapshot file), which a restart resumes from. A
-    checkpoint folder appears while it is still being written, before that."""
+def _registrations(run_folder, fs=None) -> list[dict]:
+    """Ray Train's snapshot file of a run's registered checkpoints, read from a local folder or, with `fs` (an fsspec
+    filesystem: S3), from object storage; [] before it is written (or caught mid-write)."""
     try:
-        snapshot = json.loads((run_folder / "checkpoint_manager_snapshot.json").read_text())
-        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
-    except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
+        if fs is None:
+            snapshot = json.loads((Path(run_folder) / "checkpoint_manager_snapshot.json").read_text())
+        else:
+            fs.invalidate_cache()  # a listing cached before the snapshot was written would hide it
+            snapshot = json.loads(fs.cat(f"{run_folder}/checkpoint_manager_snapshot.json"))
+        return snapshot["checkpoint_results"]
+    except (OSError, ValueError, KeyError):
         return []
+
+
+def registered(run_folder, fs=None) -> list[str]:
+    """The folders of the checkpoints Ray Train has registered for a run, which a restart resumes from (a checkpoint
+    folder appears while it is still being written, before that)."""
+    return [c["checkpoint_dir_name"] for c in _registrations(run_folder, fs)]
+
+
+def registered_steps(run_folder, fs=None) -> list[int]:
+    """The steps of the checkpoints Ray Train has registered for a run (their reports' metrics)."""
+    return [c["metrics"]["step"] for c in _registrations(run_folder, fs)]
 
 
 def jpeg(seed: int, size=(48, 40)) -> bytes:

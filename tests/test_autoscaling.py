@@ -32,7 +32,7 @@ from pipelines.cluster.file_server import LoopbackServer
 from pipelines.config import STATE_DIR
 from pipelines.download.plan import bucket_of
 from pipelines.tracking import model_file
-from tests.helpers import BUCKET, jpeg, tracebacks, wait_for
+from tests.helpers import BUCKET, jpeg, registered, tracebacks, wait_for
 from tests.multinode import BIN, alive_workers, dashboard, nodes, submit, train_worker_raylets
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 from tests.pace import scaled
@@ -77,7 +77,7 @@ def test_training_scales_up_survives_a_lost_node_and_scales_down(local_cluster, 
         scale_up_s = time.monotonic() - t0
         checkpoints = f"{BUCKET}/ray/lost-node"  # on S3: no node could reach a folder on another's disk
         target = wait_for("a registered checkpoint, and a train worker's raylet",
-                          lambda: registered_on(s3, checkpoints) and train_worker_raylets(cluster), 300, 0.2)
+                          lambda: registered(checkpoints, s3) and train_worker_raylets(cluster), 300, 0.2)
         before = alive_workers(cluster)
         raylet, lost = next(iter(target.items()))
         os.kill(raylet, signal.SIGKILL)
@@ -181,17 +181,6 @@ def test_a_two_trial_sweep_keeps_its_storage_on_s3(local_cluster, mlflow_server,
     trials = client.search_runs([client.get_experiment_by_name("test-autoscaling-trials").experiment_id])
     assert len(trials) == 2 and {r.data.tags["mlflow.parentRunId"] for r in trials} == {parent.info.run_id}
     assert all(r.info.status == "FINISHED" and "digits_zeroshot/top1" in r.data.metrics for r in trials)
-
-
-def registered_on(fs, run_folder: str) -> list[str]:
-    """Checkpoints Ray Train has registered for a run on object storage (its snapshot file lists them)."""
-    try:
-        snapshot = json.loads(fs.cat(f"{run_folder}/checkpoint_manager_snapshot.json"))
-        fs.invalidate_cache()
-        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
-    except (OSError, ValueError, KeyError):  # not written yet
-        fs.invalidate_cache()
-        return []
 
 
 @pytest.fixture(scope="module")
@@ -384,4 +373,4 @@ def test_the_demo_submitted_with_its_working_directory(local_cluster, s3, tmp_pa
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "10"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10]  # rank 0's, relayed
     assert {f.path for f in client.list_artifacts(run.info.run_id, "model")} >= {"model/MLmodel", "model/data"}
-    assert registered_on(s3, f"{BUCKET}/demo/demo-on-the-cluster")
+    assert registered(f"{BUCKET}/demo/demo-on-the-cluster", s3)

@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from pipelines.pretrain.config import load_train_config
 from pipelines.fit.optim import warmup_cosine
-from tests.helpers import BUCKET, wait_for
+from tests.helpers import BUCKET, registered, wait_for
 from tests.multinode import Cluster, MlflowServer, Node, drain, ray_temp_dir, seen_by
 from tests.small_runs import SMALL, audited
 from tests.zero_state import gathered_partitions, universal_state
@@ -47,16 +47,6 @@ STEPS = 5000
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",
            "train.num_workers=[1,2]", "train.cpus_per_worker=1.6", "train.elastic_resize_interval_s=2",
            "run.max_failures=4"]
-
-
-def registered(s3, run_folder: str) -> list[str]:
-    """Checkpoints Ray Train has registered (listed in its snapshot file on S3), which a restart resumes from."""
-    s3.invalidate_cache()
-    try:
-        snapshot = json.loads(s3.cat(f"{run_folder}/checkpoint_manager_snapshot.json"))
-        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
-    except (OSError, ValueError, KeyError):  # not written yet (FileNotFoundError), or caught mid-write
-        return []
 
 
 def world_sizes(client: MlflowClient) -> list[int]:
@@ -269,9 +259,9 @@ def run_resizing(cluster: Cluster, dashboard: str, digits: tuple[str, str], tmp_
         for pid in workers:  # each sees its own node's Ray folder, none of the head's files
             seen = seen_by(pid, Path("/tmp/ray/session_latest"), *head_files)
             assert list(seen.values()) == [True] + [False] * len(head_files), seen
-        before = set(registered(s3, checkpoints))
+        before = set(registered(checkpoints, s3))
         wait_for("a checkpoint registered by the two workers",
-                 lambda: going() and set(registered(s3, checkpoints)) - before, 300, 0.5)
+                 lambda: going() and set(registered(checkpoints, s3)) - before, 300, 0.5)
         lose(cluster, second, client, going)  # the machine is gone, its processes with it
         # A step run by 1 worker in MLflow means the run has shrunk (a new worker on the node left may still
         # belong to a 2-worker group Ray placed before it noticed the loss).
@@ -472,7 +462,7 @@ def resized_run_checks(client: MlflowClient, s3, checkpoints: str, copies: Path,
     assert conversions[0].name not in on_s3
     # the model of the last checkpoint (its fp32 weights) learns
     last = tmp_path / "last"
-    s3.get(f"{checkpoints}/{registered(s3, checkpoints)[-1]}/state", str(last), recursive=True)
+    s3.get(f"{checkpoints}/{registered(checkpoints, s3)[-1]}/state", str(last), recursive=True)
     weights = {k.split("/", 1)[1]: v for k, v in gathered_partitions(last).items() if k.startswith("fp32/model.")}
     cfg = load_train_config(ROOT / "configs" / "demo.yaml", [*SMALL, f"data.root={digits_root}"])
     model = build_objective(cfg).model.eval()

@@ -26,7 +26,7 @@ from pipelines.data.eval_reader import iter_local_batches
 from pipelines.data.eval_tasks import task_paths
 from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.evaluate.tasks import rank_retrieval, sigma2
-from tests.helpers import BUCKET
+from tests.helpers import BUCKET, registered_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "probvlm_demo.yaml"
@@ -705,15 +705,6 @@ NOTICE_STEP = RESTART_CHECKPOINT + 1  # the restart's first step: the notice fil
 PER_STEP = ("loss", "adapter/loss", "baseline/loss", "lr", "samples_per_s")
 
 
-def checkpoint_steps(run: Path) -> list[int]:
-    """The steps of the checkpoints Ray Train has registered for `run` (its snapshot file; [] before it is written)."""
-    try:
-        snapshot = json.loads((run / "checkpoint_manager_snapshot.json").read_text())
-        return [c["metrics"]["step"] for c in snapshot["checkpoint_results"]]
-    except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
-        return []
-
-
 # The fault tier (make test-cluster, run alone): a restart through an outage, with the other tier's time budget in mind
 @pytest.mark.slow
 @pytest.mark.cluster
@@ -763,7 +754,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
             seen["down"] = time.monotonic()
             wait_for("the restart's checkpoint of step 90, trained with the tracking server away (a restart that "
                      "reads the store, or a loop that waits for it, never gets there)",
-                     lambda: RESTART_FAIL_AT in checkpoint_steps(storage / name), 60, 0.05)
+                     lambda: RESTART_FAIL_AT in registered_steps(storage / name), 60, 0.05)
             seen["checkpoint"] = time.monotonic()
         except BaseException as error:  # noqa: BLE001 - raised once the job has ended
             errors.append(error)
@@ -808,7 +799,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
     assert marker.read_text() == str(RESTART_FAIL_AT)  # the worker failed there, once
     # the failure's restart from the step-45 checkpoint saved at its first step on the notice (the file taken), and
     # the attempt that finished began there
-    assert checkpoint_steps(storage / name) == [RESTART_CHECKPOINT, NOTICE_STEP, RESTART_FAIL_AT, RESTART_STEPS]
+    assert registered_steps(storage / name) == [RESTART_CHECKPOINT, NOTICE_STEP, RESTART_FAIL_AT, RESTART_STEPS]
     assert not notice.exists() and (tmp_path / "notice.taken").exists()
     assert (res.train["step"], res.train["steps_this_run"]) == (RESTART_STEPS, RESTART_STEPS - NOTICE_STEP)
     client = MlflowClient(res.mlflow_uri)

@@ -31,6 +31,11 @@ CLASSNAMES, TEMPLATES = "classnames.txt", "zeroshot_classification_templates.txt
 _TEXTS: dict[str, str | None] = {}
 
 
+def eval_dataset_name(task: EvalTask) -> str:
+    """The Ray Train dataset that carries an eval task's data to the training workers (rank 0 reads it)."""
+    return f"eval_{task.name}"
+
+
 def driver_texts(tasks: list[EvalTask]) -> dict[str, str | None]:
     """The zero-shot tasks' class-name and template files as read here, for `use_texts` in the workers."""
     files = [f for t in tasks if t.kind == "zeroshot" for f in

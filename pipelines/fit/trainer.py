@@ -7,7 +7,7 @@ import pyarrow.fs
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from pipelines.config import EvalTask, JobDocument
+from pipelines.config import JobDocument
 
 
 # The loop config's key of what its workers alone may see: the config and the store's URI, which may carry credentials,
@@ -21,11 +21,6 @@ def private(config: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     return ray.get(config[PRIVATE])
-
-
-def eval_dataset_name(task: EvalTask) -> str:
-    """The Ray Train dataset that carries an eval task's data to the workers (rank 0 reads it)."""
-    return f"eval_{task.name}"
 
 
 def run_exists(cfg: JobDocument) -> bool:

@@ -22,7 +22,7 @@ from pipelines.evaluate.samples import sample_predictions, showcase_task
 from pipelines.data.worker_reader import dataset_shard
 from pipelines.evaluate.tasks import TaskResult, held_out_loss, prefixed, score_task, write_plots
 from pipelines.pretrain.model_card import summary_table
-from pipelines.fit.trainer import eval_dataset_name
+from pipelines.data.eval_tasks import eval_dataset_name
 
 
 class EvaluationStopped(Exception):

@@ -29,7 +29,7 @@ from pipelines.storage import load_json, outbox_folder, run_folder
 from pipelines.pretrain.data_health import run_stats_name
 from pipelines.pretrain.snapshot_sweep import SnapshotSweep
 from pipelines.fit.launch import Launch
-from pipelines.fit.trainer import eval_dataset_name
+from pipelines.data.eval_tasks import eval_dataset_name
 from pipelines.result import JobResult
 from pipelines.tracking import git_commit
 

@@ -38,7 +38,8 @@ from pipelines.fit.data_wait import DataWait
 from pipelines.pretrain.evaluation import Evaluation
 from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
-from pipelines.fit.trainer import eval_dataset_name, private
+from pipelines.data.eval_tasks import eval_dataset_name
+from pipelines.fit.trainer import private
 from pipelines.pretrain.engine import build_engine, full_state_dict, training_objective
 from pipelines.fit.notices import Notices
 from pipelines.fit.faults import ATTEMPT_START, EVALUATION, FINAL_EVALUATION, HOLDS, fail_once, hold_at
