@@ -46,6 +46,7 @@ def test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_dur
     held, held_again = (storage / "held" / f"checkpoint_{step:08d}_attempt{attempt:03d}" / "state" /
                         "mp_rank_00_model_states.pt" for step, attempt in ((HELD_STEP, 1), (KILL_HELD_STEP, 2)))
     seen: dict = {}
+    released: set = set()
 
     def waiting_for(step: int) -> list[dict]:
         return [a for a in journal(storage, "held") if a.get("waiting_for_upload") == step]
@@ -68,6 +69,7 @@ def test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_dur
             seen["registered"] = registered(storage / "held")
             notice.write_text("0\n")  # a notice while a save waits on an upload in flight; no time left
             release(held)
+            released.add(held)
             # (or the loop past 31: it did not wait, and the final save would wait for the held upload for ever)
             wait_for("the step-30 save waiting for the upload of step 25",
                      lambda: waiting_for(KILL_HELD_STEP) or audited(audit).get(2, [0])[-1] > 31, 300, 0.1)
@@ -76,8 +78,8 @@ def test_an_upload_held_keeps_training_a_notice_then_waits_for_it_and_a_kill_dur
             os.kill(wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)[0],
                     signal.SIGKILL)
         except BaseException:
-            for fifo in (held, held_again):  # a held upload would keep the run (its last save) waiting for ever
-                release(fifo)
+            for fifo in {held, held_again} - released:  # a held upload would keep the run waiting for ever
+                release(fifo)  # (a pipe already read to its end has no writer left: its reader would wait for ever)
             raise
 
     result = pretrain_beside(cfg, hold_notice_release_then_kill)

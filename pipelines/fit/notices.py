@@ -46,7 +46,7 @@ class NoticeLoop(RuntimeError):
 
 class Notices:
     """One attempt's notices (every rank). Made first, before the engine and the checkpoint: a SIGTERM from then on
-    is a notice. Rank 0 is given its journal, logger and hold once the attempt has begun (`begin`)."""
+    is a notice. Rank 0 is given its journal and hold once the attempt has begun (`begin`), its logger once made."""
 
     def __init__(self, run: RunConfig, world: World, rank: int, folder: str, outbox_folder: str):
         self.notice = Notice(run.sigterm_grace_s, file=run.notice_file)
@@ -63,9 +63,10 @@ class Notices:
         final checkpoint, recorded in the run's storage) is never a notice again."""
         self.notice.taken_file_mtime = max(progress.notice_file_mtime, attempts.taken_file_mtime(self.folder))
 
-    def begin(self, attempt: int, journal, logger=None, hold: Callable[[str], None] | None = None) -> None:
-        """Rank 0, the attempt begun: its number, its journal, its MLflow logger, its hold (tests only)."""
-        self.attempt, self.journal, self.logger, self.hold = attempt, journal, logger, hold
+    def begin(self, attempt: int, journal, hold: Callable[[str], None] | None = None) -> None:
+        """Rank 0, the attempt begun: its number, its journal, its hold (tests only). Its MLflow logger (`logger`)
+        is set once it exists: after the guard, which may stop the attempt first."""
+        self.attempt, self.journal, self.hold = attempt, journal, hold
 
     def guard(self, step: int) -> None:
         """Rank 0 at the attempt's start: the attempts of this job right before this one that resumed from `step` and
