@@ -82,6 +82,15 @@ def load_json(uri: str):
     return read_json(fs, path)
 
 
+def json_files(fs, folder: str, prefix: str = "") -> list[str]:
+    """The paths of the whole JSON files in `folder` whose name starts with `prefix`, sorted: not a write in progress,
+    nor one a kill cut short (open_atomic's `<name>.tmp-<id>` beside it, which may be empty)."""
+    if not fs.exists(folder):
+        return []
+    names = sorted(fs.ls(folder, detail=False))
+    return [n for n in names if (base := n.rsplit("/", 1)[-1]).startswith(prefix) and base.endswith(".json")]
+
+
 def read_json(fs, path: str) -> dict | None:
     if not fs.exists(path):
         return None

@@ -174,6 +174,13 @@ MUTANTS = [
            "                if False:\n                    attempts.record_notice(self.folder, self.attempt,",
            ("tests/test_guard_notice_loop.py::"
             "test_attempts_that_a_notice_ends_before_their_first_step_stop_the_run_and_no_other_loss_does",)),
+    Mutant("records-whole-only",
+           "a failure or notice record a kill cut short mid-write (the atomic write's temporary file beside it) is "
+           "passed over by every reader: the driver's one line, the restart's line and the guard's count",
+           "pipelines/storage.py",
+           ' and base.endswith(".json")]',
+           "]",
+           ("tests/test_attempts.py::test_a_record_a_kill_cut_short_is_not_read",)),
     Mutant("final-notice-remembered",
            "a notice file seen after the final checkpoint is recorded as taken in the run's storage: a restart does "
            "not take it for a notice again where renaming it failed",

@@ -93,3 +93,23 @@ def test_a_notice_one_rank_saw_alone_tells_the_restart(tmp_path):
     journal = attempts.Journal.open(folder, "job")
     journal.begin(40, "c40")
     assert attempts.why_restarted(journal, []) == ("a notice of preemption (SIGTERM, file) at step 40", 40)
+
+
+def test_a_record_a_kill_cut_short_is_not_read(tmp_path):
+    """A rank killed while it writes its failure or notice record leaves the write's file beside the record
+    (pipelines.storage.open_atomic: `<name>.tmp-<id>`, empty or half written). The driver's one line, the restart's
+    and the guard's count read the whole records and pass over it, instead of failing on it."""
+    folder = str(tmp_path / "probvlp")
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(5, "c5")
+    attempts.record_failure(folder, 1, 0, type("NoticeLoop", (RuntimeError,), {})("2 notices in a row"))
+    attempts.record_notice(folder, 1, 0, 5, ["SIGTERM"])
+    for kind, name in (("failures", "attempt-000001-rank-1.json"), ("notices", "attempt-000001-rank-1.json")):
+        (tmp_path / "probvlp" / kind / f"{name}.tmp-0badc0de").write_bytes(b"")
+        (tmp_path / "probvlp" / kind / f"{name}.tmp-1badc0de").write_bytes(b'{"rank": 1, "err')
+    assert attempts.stop_reason(folder, "job", "NoticeLoop") == "2 notices in a row"
+    assert journal.failures(journal.current) == [{"rank": 0, "error": "NoticeLoop: 2 notices in a row", "step": None}]
+    assert attempts.notices(folder, journal.current) == {"step": 5, "sources": ["SIGTERM"]}
+    journal = attempts.Journal.open(folder, "job")
+    journal.begin(5, "c5")
+    assert attempts.stalled(journal, 5) == 1

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pipelines.storage import fs_path, load_json, read_json, write_json
+from pipelines.storage import fs_path, json_files, load_json, read_json, write_json
 
 HEARTBEAT_S = 5.0  # how often rank 0 records the step it reached (off the training thread)
 
@@ -53,13 +53,7 @@ class Journal:
     def failures(self, entry: dict) -> list[dict]:
         """The one-line errors the ranks of attempt `entry` recorded as they failed."""
         fs, path = fs_path(f"{self.folder}/failures")
-        if not fs.exists(path):
-            return []
-        prefix = f"attempt-{entry['attempt']:06d}-"
-        found = []
-        for name in sorted(fs.ls(path, detail=False)):
-            if name.rsplit("/", 1)[-1].startswith(prefix):
-                found.append(read_json(fs, name))
+        found = [read_json(fs, name) for name in json_files(fs, path, f"attempt-{entry['attempt']:06d}-")]
         return [f for f in found if f]
 
 
@@ -96,9 +90,7 @@ def notice_during(folder: str, attempt: int, step: int, during: str) -> bool:
 def _notice_records(folder: str, prefix: str = "") -> list[dict]:
     """The notices the ranks recorded (record_notice) whose file name starts with `prefix` (an attempt's)."""
     fs, path = fs_path(f"{folder}/notices")
-    if not fs.exists(path):
-        return []
-    found = [read_json(fs, n) for n in sorted(fs.ls(path, detail=False)) if n.rsplit("/", 1)[-1].startswith(prefix)]
+    found = [read_json(fs, name) for name in json_files(fs, path, prefix)]
     return [f for f in found if f]
 
 
@@ -121,10 +113,8 @@ def stop_reason(folder: str, job: str, error_type: str) -> str | None:
     """The one-line error of type `error_type` a rank recorded as an attempt of `job` failed, if any (the latest)."""
     journal = Journal.open(folder, job)
     fs, path = fs_path(f"{folder}/failures")
-    if not fs.exists(path):
-        return None
     ours = {f"attempt-{e['attempt']:06d}-" for e in journal.entries if e["job"] == job}
-    for name in sorted(fs.ls(path, detail=False), reverse=True):
+    for name in reversed(json_files(fs, path)):
         if name.rsplit("/", 1)[-1][:15] not in ours:
             continue
         failure = read_json(fs, name) or {}
