@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config_parser("jobs.pretrain", __doc__, "experiment YAML (see configs/)", "train.steps=100").parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)  # fail fast, before Ray starts
 
-    from pipelines.progress import process_started_at
+    from pipelines.console import process_started_at
     from pipelines.pretrain.job import run_pretrain  # deferred: a config error or --help answers before torch, Ray and MLflow load
     from pipelines.pretrain.run_summary import run_summary
 

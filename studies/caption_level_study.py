@@ -33,7 +33,7 @@ from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.arrays import config_sampler, digit_arrays
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
-from pipelines.fit.in_process import InProcessFit
+from pipelines.digits_fit import InProcessFit
 from pipelines.fit.loop import run_steps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ class MultiPositiveProLIP(ProLIPLoss):
 
 def train(cfg, seed: int, multi_positive: bool):
     """cfg's model and loss, cfg.train.steps AdamW steps of the global batch (batch_size x num_workers) on the train
-    split with cfg.data's caption mix, in this process; the model in eval mode. pipelines.fit.in_process's loop,
+    split with cfg.data's caption mix, in this process; the model in eval mode. pipelines.digits_fit's loop,
     with the batch's match labels set before each step when `multi_positive`."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

@@ -1,6 +1,6 @@
 """Zero-shot prompt weighting with deliberately wrong prompts, on models trained in this process (no Ray):
 the study behind docs/RESULTS.md "Zero-shot prompt weighting with wrong prompts" (it reuses the tests' in-process
-digit fits, pipelines/fit/in_process.py). Run it as a module:
+digit fits, pipelines/digits_fit.py). Run it as a module:
 
     .venv/bin/python -m studies.prompt_study --source prolip --seed 0      # configs/prolip_tiny.yaml, 900 steps
     .venv/bin/python -m studies.prompt_study --source pcmepp --seed 1      # configs/pcmepp_tiny.yaml, 600 steps
@@ -31,7 +31,7 @@ from pipelines.config import EvalTask
 from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import GENERAL_CAPTIONS, NAMES, OFF_DOMAIN, mid_captions, specific_captions
 from pipelines.digits.arrays import config_sampler, digit_arrays
-from pipelines.fit.in_process import fit_in_process
+from pipelines.digits_fit import fit_in_process
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts
 from pipelines.evaluate.tasks import score_task
 

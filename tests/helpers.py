@@ -171,7 +171,7 @@ def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
             for hold in holds:
                 hold.release()
 
-    fit = Launch.fit
+    fit = Launch.train
     armed = {point: folder for hold in holds for point, folder in hold.armed().items()}
 
     def fit_with_holds(self, loop, loop_config, *args, **kwargs):
@@ -180,11 +180,11 @@ def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
     thread = threading.Thread(target=act, daemon=True)
     thread.start()
     if holds:
-        Launch.fit = fit_with_holds
+        Launch.train = fit_with_holds
     try:
         result = run_pretrain(cfg)
     finally:
-        Launch.fit = fit
+        Launch.train = fit
     thread.join()
     if errors:
         raise errors[0]

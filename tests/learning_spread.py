@@ -38,7 +38,7 @@ def work(tasks: list[tuple[str, int]], overrides: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     from models.objective import build_objective
     from pipelines.digits.arrays import digit_arrays
-    from pipelines.fit.in_process import fit_in_process
+    from pipelines.digits_fit import fit_in_process
     from pipelines.pretrain.config import load_train_config
     from tests.test_learning import BATCH, CLASS_CAPTIONS, TARGETS, top1
 

@@ -64,7 +64,7 @@ def audited(path) -> dict[int, list[tuple[int, float]]]:
     return steps
 
 
-# What the loop logs at every step besides the loss's parts (pipelines.pretrain.worker's _log_step): each of them, and
+# What the loop logs at every step besides the loss's parts (pipelines.pretrain.step_metrics): each of them, and
 # every other key logged at most steps, must be in MLflow at every step.
 STEP_KEYS = {"loss", "lr", "samples_per_s", "epoch", "contrastive_batch", "skipped_batches", "world_size",
              "data_wait_frac", "data_wait_ms", "data/train/skipped_frac", "data/train/skipped", "data/train/bad_files"}

@@ -333,7 +333,7 @@ def test_micro_batches_must_split_the_batch_evenly():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.pretrain.step.cached_step)
+# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.pretrain.deepspeed_fit.cached_step)
 # ---------------------------------------------------------------------------------------------------------------
 WORLD = 2
 DS_CASE = "prob_llip"  # masked draws, and the mixer's parameters in the whole-batch stage (gathered by ZeRO-3)
@@ -370,7 +370,7 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     import deepspeed
 
     from pipelines.pretrain.config import TrainDocument
-    from pipelines.pretrain.step import cached_step
+    from pipelines.pretrain.deepspeed_fit import cached_step
     from pipelines.pretrain.engine import deepspeed_config, full_state_dict
 
     name, overrides, loss, params = CASES[DS_CASE]

@@ -41,7 +41,7 @@ STEPS = 5000
 # whole CPUs it holds): the run trains all the while the test waits, beside the other pytest worker. Ray Train looks
 # for room to grow every 2 s.
 # ZeRO-2: every resize restarts from a checkpoint of the other world size, which the training worker's restore converts
-# (pipelines.pretrain.state.restore -> pipelines.pretrain.reshard.load).
+# (pipelines.pretrain.deepspeed_checkpoint.restore -> pipelines.pretrain.reshard.load).
 # A notice's save is followed by training on to a last save before the deadline where it leaves room (the drain's
 # does): each scenario's restart resumes from its attempt's last save, which the test reads in the journal.
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",

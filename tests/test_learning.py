@@ -1,5 +1,5 @@
 """Every method learns, in `make test`: a short fit of each method's own tiny config (its model, loss and
-hyperparameters; pipelines/fit/in_process.py: in this process, no Ray) on the digits' class captions, then held-out
+hyperparameters; pipelines/digits_fit.py: in this process, no Ray) on the digits' class captions, then held-out
 zero-shot top-1 (the test split, 359 images; chance 0.10) against a per-method target.
 
 The targets sit well above chance and well below what the fits reach, so that a loss with the wrong sign or a
@@ -19,7 +19,7 @@ from models.objective import build_objective
 from pipelines.pretrain.config import load_train_config
 from pipelines.digits.dataset import NAMES, specific_captions
 from pipelines.digits.arrays import digit_arrays
-from pipelines.fit.in_process import fit_in_process
+from pipelines.digits_fit import fit_in_process
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipelines.fit.loop import EmptyEpoch, Hooks, epoch_batches, run_steps
+from pipelines.fit.loop import EmptyEpoch, Points, epoch_batches, run_steps
 from pipelines.fit.progress import Progress
 
 
@@ -39,24 +39,31 @@ class Counting:
         return 4
 
 
-class Recording(Hooks):
-    """Hooks that write down when the loop called them; `stop_at_log`: the log step whose hook stops the fit."""
+class Recording:
+    """Every component the loop asks, writing down when it was asked to act (one list for all of them): the step's
+    log (`stop_at_log`: the log step that stops the fit), the evaluation, the checkpoints, the notices
+    (`notice_at`: the steps at which the ranks agreed on one)."""
 
-    def __init__(self, fit, eval_every=0, checkpoint_every=0, stop_at_log=None, notice_at=()):
-        self.fit, self.eval_every, self.checkpoint_every = fit, eval_every, checkpoint_every
-        self.stop_at_log, self.notice_at, self.calls = stop_at_log, set(notice_at), []
+    def __init__(self, fit, log_every=1, first=None, last=None, eval_every=0, checkpoint_every=0, stop_at_log=None,
+                 notice_at=()):
+        self.fit, self.calls = fit, []
+        self.log_due = Points(log_every, first=first, last=last)
+        self.eval_due, self.checkpoint_due = Points(eval_every), Points(checkpoint_every)
+        self.stop_at_log, self.notice_at = stop_at_log, set(notice_at)
 
-    def on_step(self, step):
-        self.calls.append(("step", step))
+    def run(self, batches, last_step, **kwargs):
+        run_steps(self.fit, batches, last_step, on_step=[lambda step: self.calls.append(("step", step))],
+                  log=Part(self.log_due, log=self.log), evaluation=Part(self.eval_due, evaluate=self.evaluate,
+                                                                         report=self.report),
+                  checkpoints=Part(self.checkpoint_due, save=self.checkpoint),
+                  notices=Part(None, noticed=lambda: self.fit.progress.step in self.notice_at,
+                               save_now=self.save_now), **kwargs)
 
     def log(self, out, samples_per_s):
         self.calls.append(("log", self.fit.progress.step, out["loss"].item()))
         return self.fit.progress.step == self.stop_at_log
 
-    def noticed(self):
-        return self.fit.progress.step in self.notice_at
-
-    def save_on_notice(self, step, evaluate):
+    def save_now(self, step, evaluate):
         self.calls.append(("notice", step, evaluate))
 
     def evaluate(self, step):
@@ -70,39 +77,47 @@ class Recording(Hooks):
         self.calls.append(("report", metrics))
 
 
+class Part:
+    """One component: its `due` and what it does."""
+
+    def __init__(self, due, **acts):
+        self.due = due
+        self.__dict__.update(acts)
+
+
 def test_run_steps_skips_and_counts_non_finite_steps_logs_and_stops():
     fit = Counting()
-    hooks = Recording(fit)
+    hooks = Recording(fit, log_every=2, first=1, last=5)
     batches = [1.0, math.nan, 2.0, 3.0, math.nan, math.nan, 4.0, 5.0, 6.0, 7.0]
-    run_steps(fit, iter(batches), 5, hooks, max_bad_batches=3, micro_batches=2, log_every=2)
+    hooks.run(iter(batches), 5, max_bad_batches=3, micro_batches=2)
     assert fit.applied == [1.0, 2.0, 3.0, 4.0, 5.0]  # the last step reached, nothing drawn after it
     assert (fit.progress.step, fit.progress.samples, fit.progress.skipped_batches) == (5, 20, 6)
     logged = [(c[1], c[2]) for c in hooks.calls if c[0] == "log"]
-    assert logged == [(1, 1.0), (2, 2.0), (4, 4.0), (5, 5.0)]  # the first, every log_every, the last
+    assert logged == [(1, 1.0), (2, 2.0), (4, 4.0), (5, 5.0)]  # the points the log said: the first, every 2, the last
     assert [c[1] for c in hooks.calls if c[0] == "step"] == [1, 2, 3, 4, 5]  # every step applied
     run_steps(fit, iter([8.0]), 5)  # at the last step already: nothing more
     assert fit.applied[-1] == 5.0
     stopped = Counting()
-    hooks = Recording(stopped, stop_at_log=4)
-    run_steps(stopped, iter([4.0, 5.0, 6.0, 7.0]), 10, hooks, log_first=False, log_every=2)
-    # not the first step (log_first False), every log_every, and the log that stops the fit
+    hooks = Recording(stopped, log_every=2, last=10, stop_at_log=4)
+    hooks.run(iter([4.0, 5.0, 6.0, 7.0]), 10)
+    # every 2, and the log that stops the fit
     assert stopped.progress.step == 4 and [c[1] for c in hooks.calls if c[0] == "log"] == [2, 4]
 
 
 def test_the_loop_evaluates_checkpoints_and_saves_on_a_notice_at_its_points():
-    """Every fit's points, decided by the loop: the evaluation every eval_every (reported alone, or with the
-    checkpoint due at the same step), the checkpoint every checkpoint_every, neither at the last step (the job's own
-    end does them); on a notice the save alone, told whether an evaluation was due (it comes after the save); a
-    notice at a step that applied nothing saves the step before."""
+    """Every fit's order after a step, each component saying when it is due: the evaluation (reported alone, or with
+    the checkpoint due at the same step), the checkpoint, neither at the last step (the job's own end does them); on
+    a notice the save alone, told whether an evaluation was due (it comes after the save); a notice at a step that
+    applied nothing saves the step before."""
     fit = Counting()
-    hooks = Recording(fit, eval_every=2, checkpoint_every=3, notice_at={4})
-    run_steps(fit, iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]), 7, hooks, log_every=100, log_first=False)
+    hooks = Recording(fit, log_every=100, eval_every=2, checkpoint_every=3, notice_at={4})
+    hooks.run(iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]), 7)
     points = [c for c in hooks.calls if c[0] not in ("step", "log")]
     assert points == [("evaluate", 2), ("report", {"step": 2, "top1": 0.5}), ("checkpoint", {"step": 3}),
                       ("notice", 4, True), ("evaluate", 6), ("checkpoint", {"step": 6, "top1": 0.5})]
     skipped = Counting()
     hooks = Recording(skipped, notice_at={1})
-    run_steps(skipped, iter([1.0, math.nan, 2.0]), 3, hooks, max_bad_batches=2)
+    hooks.run(iter([1.0, math.nan, 2.0]), 3, max_bad_batches=2)
     assert [c for c in hooks.calls if c[0] == "notice"] == [("notice", 1, False), ("notice", 1, False)]
 
 

@@ -343,7 +343,7 @@ SOURCE_STEPS = 600  # the in-process demo CLIP of the uncertainty behaviours (he
 
 def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     """A repeatable adapted CLIP, all in this process on one thread from fixed seeds (a Ray fit's data order is not
-    fixed): the demo CLIP trained `source_steps` (pipelines/fit/in_process.py), each training image paired with its
+    fixed): the demo CLIP trained `source_steps` (pipelines/digits_fit.py), each training image paired with its
     two retrieval captions as jobs.adapt pairs them, the job's AdapterFit trained `steps` over seeded epochs; with
     the held-out digit images (test split). (adapted model, images)."""
     from pipelines.pretrain.config import load_train_config
@@ -352,7 +352,7 @@ def adapted_in_process(source_steps: int, steps: int, seed: int = 0):
     from pipelines.fit.loop import run_steps
     from models.tokenizer import tokenize
     from pipelines.digits.arrays import digit_arrays
-    from pipelines.fit.in_process import fit_in_process
+    from pipelines.digits_fit import fit_in_process
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -764,7 +764,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
                 seen["up"] = time.monotonic()
             back.set()
 
-    fit = Launch.fit
+    fit = Launch.train
 
     def fit_then_wait(self, *args, **kwargs):
         """The fit, then (the driver's next calls to the store are synchronous) the server back."""
@@ -774,7 +774,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
             seen["fit_ended"] = time.monotonic()
             back.wait(scaled(300))
 
-    monkeypatch.setattr(Launch, "fit", fit_then_wait)
+    monkeypatch.setattr(Launch, "train", fit_then_wait)
     torch.manual_seed(0)
     clip = tmp_path / "clip.safetensors"  # an untrained source: the adapter learns on any embeddings
     save_model(create_model("clip_tiny").state_dict(), clip, "clip_tiny", {})

@@ -185,7 +185,7 @@ def test_resize_records_the_conversion_and_leaves_the_checkpoint_untouched(resiz
 
 
 def test_the_shards_are_written_without_checksums_and_the_option_is_left_as_it_was(resized):
-    """pipelines.pretrain.state.write_shard: torch.save's zip records carry no CRC-32 (half the snapshot's time, which
+    """pipelines.pretrain.deepspeed_checkpoint.write_shard: torch.save's zip records carry no CRC-32 (half the snapshot's time, which
     the loop waits for) and every file above loaded all the same; the process's own setting is restored after
     (`_phase`)."""
     import zipfile

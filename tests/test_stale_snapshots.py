@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.pretrain.state import SNAPSHOTS
+from pipelines.pretrain.deepspeed_checkpoint import SNAPSHOTS
 from tests.pace import scaled
 from tests.small_runs import ROOT, config
 from tests.test_guard_notice_loop import ONLY_ZEROSHOT
@@ -45,7 +45,7 @@ def dead_pid() -> int:
 
 
 def plant(folder: Path, pid: int, name: str = "xyz") -> Path:
-    """A snapshot folder as pipelines.pretrain.state.save names them, of process `pid`, with a shard file inside."""
+    """A snapshot folder as pipelines.pretrain.deepspeed_checkpoint.save names them, of process `pid`, with a shard file inside."""
     snapshot = folder / f"{SNAPSHOTS}{pid}-{name}"
     (snapshot / "state").mkdir(parents=True)
     (snapshot / "state" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 1024)

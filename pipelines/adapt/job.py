@@ -140,11 +140,9 @@ def run_adapt(cfg: AdaptDocument, out: Path | None = None) -> AdaptResult:
     # run ends (for up to tracking.flush_timeout_s; past it, one line says how many calls are pending where)
     with launch.run(params=params, tags=tags, pending_in=outbox_folder(cfg.run.storage_path, cfg.run.name)) as run:
         run.flush_timeout_s = cfg.tracking.flush_timeout_s
-        # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
-        marker = str(STATE_DIR / "injected_failures" / f"{run.run_id}.done")
-        result = launch.fit(adapt_loop, {"dim": width, "failure_marker": marker},
+        result = launch.train(adapt_loop, {"dim": width},
                             {"train": ray.data.from_numpy(np.stack([pairs.image, pairs.text], axis=1))})
-        train = dict(result.metrics or {})
+        train = dict(result.metrics)
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
         if not launch.end(int(train.get("step", 0))):  # train.stop_at_step: resumable, not scored
             return AdaptResult(mlflow_run_id=run.run_id, model_file=None, baseline_file=None, train=train,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -27,16 +27,17 @@ from safetensors.torch import load_file, save_file
 from models.gather import World
 from models.losses import create_loss
 from models.probvlm import adapter_kind, adapter_options, build_adapter
-from pipelines.adapt.config import adapt_config_from_dict
+from pipelines.adapt.config import AdaptTrainConfig, adapt_config_from_dict
 from pipelines.storage import outbox_folder, run_folder
 from pipelines.tracking import StepLogger
+from pipelines.fit.attempts import Attempt
 from pipelines.fit.config import LoopConfig
 from pipelines.fit.faults import fail_once
-from pipelines.fit.loop import Hooks, epoch_batches, run_steps
+from pipelines.fit.loop import Points, epoch_batches, run_steps
 from pipelines.fit.notices import Notices
 from pipelines.fit.optim import lr_at, optimizer_for
-from pipelines.fit.trainer import private
-from pipelines.fit.plain_state import fit_state, load_fit_state
+from pipelines.fit.trainer import FromDriver
+from pipelines.fit.plain_checkpoint import fit_state, load_fit_state
 from pipelines.fit.progress import Progress
 from pipelines.fit.registered import wait_for_uploads
 from pipelines.fit.step import agree, plain_step
@@ -88,8 +89,7 @@ class AdapterFit:
         self.optimizer = optimizer_for(net, cfg)
         self.parameters = list(net.parameters())  # what the step clips
         self.progress = Progress()
-        self.notice_due: Callable[[], bool] = lambda: False  # this rank's flag for the step's all-reduce
-        self.noticed = False  # some rank had a notice at the last step (the ranks agreed)
+        self.voters: tuple = ()  # what the ranks agree on with each step (the notices: pipelines.fit.step.agree)
 
     def lr(self) -> float:
         return lr_at(self.cfg, self.progress.step)
@@ -100,7 +100,7 @@ class AdapterFit:
         # dropout masks from (seed, rank, step): a resumed fit draws the ones an uninterrupted fit would have
         torch.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.progress.step)
         out = self.forward(pairs[:, 0], pairs[:, 1])
-        finite, self.noticed, _ = agree(out["loss"], self.world, notice=self.notice_due())
+        finite = agree(out["loss"], self.world, self.voters)
         return plain_step(out, out["loss"].backward, self.optimizer, self.parameters, self.cfg, self.progress.step,
                           self.world, agreed=finite)
 
@@ -121,36 +121,13 @@ class AdapterFit:
 STATE_FILE = "state.safetensors"
 
 
-class AdapterHooks(Hooks):
-    """The adapter's side of the loop's hooks (pipelines.fit.loop.Hooks): rank 0 logs the step's losses to MLflow,
-    every `train.checkpoint_every` steps (and at the end) every rank reports a Ray Train checkpoint of the fit's whole
-    state, and a notice of preemption on any rank saves one at once and waits for Ray Train's restart (or trains on to
-    a last save where its deadline leaves room: the training core's `Notices`). `outbox`: the run's folder for rank 0's
-    undelivered MLflow calls (pipelines.storage.outbox_folder); `fault`: called with each step applied
-    (train.fail_once_at_step, pipelines.fit.faults)."""
+class AdapterLog:
+    """The adapter's step log (the training loop's StepLog): at the first step of the attempt, every
+    `train.log_every` and the last, rank 0 logs the step's losses to MLflow (`logger`: None on the others)."""
 
-    def __init__(self, fit: AdapterFit, cfg, logger: StepLogger | None, outbox: str,
-                 fault: Callable[[int], None] | None = None, notices: Notices | None = None):
-        self.fit, self.t, self.logger, self.outbox, self.fault = fit, cfg.train, logger, outbox, fault
-        self.notices = notices
-        self.checkpoint_every = self.t.checkpoint_every
-        self.first_step, self.start, self.loss = fit.progress.step, time.perf_counter(), float("nan")
-
-    def on_step(self, step: int) -> None:
-        if self.notices:
-            self.notices.on_step()
-        if self.fault:
-            self.fault(step)
-
-    def noticed(self) -> bool:
-        return self.fit.noticed
-
-    def save_on_notice(self, step: int, evaluate: bool) -> None:
-        """Every rank, at the step where they agreed on a notice: the checkpoint at once, registered before any rank
-        goes on (a restart before the registration would resume from the one before), then the training core's
-        notice sequence (the file taken, the hand-over to Ray, training on or the wait for the restart)."""
-        self.notices.save(self.fit.progress, evaluate, lambda metrics, due: self.save(final=False, at_once=True),
-                          lambda: None)
+    def __init__(self, fit: AdapterFit, t: AdaptTrainConfig, logger: StepLogger | None):
+        self.fit, self.logger, self.loss = fit, logger, float("nan")
+        self.due = Points(t.log_every, first=fit.progress.step + 1, last=t.last_step)
 
     def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
         p = self.fit.progress
@@ -160,10 +137,19 @@ class AdapterHooks(Hooks):
                              "epoch": p.epoch, "skipped_batches": p.skipped_batches}, p.step)
         return False
 
-    def checkpoint(self, metrics: dict[str, Any]) -> None:
-        self.save(final=False)
 
-    def save(self, final: bool, at_once: bool = False) -> None:
+class AdapterCheckpoints:
+    """The adapter's checkpoints (the training loop's Saver): every `train.checkpoint_every` steps and at the end,
+    every rank reports a Ray Train checkpoint of the fit's whole state; a notice's (`at_once`) is registered before
+    any rank goes on. `outbox`: the run's folder for rank 0's undelivered MLflow calls
+    (pipelines.storage.outbox_folder); `log`: the step log, whose last loss each checkpoint reports."""
+
+    def __init__(self, fit: AdapterFit, t: AdaptTrainConfig, logger: StepLogger | None, outbox: str, log: AdapterLog):
+        self.fit, self.t, self.logger, self.outbox, self.log = fit, t, logger, outbox, log
+        self.due = Points(t.checkpoint_every)
+        self.first_step, self.start = fit.progress.step, time.perf_counter()
+
+    def save(self, metrics: dict[str, Any] | None = None, *, final: bool = False, at_once: bool = False) -> None:
         """Every rank reports; rank 0's report carries the checkpoint (the adapters are the same on every rank), in the
         one order of every save: what MLflow has not got yet first, into the run's storage, then the checkpoint, so
         that whichever checkpoint a restart resumes from, the metrics up to its step travel with it. `at_once` (a
@@ -173,7 +159,8 @@ class AdapterHooks(Hooks):
         done = p.step - self.first_step
         metrics = {"step": p.step, "epoch": p.epoch, "samples": p.samples, "skipped_batches": p.skipped_batches,
                    "steps_this_run": done, "train_seconds": seconds,
-                   "samples_per_s": done * self.t.batch_size * world.size / seconds if done else 0.0, "loss": self.loss}
+                   "samples_per_s": done * self.t.batch_size * world.size / seconds if done else 0.0,
+                   "loss": self.log.loss}
         if world.rank != 0:
             ray.train.report(metrics)
             if at_once:
@@ -196,32 +183,48 @@ class AdapterHooks(Hooks):
 
 
 def adapt_loop(config: dict[str, Any]) -> None:
-    job = private(config)
-    cfg = adapt_config_from_dict(job["config"])
+    sent = FromDriver.read(config)
+    cfg = adapt_config_from_dict(sent.config)
     t = cfg.train
     rank, world = ray.train.get_context().get_world_rank(), World.current()
     outbox = outbox_folder(cfg.run.storage_path, cfg.run.name)
     # first: a SIGTERM from here on is a notice of preemption (before the checkpoint is restored)
-    notices = Notices(cfg.run, world, rank, run_folder(cfg.run.storage_path, cfg.run.name), outbox)
+    folder = run_folder(cfg.run.storage_path, cfg.run.name)
+    notices = Notices(cfg.run, world, rank, folder, outbox)
     if not t.use_gpu:
         torch.set_num_threads(max(1, int(t.cpus_per_worker)))
     torch.manual_seed(cfg.run.seed)  # the same initial adapters on every rank
-    net = build_adapter_set(cfg, int(config["dim"]))
+    net = build_adapter_set(cfg, int(sent.stage["dim"]))
     model = ray.train.torch.prepare_model(net)  # DDP across workers; the device of this worker
     fit = AdapterFit(net, t, cfg.run.seed, rank, forward=model, world=world)
-    fit.notice_due = notices.due
     checkpoint = ray.train.get_checkpoint()  # set when this run name was trained before (or a worker failed)
     if checkpoint:
-        with checkpoint.as_directory() as folder:
-            fit.load(load_file(str(Path(folder) / STATE_FILE)))
+        with checkpoint.as_directory() as local:
+            fit.load(load_file(str(Path(local) / STATE_FILE)))
     notices.resumed(fit.progress)
-    # what an earlier attempt had not delivered, first; the steps after the checkpoint come again, and what MLflow has
-    # of them is not logged twice
-    logger = rank0_logger(job["mlflow_uri"], config["mlflow_run_id"], fit.progress.step, cfg.tracking.flush_timeout_s,
-                          outbox) if rank == 0 else None
-    notices.logger = logger
-    hooks = AdapterHooks(fit, cfg, logger, outbox, fail_once(t.fail_once_at_step, config.get("failure_marker")),
-                         notices)
+    # the journal of attempts, the guard against notices that never clear, the resume line: the training core's
+    attempt = Attempt(folder, sent.job, rank, fit.progress.step, checkpoint.path if checkpoint else None,
+                      cfg.run.audit_steps_to)
+    logger = None
+    if rank == 0:
+        notices.begin(attempt)
+        notices.guard(fit.progress.step)
+        attempt.under_way()
+        # what an earlier attempt had not delivered, first; the steps after the checkpoint come again, and what MLflow
+        # has of them is not logged twice
+        logger = rank0_logger(sent.mlflow_uri, sent.mlflow_run_id, fit.progress.step,
+                              cfg.tracking.flush_timeout_s, outbox)
+        notices.logger = logger
+        if checkpoint:
+            attempt.say_resumed(fit.progress.step, logger, cfg.run.name, cfg.run.storage_path,
+                                t.last_step - fit.progress.step, f"nothing left to train (train.steps {t.steps})")
+    log = AdapterLog(fit, t, logger)
+    checkpoints = AdapterCheckpoints(fit, t, logger, outbox, log)
+    fit.voters = (notices,)
+    # a notice's save: the checkpoint at once (no evaluation between steps here)
+    notices.save_with(fit.progress, lambda metrics, due: checkpoints.save(at_once=True), lambda: None)
+    fault = fail_once(t.fail_once_at_step, sent.failure_marker)
+    on_step = [lambda step: notices.on_step(), lambda step: attempt.on_step(step, step), *([fault] if fault else [])]
     shard = ray.train.get_dataset_shard("train")
 
     def pairs(epoch: int):
@@ -231,20 +234,17 @@ def adapt_loop(config: dict[str, Any]) -> None:
             yield batch["data"].float()
 
     try:
-        run_steps(fit, epoch_batches(pairs, fit.progress), t.last_step, hooks, max_bad_batches=t.max_bad_batches,
-                  log_every=t.log_every)
-        hooks.save(final=True)
-    except BaseException:
-        # what rank 0 had not delivered goes to the run's storage: the next attempt delivers it first (its steps after
-        # the checkpoint it resumes from come again with the restart)
-        if logger:
-            try:
-                logger.persist(outbox)
-            except Exception as failure:  # noqa: BLE001 - the attempt's own error is the one that matters
-                print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
+        run_steps(fit, epoch_batches(pairs, fit.progress), t.last_step, on_step=on_step, log=log,
+                  checkpoints=checkpoints, notices=notices, max_bad_batches=t.max_bad_batches)
+        checkpoints.save(final=True)
+    except BaseException as err:
+        # for the next attempt's line; what rank 0 had not delivered goes to the run's storage: the next attempt
+        # delivers it first (its steps after the checkpoint it resumes from come again with the restart)
+        attempt.abandon(err, fit.progress.step, logger, outbox)
         raise
     finally:
         notices.close()
+        attempt.close()
     if logger:  # released: the driver delivers what the store has not taken yet
         logger.close(keep_to=outbox)
 

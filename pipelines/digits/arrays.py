@@ -1,4 +1,4 @@
-"""The bundled digits as in-process arrays and a config's caption mix: what `pipelines.fit.in_process`
+"""The bundled digits as in-process arrays and a config's caption mix: what `pipelines.digits_fit`
 trains on (tests and studies that need trained embeddings fast)."""
 from __future__ import annotations
 

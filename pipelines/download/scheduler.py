@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.download.config import DownloadConfig
 from pipelines.download.shard import PartResult, download_part, shard_name
-from pipelines.progress import ProgressLine
+from pipelines.console import ProgressLine
 
 
 def _slots(cfg: DownloadConfig) -> int:

@@ -3,7 +3,7 @@
 `config.LoopConfig` (the loop's and the optimizer's knobs), `loop.run_steps` and its `Fit` protocol, `progress.Progress`
 (where a fit stands, saved with every checkpoint), `optim` (AdamW's groups and the warm-up + cosine schedule, from one
 LoopConfig), `step` (the ranks' agreement on a step, and a plain fit's step: agree, backward, clip, schedule, apply),
-`plain_state` (a plain fit's checkpoint as safetensors tensors), `step_log` (rank 0's MLflow logger through the
+`plain_checkpoint` (a plain fit's checkpoint as safetensors tensors), `step_log` (rank 0's MLflow logger through the
 outbox that travels with the run's storage: the fit outlives a tracking outage); the fault machinery any stage that
 trains composes, whatever its engine: `preemption` (a worker's notices of preemption: SIGTERM, the hook's file, Ray's
 drain), `attempts` (the run's journal of attempts, its heartbeat, the failures' and notices' records in its storage),

@@ -4,6 +4,7 @@ one ended, where it got to), the failures' one-line errors, the final report, an
 calls wait (pipelines.tracking.outbox)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,17 @@ class Journal:
         fs, path = fs_path(f"{self.folder}/failures")
         found = [read_json(fs, name) for name in json_files(fs, path, f"attempt-{entry['attempt']:06d}-")]
         return [f for f in found if f]
+
+
+def write_final_report(folder: str, job: str, report: dict) -> None:
+    """Rank 0's final report of command `job` (after the final checkpoint, whose metrics are Ray Train's result)."""
+    write_json(f"{folder}/final_report.json", {"job": job, **report})
+
+
+def final_report(folder: str, job: str) -> dict:
+    """The final report of command `job` ({} where the run's last one is another command's, or there is none)."""
+    report = dict(load_json(f"{folder}/final_report.json") or {})
+    return report if report.pop("job", None) == job else {}
 
 
 def current_attempt(folder: str) -> int:
@@ -177,3 +189,78 @@ class Heartbeat:
 
     def close(self) -> None:
         self.stop.set()
+
+
+class Attempt:
+    """This worker's attempt of the run, as the run's storage keeps it for the next one, whatever the stage. Rank 0
+    keeps the journal: the attempt begun with the step and checkpoint it resumes from, the step it reached (a
+    heartbeat thread, from `under_way`), the steps it applied where asked (`audit_to`: run.audit_steps_to, one
+    `ATTEMPT STEP TIME` line a step), and one line (and an MLflow tag) saying what it resumed and why. Any rank, as
+    the attempt fails: its one-line error, and rank 0's undelivered metrics handed over to the run's storage."""
+
+    def __init__(self, folder: str, job: str, rank: int, step: int, checkpoint: str | None,
+                 audit_to: str | None = None):
+        self.folder, self.rank = folder, rank
+        self.journal: Journal | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.audit = None
+        self.number = 0  # rank 0's (the others read the journal's if they fail)
+        if rank == 0:
+            self.audit = open(audit_to, "a") if audit_to else None
+            self.journal = Journal.open(folder, job)
+            self.number = self.journal.begin(step, checkpoint)["attempt"]
+
+    def under_way(self) -> None:
+        """Rank 0, past the attempt's guard: the step reached is recorded from here on."""
+        if self.journal:
+            self.heartbeat = Heartbeat(self.journal)
+
+    def on_step(self, step: int, applied: int) -> None:
+        """A step applied (`applied`: the engine's own count of the optimizer steps it took)."""
+        if self.audit:  # what this attempt really applied
+            self.audit.write(f"{self.number} {applied} {time.time():.3f}\n")
+            self.audit.flush()
+        if self.heartbeat:
+            self.heartbeat.step = step
+
+    def say_resumed(self, step: int, logger, run_name: str, storage: str, left: int, nothing_left: str) -> None:
+        """Rank 0 of an attempt that did not start at step 0: one line (and tag probvlp.attempt.K) saying what it
+        resumed and why: a restart within the job (after a notice, a failure, a lost node; the steps it runs again),
+        or a new command on an earlier run's storage (`left` steps to train; `nothing_left`: what it does then)."""
+        journal = self.journal
+        prev, checkpoint = journal.previous, journal.current["checkpoint"]
+        record: dict = {"attempt": self.number, "resumed_from_step": step, "checkpoint": checkpoint}
+        if prev is not None and prev["job"] == journal.job:
+            why, reached = why_restarted(journal, journal.failures(prev))
+            again = None if reached is None else max(0, reached - step)
+            record.update(why=why, reached=reached, steps_again=again)
+            print(f"[restart] attempt {self.number} of run {run_name}, after {why}: resumed from the checkpoint of "
+                  f"step {step} ({checkpoint}); "
+                  + (f"{again} step(s) to run again" if again is not None else "the steps it runs again are unknown"),
+                  flush=True)
+            if notices(journal.folder, prev):  # the steps between the notice and the checkpoint resumed from
+                logger.log({"preemption_steps_lost": again}, step, event=True)
+        else:
+            record.update(why="a new command on the run's storage", steps_left=max(0, left))
+            print(f"[resume] resumed run {run_name} from step {step} of its storage ({storage}): "
+                  + (f"{left} step(s) left to train" if left > 0 else nothing_left), flush=True)
+        logger.tag(f"probvlp.attempt.{self.number}", json.dumps(record))
+
+    def abandon(self, err: BaseException, step: int | None, logger=None, outbox_folder: str = "") -> None:
+        """The attempt fails (any rank): this rank's one-line error for the next attempt's line; rank 0's `logger`
+        hands over what it did not deliver (its steps after the checkpoint a restart resumes from come again)."""
+        try:
+            record_failure(self.folder, self.number or current_attempt(self.folder), self.rank, err, step)
+        except Exception as failure:  # noqa: BLE001 - the run's own error is the one that matters
+            print(f"[probvlp] could not record rank {self.rank}'s failure: {failure}", flush=True)
+        if logger:
+            try:
+                logger.persist(outbox_folder)
+            except Exception as failure:  # noqa: BLE001
+                print(f"[tracking] could not hand over what was not delivered: {failure}", flush=True)
+
+    def close(self) -> None:
+        if self.heartbeat:
+            self.heartbeat.close()
+        if self.audit:
+            self.audit.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import ray.train
@@ -15,9 +17,10 @@ import ray.train
 from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths
 from pipelines.cluster.runtime import init_ray
 from pipelines.compat import say_problems
-from pipelines.config import JobDocument, RunStopped
+from pipelines.config import STATE_DIR, JobDocument, RunStopped
 from pipelines.storage import run_folder
-from pipelines.fit.trainer import PRIVATE, run_exists, torch_trainer
+from pipelines.fit.attempts import final_report, stop_reason
+from pipelines.fit.trainer import FromDriver, run_exists, torch_trainer
 from pipelines.tracking import TrackedRun, tracked_run, tracking_uri
 
 D = TypeVar("D", bound=JobDocument)
@@ -28,20 +31,46 @@ def joined_cluster(cfg: JobDocument) -> bool:
     return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
 
 
-def check_storage(cfg: JobDocument, writes: str, spans: bool | None = None) -> None:
-    """Before any worker starts: a ConfigError (one line) when run.storage_path is a folder on this node's disk
-    (not in ray.shared_paths) and the cluster spans nodes (`spans`, None: this cluster's): Ray Train writes `writes`
-    there from every node."""
+def start_ray(cfg: JobDocument, cpus: int, joined: bool | None = None) -> bool:
+    """Ray started here with `cpus` (ray.num_cpus wins) or the cluster of ray.address joined (`joined`: its
+    autoscaler may add the nodes a worker needs; None: `joined_cluster`), what an untested Ray's private names break
+    said, and a one-line error where no node holds a worker (cfg.train.worker_resources). Returns `joined`."""
+    init_ray(cfg.ray.address, cfg.ray.num_cpus or cpus)
+    say_problems("ray_private", "ray")  # a Ray the project was not tested with: which notices go unseen
+    joined = joined_cluster(cfg) if joined is None else joined
+    check_cluster_holds_a_worker(cfg.train.worker_resources, joined=joined)
+    return joined
+
+
+def check_reachable(cfg: JobDocument, what: str, path: str, fix: str, spans: bool | None = None) -> None:
+    """A ConfigError (one line, ending in `fix`) when `path` (config key `what`), which every node must reach, is a
+    folder on this node's disk (not in ray.shared_paths) and the cluster spans nodes (`spans`, None: this
+    cluster's)."""
     share_paths(cfg.ray.shared_paths)
-    check_storage_reachable("run.storage_path", cfg.run.storage_path,
-                            f"Ray Train writes {writes} there: set it to object storage, e.g. --set "
-                            "run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's environment)",
-                            spans)
+    check_storage_reachable(what, path, fix, spans)
+
+
+def check_storage(cfg: JobDocument, writes: str, spans: bool | None = None) -> None:
+    """Before any worker starts: `check_reachable` of run.storage_path, where Ray Train writes `writes` from every
+    node."""
+    check_reachable(cfg, "run.storage_path", cfg.run.storage_path,
+                    f"Ray Train writes {writes} there: set it to object storage, e.g. --set "
+                    "run.storage_path=s3://BUCKET/runs (credentials from AWS_* in every node's environment)", spans)
+
+
+@dataclass
+class Fitted:
+    """What a stage's workers returned to its driver: the metrics of their last report (Ray Train's result), joined
+    by the final report rank 0 wrote for this command after its final checkpoint (pipelines.fit.attempts), and the
+    last checkpoint Ray Train registered."""
+
+    metrics: dict[str, Any]
+    checkpoint: ray.train.Checkpoint | None
 
 
 class Launch(Generic[D]):
     """One training job's driver, step by step: `Launch(cfg, "name-prefix")`, `start_ray(...)`, `with
-    launch.run(...) as run:`, `launch.fit(...)`, `launch.end(step)`."""
+    launch.run(...) as run:`, `launch.train(...)`, `launch.end(step)`."""
 
     def __init__(self, cfg: D, name_prefix: str):
         if cfg.run.name is None:
@@ -49,18 +78,15 @@ class Launch(Generic[D]):
         self.cfg: D = cfg.with_absolute_paths()  # what the workers get: they run in other directories
         self.uri = tracking_uri(self.cfg.tracking.uri)
         self.tracked: TrackedRun | None = None
+        self.job = uuid.uuid4().hex  # tells a restart within this command from a later command on the same run
 
     def start_ray(self, cpus: int, *, writes: str, joined: bool | None = None) -> None:
         """Ray started here with `cpus` (ray.num_cpus wins) or the cluster of ray.address joined (`joined`: its
         autoscaler may add the nodes a worker needs; None: `joined_cluster`), then one-line errors before any worker
         starts: no node holds a worker; run.storage_path a folder the workers on other nodes cannot reach (Ray Train
         writes `writes` there)."""
-        cfg = self.cfg
-        init_ray(cfg.ray.address, cfg.ray.num_cpus or cpus)
-        say_problems("ray_private", "ray")  # a Ray the project was not tested with: which notices go unseen
-        joined = joined_cluster(cfg) if joined is None else joined
-        check_cluster_holds_a_worker(cfg.train.worker_resources, joined=joined)
-        check_storage(cfg, writes)
+        start_ray(self.cfg, cpus, joined)
+        check_storage(self.cfg, writes)
 
     @contextmanager
     def run(self, *, params: dict[str, Any], tags: dict[str, str], register_as: str | None = None,
@@ -75,24 +101,27 @@ class Launch(Generic[D]):
             self.tracked = run
             yield run
 
-    def fit(self, loop: Callable[[dict], None], loop_config: dict[str, Any], datasets: dict[str, Any], *,
-            callbacks: list | None = None, dataset_config: ray.train.DataConfig | None = None,
-            stopped: Callable[[], str | None] | None = None) -> ray.train.Result:
-        """The workers' `loop` on Ray Train, inside `run`: they get `loop_config` with the MLflow run, and the config
-        and the store's URI by reference (`pipelines.fit.trainer.private`: Ray Train's run state holds no secret).
-        A failed fit the workers stopped on purpose (`stopped()` says why) is that one line (RunStopped), not Ray's
+    def train(self, loop: Callable[[dict], None], stage: dict[str, Any], datasets: dict[str, Any], *,
+            callbacks: list | None = None, dataset_config: ray.train.DataConfig | None = None) -> Fitted:
+        """The workers' `loop` on Ray Train, inside `run`: they get what every stage's workers get
+        (pipelines.fit.trainer.FromDriver: the config and the store's URI by reference, the MLflow run, this command's
+        job, the marker of train.fail_once_at_step) and the stage's own inputs (`stage`). A failed fit the workers
+        stopped on purpose (NoticeLoop: pipelines.fit.notices) is their one line (RunStopped), not Ray's
         traceback."""
-        run = self.tracked
-        config = {PRIVATE: ray.put({"config": self.cfg.to_dict(), "mlflow_uri": self.uri}),
-                  "mlflow_run_id": run.run_id, **loop_config}
-        trainer = torch_trainer(loop, config, self.cfg, datasets, callbacks, dataset_config)
+        run, cfg = self.tracked, self.cfg
+        sent = FromDriver(cfg.to_dict(), self.uri, run.run_id, self.job,
+                          # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
+                          str(STATE_DIR / "injected_failures" / f"{run.run_id}.done"), stage)
+        trainer = torch_trainer(loop, sent.loop_config(), cfg, datasets, callbacks, dataset_config)
+        folder = run_folder(cfg.run.storage_path, cfg.run.name)
         try:
-            return trainer.fit()
+            result = trainer.fit()
         except Exception:
-            reason = stopped() if stopped else None
+            reason = stop_reason(folder, self.job, "NoticeLoop")
             if reason:
                 raise RunStopped(f"{reason} (MLflow run {run.run_id} FAILED)") from None
             raise
+        return Fitted({**(result.metrics or {}), **final_report(folder, self.job)}, result.checkpoint)
 
     def end(self, step: int) -> bool:
         """Whether the fit reached train.steps; otherwise (train.stop_at_step, a stop) the run ends KILLED: the same

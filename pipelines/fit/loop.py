@@ -2,13 +2,15 @@
 
 `run_steps` does what every fit needs done the same way: optimizer steps until the last step, a step whose loss
 was not finite on some rank skipped (nothing applied) and counted, `max_bad_batches` of them in a row stopping the fit,
-the samples and the rate, and when to log, evaluate, checkpoint or save on a notice. `epoch_batches` keeps the place in
-the data: epochs, and the batches an epoch has already given (a resumed fit skips them), in the `Progress` every
-checkpoint saves. A job plugs in its `Fit` (the objective and the optimizer: one `step` of a batch, or None where
-nothing was applied) and its `Hooks` (what logging, evaluating, checkpointing and a notice's save do); the optimizer,
-the schedule and the step's rules are `pipelines.fit.optim`'s and `pipelines.fit.step`'s. The pretraining workers (`pipelines.pretrain.worker`:
+the samples and the rate, and the order of what follows a step. `epoch_batches` keeps the place in the data: epochs,
+and the batches an epoch has already given (a resumed fit skips them), in the `Progress` every checkpoint saves. A
+job plugs in its `Fit` (the objective and the optimizer: one `step` of a batch, or None where nothing was applied)
+and the components that act between steps, each of which says when it is due: the step's log (`StepLog`), the
+evaluation (`Evaluator`), the checkpoints (`Saver`), the notices of preemption (`NoticeSaver`:
+pipelines.fit.notices.Notices); the optimizer, the schedule and the step's rules are `pipelines.fit.optim`'s and
+`pipelines.fit.step`'s. The pretraining workers (`pipelines.pretrain.worker`:
 DeepSpeed's engine), the adapter's (`pipelines.adapt.loop.AdapterFit`) and the in-process fit
-(`pipelines.fit.in_process`) are the fits.
+(`pipelines.digits_fit`) are the fits.
 """
 from __future__ import annotations
 
@@ -54,62 +56,78 @@ def epoch_batches(stream: Callable[[int], Iterable[Any]], progress: Progress) ->
         progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
 
 
-class Hooks:
-    """What a job does around `run_steps`'s steps, the same way for every stage (the defaults do nothing; a stage
-    overrides what it has). After each applied step, in this order: `on_step`; `log` at a log step (True stops the
-    fit); then, before the last step, at the points `eval_every` and `checkpoint_every` (steps) or `checkpoint_due`
-    (a clock) set: on a notice of preemption (`noticed`), `save_on_notice` alone (the checkpoint first: the
-    evaluation due, `evaluate=True`, may take the whole deadline); otherwise `evaluate` where due (a notice during it
-    stops it: `save_on_notice` then), then `checkpoint` with its metrics where due, or `report` of the evaluation's
-    metrics alone. A step whose loss was not finite on
-    some rank applies nothing, and with a notice saves the state of the step before."""
+class Points:
+    """The steps at which a component acts: every `every` steps (0: none), and `first` and `last` (None: no such
+    point)."""
 
-    eval_every: int = 0
-    checkpoint_every: int = 0
+    def __init__(self, every: int = 0, *, first: int | None = None, last: int | None = None):
+        self.every, self.first, self.last = every, first, last
 
-    def on_step(self, step: int) -> None:
-        pass
-
-    def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool:
-        return False
-
-    def noticed(self) -> bool:
-        return False
-
-    def save_on_notice(self, step: int, evaluate: bool) -> None:
-        pass
-
-    def checkpoint_due(self) -> bool:
-        return False
-
-    def evaluate(self, step: int) -> dict[str, float] | None:
-        """The evaluation's metrics; None where a notice came during it (stopped: `save_on_notice` follows)."""
-        return {}
-
-    def checkpoint(self, metrics: dict[str, Any]) -> None:
-        pass
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        pass
+    def __call__(self, step: int) -> bool:
+        return (bool(self.every) and step % self.every == 0) or step in (self.first, self.last)
 
 
-def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, hooks: Hooks | None = None, *,
-              max_bad_batches: int = 1, micro_batches: int = 1, log_every: int = 1, log_first: bool = True) -> None:
-    """`fit` stepped on `batches` until `fit.progress.step` reaches `last_step`, `hooks` around each step (`Hooks`):
-    a log at the first step of this call (`log_first`), every `log_every` and the last. A skipped step counts
-    `micro_batches` in `progress.skipped_batches`; FloatingPointError after `max_bad_batches` in a row."""
-    p, hooks = fit.progress, hooks or Hooks()
+class StepLog(Protocol):
+    """What a step logs. `log` at the steps it is `due` (every rank): True stops the fit."""
+
+    def due(self, step: int) -> bool: ...
+
+    def log(self, out: dict[str, torch.Tensor], samples_per_s: float) -> bool: ...
+
+
+class Evaluator(Protocol):
+    """An evaluation between steps. `evaluate` at the steps it is `due`: its metrics, or None where a notice came
+    during it (stopped: the notice's save follows, told that the evaluation is due); `report` of those metrics where
+    no checkpoint is due at the same step (a checkpoint carries them)."""
+
+    def due(self, step: int) -> bool: ...
+
+    def evaluate(self, step: int) -> dict[str, float] | None: ...
+
+    def report(self, metrics: dict[str, Any]) -> None: ...
+
+
+class Saver(Protocol):
+    """The checkpoints between steps: `save` (with the step's metrics) where `due`."""
+
+    def due(self, step: int) -> bool: ...
+
+    def save(self, metrics: dict[str, Any]) -> None: ...
+
+
+class NoticeSaver(Protocol):
+    """A notice of preemption: `noticed` (what the ranks agreed at the last step), then `save_now` (the checkpoint at
+    once; `evaluate`: an evaluation was due at the step, which comes after the save)."""
+
+    def noticed(self) -> bool: ...
+
+    def save_now(self, step: int, evaluate: bool) -> None: ...
+
+
+def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, *, on_step: Iterable[Callable[[int], None]] = (),
+              log: StepLog | None = None, evaluation: Evaluator | None = None, checkpoints: Saver | None = None,
+              notices: NoticeSaver | None = None, max_bad_batches: int = 1, micro_batches: int = 1) -> None:
+    """`fit` stepped on `batches` until `fit.progress.step` reaches `last_step`. After each applied step, in this
+    order: each of `on_step`; `log` where due (True stops the fit); then, before the last step (the job's own end
+    evaluates and saves there): on a notice, its save alone (the checkpoint first: the evaluation due may take the
+    whole deadline); otherwise the evaluation where due (a notice during it: its save then), then the checkpoint with
+    its metrics where due, or the evaluation's report alone. A step whose loss was not finite on some rank applies
+    nothing (counted `micro_batches` in `progress.skipped_batches`; FloatingPointError after `max_bad_batches` in a
+    row), and with a notice saves the state of the step before."""
+    p = fit.progress
     if p.step >= last_step:
         return
-    first, start, samples0 = p.step, time.perf_counter(), p.samples
+    start, samples0 = time.perf_counter(), p.samples
+    on_step = list(on_step)
+    noticed = notices.noticed if notices is not None else (lambda: False)
     bad_in_a_row = 0
     for batch in batches:
         out = fit.step(batch)
         if out is None:
             bad_in_a_row += 1
             p.skipped_batches += micro_batches
-            if hooks.noticed():  # nothing applied at this step: the state of the step before is saved
-                hooks.save_on_notice(p.step, evaluate=False)
+            if noticed():  # nothing applied at this step: the state of the step before is saved
+                notices.save_now(p.step, evaluate=False)
             if bad_in_a_row >= max_bad_batches:
                 raise FloatingPointError(f"loss was not finite for {bad_in_a_row} batches in a row at step {p.step} "
                                          "(train.max_bad_batches); lower train.lr or check the data")
@@ -117,23 +135,24 @@ def run_steps(fit: Fit, batches: Iterable[Any], last_step: int, hooks: Hooks | N
         bad_in_a_row = 0
         p.samples += fit.rows(batch)
         p.step += 1
-        hooks.on_step(p.step)
-        if (log_first and p.step == first + 1) or p.step % log_every == 0 or p.step == last_step:
-            if hooks.log(out, (p.samples - samples0) / (time.perf_counter() - start)):
+        for call in on_step:
+            call(p.step)
+        if log is not None and log.due(p.step):
+            if log.log(out, (p.samples - samples0) / (time.perf_counter() - start)):
                 return
         if p.step >= last_step:
             return
-        due_eval = bool(hooks.eval_every) and p.step % hooks.eval_every == 0
-        due_checkpoint = (bool(hooks.checkpoint_every) and p.step % hooks.checkpoint_every == 0) or hooks.checkpoint_due()
-        if hooks.noticed():
-            hooks.save_on_notice(p.step, evaluate=due_eval)
+        due_eval = evaluation is not None and evaluation.due(p.step)
+        due_checkpoint = checkpoints is not None and checkpoints.due(p.step)
+        if noticed():
+            notices.save_now(p.step, evaluate=due_eval)
             continue
-        evaluated = hooks.evaluate(p.step) if due_eval else {}
+        evaluated = evaluation.evaluate(p.step) if due_eval else {}
         if evaluated is None:  # a notice came during the evaluation: its save now, the evaluation after it
-            hooks.save_on_notice(p.step, evaluate=True)
+            notices.save_now(p.step, evaluate=True)
             continue
         metrics = {"step": p.step, **evaluated}
         if due_checkpoint:
-            hooks.checkpoint(metrics)
+            checkpoints.save(metrics)
         elif due_eval:
-            hooks.report(metrics)
+            evaluation.report(metrics)

@@ -57,16 +57,24 @@ class Notices:
         # save, the notice's step
         self.train_on: dict[str, float] | None = None
         self.step_s, self.stepped_at = 0.0, None  # a step's seconds, the longest lately (the last save's reserve)
+        self.agreed = False  # the ranks' votes at the last step (pipelines.fit.step.agree): some rank's save is due
+        self._saves: tuple[Progress, Callable, Callable] | None = None  # the stage's (`save_with`)
+
+    def save_with(self, progress: Progress, checkpoint: Callable[[dict[str, Any], bool], Any],
+                  evaluation: Callable[[], None]) -> None:
+        """The stage's own part of a notice's save (`save`): its progress, its checkpoint at once in its one save
+        order, its evaluation (where one is due at the step)."""
+        self._saves = (progress, checkpoint, evaluation)
 
     def resumed(self, progress: Progress) -> None:
         """The attempt resumed at `progress`: a notice file whose save is done (the checkpoint's, or one seen after the
         final checkpoint, recorded in the run's storage) is never a notice again."""
         self.notice.taken_file_mtime = max(progress.notice_file_mtime, attempts.taken_file_mtime(self.folder))
 
-    def begin(self, attempt: int, journal, hold: Callable[[str], None] | None = None) -> None:
-        """Rank 0, the attempt begun: its number, its journal, its hold (tests only). Its MLflow logger (`logger`)
+    def begin(self, attempt: attempts.Attempt, hold: Callable[[str], None] | None = None) -> None:
+        """Rank 0, the attempt begun (its number and journal), and its hold (tests only). Its MLflow logger (`logger`)
         is set once it exists: after the guard, which may stop the attempt first."""
-        self.attempt, self.journal, self.hold = attempt, journal, hold
+        self.attempt, self.journal, self.hold = attempt.number, attempt.journal, hold
 
     def guard(self, step: int) -> None:
         """Rank 0 at the attempt's start: the attempts of this job right before this one that resumed from `step` and
@@ -93,6 +101,19 @@ class Notices:
         if self.stepped_at is not None:
             self.step_s = max(now - self.stepped_at, 0.9 * self.step_s)
         self.stepped_at = now
+
+    def vote(self) -> bool:
+        """This rank's vote at the step's all-reduce (pipelines.fit.step.agree): `due`."""
+        return self.due()
+
+    def noticed(self) -> bool:
+        """The loop's question after a step: some rank's save for a notice is due (the ranks agreed at the step)."""
+        return self.agreed
+
+    def save_now(self, step: int, evaluate: bool) -> None:
+        """The loop's call, every rank, at the step where they agreed on a notice: `save` with the stage's parts."""
+        progress, checkpoint, evaluation = self._saves
+        self.save(progress, evaluate, checkpoint, evaluation)
 
     def due(self) -> bool:
         """This rank's flag for the step's all-reduce: a save for a notice is due (a new notice, or, training on after

@@ -3,7 +3,7 @@ DeepSpeed: the adapter's, the in-process one) applies it the way DeepSpeed's eng
 clipping at cfg.grad_clip, the learning rate of the step, AdamW)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -12,17 +12,28 @@ from pipelines.fit.config import LoopConfig
 from pipelines.fit.optim import lr_at
 
 
-def agree(loss: torch.Tensor, world: World, notice: bool = False, clock: bool = False) -> tuple[bool, bool, bool]:
+class Voter(Protocol):
+    """A component whose matter every rank votes on with each step (a notice of preemption, a checkpoint's clock):
+    `vote()` is this rank's, `agreed` what the ranks agreed at the last step (any rank's vote)."""
+
+    agreed: bool
+
+    def vote(self) -> bool: ...
+
+
+def agree(loss: torch.Tensor, world: World, voters: Sequence[Voter] = ()) -> bool:
     """Collective, once a step: whether the loss is finite on every rank (a NaN/inf on one rank is skipped on all of
-    them, or the ranks' weights part ways), whether any rank has a notice of preemption (pipelines.fit.preemption),
-    and whether any rank's clock says a checkpoint is due (train.checkpoint_every_s). The flags ride on the all-reduce
-    the step makes anyway, so every rank saves at the same step."""
-    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, float(notice), float(clock)],
+    them, or the ranks' weights part ways), and each voter's `agreed`: whether any rank voted for it (the same
+    voters on every rank). The votes ride on the all-reduce the step makes anyway, so every rank acts at the same
+    step."""
+    flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0, *(float(v.vote()) for v in voters)],
                          device=loss.device)
     if world.size > 1:
         torch.distributed.all_reduce(flags)
-    bad, noticed, due = flags.tolist()
-    return bad == 0, noticed > 0, due > 0
+    bad, *votes = flags.tolist()
+    for voter, vote in zip(voters, votes):
+        voter.agreed = vote > 0
+    return bad == 0
 
 
 def plain_step(out: dict[str, torch.Tensor], backward: Callable[[], None], optimizer: torch.optim.Optimizer,
@@ -31,7 +42,7 @@ def plain_step(out: dict[str, torch.Tensor], backward: Callable[[], None], optim
     """Apply the step whose forward gave `out`: None (nothing applied) where its loss is not finite on some rank
     (`agreed`: the fit's own `agree` already said whether it is, beside its flags); otherwise `backward()` (the fit's: its loss, its sign, its micro-batches), the gradient clipped to cfg.grad_clip
     (0: not clipped), the learning rate of optimizer step `step` (from 0), and AdamW's update."""
-    if not (agree(out["loss"], world)[0] if agreed is None else agreed):
+    if not (agree(out["loss"], world) if agreed is None else agreed):
         return None
     optimizer.zero_grad(set_to_none=True)
     backward()

@@ -1,6 +1,7 @@
 """The Ray Train side every training job shares (pretraining, the adapter): its storage and its TorchTrainer."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pyarrow.fs
@@ -16,11 +17,35 @@ from pipelines.config import JobDocument
 PRIVATE = "private"
 
 
-def private(config: dict[str, Any]) -> dict[str, Any]:
-    """A worker's view of what its job passed by reference: {"config": the config as a dict, "mlflow_uri": ...}."""
-    import ray
+@dataclass(frozen=True)
+class FromDriver:
+    """What every stage's workers get from its driver (pipelines.fit.launch.Launch.train), in Ray Train's loop config
+    (`loop_config`: a plain dict at the Ray boundary; `read` on the workers' side): the job's config and the store's
+    URI (by reference, never in Ray Train's state), the MLflow run, the command's job id (the attempts' journal tells
+    its restarts from a later command's), the marker of train.fail_once_at_step (once per MLflow run), and the
+    stage's own inputs (`stage`)."""
 
-    return ray.get(config[PRIVATE])
+    config: dict[str, Any]
+    mlflow_uri: str
+    mlflow_run_id: str
+    job: str
+    failure_marker: str
+    stage: dict[str, Any] = field(default_factory=dict)
+
+    def loop_config(self) -> dict[str, Any]:
+        import ray
+
+        secret = ray.put({"config": self.config, "mlflow_uri": self.mlflow_uri})
+        return {PRIVATE: secret, "mlflow_run_id": self.mlflow_run_id, "job": self.job,
+                "failure_marker": self.failure_marker, "stage": self.stage}
+
+    @classmethod
+    def read(cls, loop_config: dict[str, Any]) -> "FromDriver":
+        import ray
+
+        secret = ray.get(loop_config[PRIVATE])
+        return cls(secret["config"], secret["mlflow_uri"], loop_config["mlflow_run_id"], loop_config["job"],
+                   loop_config["failure_marker"], loop_config["stage"])
 
 
 def run_exists(cfg: JobDocument) -> bool:

@@ -8,7 +8,7 @@ upload in flight, and the one order of every save, the periodic ones, a notice's
    checkpoint once every rank's part is in: behind training for a periodic save, before the save returns otherwise;
 4. rank 0's journal of attempts: the step reached and the last registered checkpoint, one write a save.
 
-The shard itself, the upload and its wait are pipelines.pretrain.state's."""
+The shard itself, the upload and its wait are pipelines.pretrain.deepspeed_checkpoint's."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pipelines.fit.progress import Progress
-from pipelines.pretrain import state as train_state
+from pipelines.pretrain import deepspeed_checkpoint
 from pipelines.pretrain.config import TrainConfig
 
 
@@ -24,40 +24,45 @@ class Checkpoints:
     """One attempt's saves (every rank). `logger`, `journal`: rank 0's (None on the others); `attempt`: rank 0's
     number of the attempt, which names its checkpoint folders (the other ranks' names do not count)."""
 
-    def __init__(self, engine, t: TrainConfig, rank: int, attempt: int, outbox_folder: str, logger=None,
-                 journal=None):
-        self.engine, self.t, self.rank, self.attempt = engine, t, rank, attempt
+    def __init__(self, engine, progress: Progress, t: TrainConfig, rank: int, attempt: int, outbox_folder: str,
+                 logger=None, journal=None):
+        self.engine, self.progress, self.t, self.rank, self.attempt = engine, progress, t, rank, attempt
         self.outbox_folder, self.logger, self.journal = outbox_folder, logger, journal
         self.upload: tuple[int, str] | None = None  # the checkpoint whose upload may be in flight: (step, snapshot)
         self.saved_at = time.monotonic()  # the clock of train.checkpoint_every_s (restarted by every save)
         self.names: set[str] = set()
+        self.agreed = False  # the ranks' clocks at the last step (pipelines.fit.step.agree): some rank's is due
 
     def restart_clock(self) -> None:
         """The loop starts (or goes on after a phase that is not training): the clock counts training from now."""
         self.saved_at = time.monotonic()
 
-    def clock_due(self) -> bool:
+    def vote(self) -> bool:
         """This rank's clock says a checkpoint is due (train.checkpoint_every_s; the step's all-reduce joins the
         ranks' clocks: pipelines.fit.step.agree)."""
         every_s = self.t.checkpoint_every_s
         return bool(every_s) and time.monotonic() - self.saved_at >= every_s
 
-    def save(self, progress: Progress, metrics: dict[str, Any], *, behind: bool = False,
-             evaluate_at: bool = False) -> float:
-        """The checkpoint of `progress`'s step in the one order (the module's). `behind` (the periodic ones): the
-        loop goes on once the shard's snapshot is written on this node, its upload behind training, after the
-        previous upload is whole. Otherwise (a notice's, the final one) it returns once Ray Train registered it and
-        every one before it. `evaluate_at`: the checkpoint records that the evaluation due at its step has not run
-        (a restart evaluates first). Logged: `checkpoint_blocked_s` (what the loop lost: waiting for the previous
-        upload, writing the snapshot or, not `behind`, the upload too), `checkpoint_wait_s` (of it, waiting for the
-        previous upload). Returns the seconds blocked."""
+    def due(self, step: int) -> bool:
+        """The loop's question after a step: every train.checkpoint_every steps, or some rank's clock."""
+        return (bool(self.t.checkpoint_every) and step % self.t.checkpoint_every == 0) or self.agreed
+
+    def save(self, metrics: dict[str, Any], *, at_once: bool = False, evaluate_at: bool = False) -> float:
+        """The checkpoint of the step in the one order (the module's). Between steps (the loop's): the loop goes on
+        once the shard's snapshot is written on this node, its upload behind training, after the previous upload is
+        whole. `at_once` (a notice's, the final one): it returns once Ray Train registered it and every one before
+        it. `evaluate_at`: the checkpoint records that the evaluation due at its step has not run (a restart
+        evaluates first). Logged: `checkpoint_blocked_s` (what the loop lost: waiting for the previous upload,
+        writing the snapshot or, at once, the upload too), `checkpoint_wait_s` (of it, waiting for the previous
+        upload). Returns the seconds blocked."""
+        progress, behind = self.progress, not at_once
         step, start = progress.step, time.perf_counter()
         if self.logger:  # 1
             self.logger.persist(self.outbox_folder)
         waited, registered = self._wait_for_upload(step) if behind else (0.0, {})  # 2
         progress.evaluate_at = step if evaluate_at else -1
         try:  # 3
-            snapshot = train_state.save(self.engine, progress, metrics, behind=behind, name=self._name(step),
+            snapshot = deepspeed_checkpoint.save(self.engine, progress, metrics, behind=behind, name=self._name(step),
                                         snapshots=self.t.checkpoint_snapshot_dir,
                                         upload_timeout_s=self.t.upload_timeout_s)
         finally:
@@ -85,16 +90,16 @@ class Checkpoints:
                   "(one upload at a time: train.checkpoint_every or checkpoint_every_s shorter than an upload?)",
                   flush=True)
             self.journal.update(waiting_for_upload=previous)
-        train_state.wait_for_uploads(previous, self.t.upload_timeout_s)
+        deepspeed_checkpoint.wait_for_uploads(previous, self.t.upload_timeout_s)
         self.upload = None
         registered = {"checkpoint_step": previous, **({"waiting_for_upload": None} if slow else {})}
         return time.perf_counter() - start, registered
 
     def _name(self, step: int) -> str | None:
-        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.pretrain.state.checkpoint_name)."""
+        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.pretrain.deepspeed_checkpoint.checkpoint_name)."""
         if self.rank != 0:
             return None
-        name = base = train_state.checkpoint_name(step, self.attempt)
+        name = base = deepspeed_checkpoint.checkpoint_name(step, self.attempt)
         while name in self.names:  # the same step saved twice (a notice at a step that applied nothing)
             name = f"{base}_{len(self.names)}"
         self.names.add(name)

@@ -37,7 +37,7 @@ class TrainConfig(LoopConfig):
     log_every: int = Field(10, ge=1)
     # Checkpoint every N optimizer steps, or every this many seconds of the attempt's training since its last
     # checkpoint, whichever comes first (0: never that way; the final checkpoint always). Uploaded to run.storage_path
-    # behind training (pipelines.pretrain.state); docs/SCALING.md "Checkpoints" says how to choose them.
+    # behind training (pipelines.pretrain.deepspeed_checkpoint); docs/SCALING.md "Checkpoints" says how to choose them.
     checkpoint_every: int = Field(0, ge=0)
     checkpoint_every_s: float = Field(600.0, ge=0)
     # Where each rank writes its shard before the upload: "auto" (the node's memory, /dev/shm, where it has room for a

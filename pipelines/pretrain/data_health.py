@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from pipelines.data.stats import bad_share_error, reader_stats, report_metrics, skipped_share
-from pipelines.progress import share_field
+from pipelines.console import share_field
 
 # Samples met before the share of skipped ones may stop a run in its first epoch: a few bad samples early
 # do not decide (the end of the first epoch always does).

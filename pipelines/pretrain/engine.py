@@ -11,7 +11,7 @@ from models.objective import Objective, build_training_objective
 from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
 from pipelines.fit.optim import optimizer_for, schedule_for
 from pipelines.pretrain.config import TrainDocument
-from pipelines.pretrain.state import use_weights_only_loading
+from pipelines.pretrain.deepspeed_checkpoint import use_weights_only_loading
 
 # DeepSpeed tries MLflow for its autotuner as it loads (a second of CPU in every worker): only rank 0 logs, and
 # it imports MLflow itself (pipelines.tracking, when it builds its logger).
@@ -77,3 +77,15 @@ def full_state_dict(engine, module: torch.nn.Module, device: torch.device | None
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return copy(module.state_dict())
     return copy(module.state_dict())
+
+
+def gathered_weights(engine, rank: int, device: torch.device
+                     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    """The model's and the loss's complete weights on rank 0's `device` (collective; None on other ranks). ZeRO-0/1/2
+    ranks hold whole parameters, so only rank 0 copies them; ZeRO-3 gathers on every rank."""
+    if rank != 0 and engine.zero_optimization_stage() != 3:
+        return None, None
+    module = engine.module
+    weights = full_state_dict(engine, module.model, device)
+    loss_weights = full_state_dict(engine, module.loss, device)
+    return (weights, loss_weights) if rank == 0 else (None, None)

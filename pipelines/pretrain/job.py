@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +13,6 @@ from models.objective import loss_name
 from models.registry import tower_config
 from pipelines.cluster.check import spans_nodes
 from pipelines.cluster.runtime import local_cpus
-from pipelines.config import STATE_DIR
 from pipelines.pretrain.config import TrainConfig, TrainDocument
 from pipelines.data.captions import CaptionSampler
 from pipelines.data.reader import read_shards, read_split, train_options
@@ -24,8 +22,7 @@ from pipelines.data.stats import BadDataError
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
-from pipelines.fit.attempts import stop_reason
-from pipelines.storage import load_json, outbox_folder, run_folder
+from pipelines.storage import outbox_folder
 from pipelines.pretrain.data_health import run_stats_name
 from pipelines.pretrain.snapshot_sweep import SnapshotSweep
 from pipelines.fit.launch import Launch
@@ -106,28 +103,19 @@ def run_pretrain(cfg: TrainDocument, callbacks: list | None = None, extra_tags: 
     with launch.run(params=cfg.flat(), tags=run_tags(cfg, extra_tags), register_as=cfg.tracking.register_as,
                     pending_in=outbox_folder(cfg.run.storage_path, cfg.run.name)) as run:
         run.flush_timeout_s = cfg.tracking.flush_timeout_s
-        job = uuid.uuid4().hex  # tells a restart within this job from a later command on the same run
         datasets = build_datasets(cfg, context_length, run.run_id)
         worker_read = {k: v for k, v in datasets.items() if isinstance(v, WorkerShards)}
         sweep.wait()
-        result = launch.fit(
+        result = launch.train(
             train_loop,
             {"worker_datasets": worker_read,
              "texts": driver_texts(cfg.resolved_tasks()),  # what rank 0 reads of the eval tasks, from any node
-             # train.fail_once_at_step fires once per MLflow run (a fresh store fires again)
-             "failure_marker": str(STATE_DIR / "injected_failures" / f"{run.run_id}.done"),
-             "job_started_at": started_at, "job": job},
+             "job_started_at": started_at},
             {k: v for k, v in datasets.items() if k not in worker_read}, callbacks=callbacks,
             dataset_config=ray.train.DataConfig(datasets_to_split=[] if "train" in worker_read else ["train"],
                                                 execution_options=ExecutionOptions(preserve_order=cfg.data.deterministic),
-                                                enable_shard_locality=not cfg.data.deterministic),
-            # a run the workers stopped on purpose: their one line, not Ray's traceback
-            stopped=lambda: stop_reason(run_folder(cfg.run.storage_path, cfg.run.name), job, "NoticeLoop"))
-        metrics = dict(result.metrics or {})
-        # the final report comes after the final checkpoint, whose metrics are Ray Train's result
-        final = load_json(f"{run_folder(cfg.run.storage_path, cfg.run.name)}/final_report.json") or {}
-        if final.pop("job", None) == job:
-            metrics.update(final)
+                                                enable_shard_locality=not cfg.data.deterministic))
+        metrics = result.metrics
         if metrics.get("data_error"):
             raise BadDataError(f"{metrics['data_error']} (MLflow run {run.run_id} FAILED)")
         if metrics.get("eval_error"):

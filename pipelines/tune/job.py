@@ -24,16 +24,16 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import FIFOScheduler
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-from pipelines.cluster.check import check_cluster_holds_a_worker, check_storage_reachable, share_paths, spans_nodes
-from pipelines.cluster.runtime import init_ray, local_cpus
+from pipelines.cluster.check import spans_nodes
+from pipelines.cluster.runtime import local_cpus
 from pipelines.config import STATE_DIR, ConfigError, absolute_path, set_dotted
 from pipelines.pretrain.config import TrainDocument
 from pipelines.plotting import pyplot
-from pipelines.progress import ProgressLine
+from pipelines.console import ProgressLine
 from pipelines.tracking import (end_trial_runs, find_run, finish_with_results, is_local_store, redact_yaml,
                                 start_run, tracking_uri)
 from pipelines.inputs import inputs_of, prepare_inputs
-from pipelines.fit.launch import joined_cluster
+from pipelines.fit.launch import check_reachable, start_ray
 from pipelines.result import JobResult
 from pipelines.pretrain.job import run_pretrain
 from pipelines.tune.asha import ResumableASHA
@@ -87,11 +87,10 @@ def check_trials_share_inputs(sweep: SweepDocument, base: TrainDocument) -> None
 def check_sweep_reaches_its_nodes(base: TrainDocument, storage: str) -> None:
     """One-line ConfigErrors, before any trial starts, on a cluster whose nodes share no disk: each trial drives its
     training from a node of its own, so the sweep's storage and the MLflow store must be reachable from every node."""
-    share_paths(base.ray.shared_paths)
-    check_storage_reachable("tune.storage_path", storage, "Tune and every trial's Ray Train write there: set it to "
-                            "object storage, e.g. --set tune.storage_path=s3://BUCKET/tune")
-    check_storage_reachable("data.root", base.data.root, "each trial reads its data from its own node: put the "
-                            "shards on object storage, e.g. --set data.root=s3://BUCKET/data with data.source=shards")
+    check_reachable(base, "tune.storage_path", storage, "Tune and every trial's Ray Train write there: set it to "
+                    "object storage, e.g. --set tune.storage_path=s3://BUCKET/tune")
+    check_reachable(base, "data.root", base.data.root, "each trial reads its data from its own node: put the "
+                    "shards on object storage, e.g. --set data.root=s3://BUCKET/data with data.source=shards")
     uri = tracking_uri(base.tracking.uri)
     if is_local_store(uri) and spans_nodes():
         raise ConfigError(f"tracking: {uri.split('?')[0]} is a store on this node's disk, and a sweep's trials run "
@@ -115,9 +114,7 @@ def run_tune(sweep: SweepDocument, base: TrainDocument, sweep_file_text: str,
     s = sweep.tune
     base = base.with_absolute_paths()  # trials run in Ray workers, in other directories
     t = base.train
-    init_ray(base.ray.address, base.ray.num_cpus or local_cpus(t.max_workers * s.max_concurrent, t.cpus_per_worker))
-    joined = joined_cluster(base)
-    check_cluster_holds_a_worker(t.worker_resources, joined=joined)
+    joined = start_ray(base, local_cpus(t.max_workers * s.max_concurrent, t.cpus_per_worker))
     check_sweep_reaches_its_nodes(base, absolute_path(s.storage_path))
     check_trials_share_inputs(sweep, base)
     prepare_inputs(base)  # once for every trial, before concurrent trials could race on it

@@ -2,13 +2,13 @@
 accumulation), applied only where its loss is finite on every rank."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from models.accumulate import CachedBatch
 from models.gather import World
-from pipelines.fit.step import agree
+from pipelines.fit.step import Voter, agree
 
 
 def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batches: int, world: World,
@@ -36,42 +36,35 @@ def cached_step(engine, images: torch.Tensor, tokens: torch.Tensor, micro_batche
 
 
 def train_step(engine, images: torch.Tensor, tokens: torch.Tensor, grad_accum: int, world: World,
-               notice: bool = False, clock: bool = False) -> tuple[dict[str, torch.Tensor] | None, bool, bool]:
+               voters: Sequence[Voter] = ()) -> dict[str, torch.Tensor] | None:
     """Forward, backward and optimizer step of one global batch (this worker's `grad_accum` micro-batches, joined):
-    its loss and parts, or None where its loss was not finite on some rank (nothing applied); whether some rank had a
-    notice of preemption (`notice`: this rank's); whether some rank's checkpoint clock is due (`clock`: this rank's)."""
-    agreed = (True, False, False)
-
+    its loss and parts, or None where its loss was not finite on some rank (nothing applied). `voters` (a notice of
+    preemption, the checkpoint clock: pipelines.fit.step.agree) ride on the finiteness all-reduce."""
     def finite(loss: torch.Tensor) -> bool:
-        nonlocal agreed
-        agreed = agree(loss, world, notice, clock)
-        return agreed[0]
+        return agree(loss, world, voters)
 
     if grad_accum > 1:
-        return cached_step(engine, images, tokens, grad_accum, world, finite), agreed[1], agreed[2]
+        return cached_step(engine, images, tokens, grad_accum, world, finite)
     out = engine(images, tokens, world)
     if not finite(out["loss"]):
-        return None, agreed[1], agreed[2]
+        return None
     engine.backward(out["loss"])
     engine.step()
-    return out, agreed[1], agreed[2]
+    return out
 
 
 class DeepSpeedFit:
-    """The pretraining engine as the loop's Fit (pipelines.fit.loop): one `train_step` per batch, this rank's flags
-    (`flags()`: a notice, the checkpoint clock) on its all-reduce, and what every rank agreed there (`noticed`,
-    `clock_due`) for the loop's hooks."""
+    """The pretraining engine as the loop's Fit (pipelines.fit.loop): one `train_step` per batch, the voters' matters
+    (a notice, the checkpoint clock) agreed on its all-reduce."""
 
-    def __init__(self, engine, progress, grad_accum: int, world: World, flags: Callable[[], tuple[bool, bool]]):
-        self.engine, self.progress, self.grad_accum, self.world, self.flags = engine, progress, grad_accum, world, flags
-        self.noticed = self.clock_due = False
+    def __init__(self, engine, progress, grad_accum: int, world: World, voters: Sequence[Voter] = ()):
+        self.engine, self.progress, self.grad_accum, self.world, self.voters = engine, progress, grad_accum, world, voters
         self.rows_in_step = 0  # this rank's rows in the last step (its contrastive batch is this x the world)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """One optimizer step, or None where the loss was not finite on some rank (skipped on every rank)."""
         self.rows_in_step = batch[1].shape[0]
-        out, self.noticed, self.clock_due = train_step(self.engine, *batch, self.grad_accum, self.world, *self.flags())
-        return out
+        return train_step(self.engine, *batch, self.grad_accum, self.world, self.voters)
 
     def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
         return batch[1].shape[0] * self.world.size
