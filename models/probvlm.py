@@ -168,12 +168,11 @@ class AdapterKind:
 
     module: built as ``module(dim, **options)`` (dim: the source's embedding width); loss: the registry loss it trains
     with (models.losses); options: the ``adapter`` config fields its constructor takes (a saved model records them);
-    loss_section: the config's ``loss`` section sets that loss's parameters (ProbVLM's); method: the MLflow tag."""
+    method: the MLflow tag. The adapt config's ``loss`` section (name and params) is the ``adapter`` head's."""
 
     module: type[nn.Module]
     loss: str
     options: tuple[str, ...] = ("hidden",)
-    loss_section: bool = False
     method: str = ""
 
 
@@ -189,7 +188,7 @@ def register_adapter(head: str, kind: AdapterKind) -> None:
 
 
 register_adapter("probvlm", AdapterKind(ProbVLMAdapter, "probvlm", ("hidden", "dropout", "mc_samples", "mc_seed"),
-                                        loss_section=True, method="probvlm"))
+                                        method="probvlm"))
 register_adapter("pfe", AdapterKind(PFEAdapter, "pfe_mls", ("hidden",), method="pfe_mls"))
 
 

@@ -9,13 +9,15 @@ Plain dicts appear only at the Ray boundary (`TrainDocument.to_dict()` / `TrainD
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The project's local state: the default MLflow store, rank 0's tracking outboxes, injected-failure markers, a sweep's
@@ -147,6 +149,27 @@ class LossConfig(Section):
     # None: the model's default loss (its method).
     name: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
+
+
+def keyword_types(cls: type) -> dict[str, Any]:
+    """The keyword parameters of `cls`'s constructor and their annotated types (Any where unannotated)."""
+    sig = inspect.signature(cls.__init__)
+    hints = typing.get_type_hints(cls.__init__)
+    return {name: hints.get(name, Any) for name, p in sig.parameters.items()
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def check_kwargs(prefix: str, what: str, types: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Names and types of `kwargs` against `types` (name -> annotation), as one-line ConfigErrors."""
+    for key, value in kwargs.items():
+        if key not in types:
+            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(types)}")
+        if types[key] is not Any:
+            try:
+                # Strict for everything but ints where a float is expected (YAML writes 10 for 10.0).
+                TypeAdapter(types[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
+            except ValidationError as err:
+                raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
 
 
 class WorkerResources(Section):

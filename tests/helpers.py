@@ -49,14 +49,14 @@ def files_under(folder: Path, leave_out: tuple[str, ...] = (), leave_out_names: 
 def official_switches(recipe: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """configs/{recipe}_official.yaml's model overrides and loss params, as the project loads them: the switches where
     the official code and the paper differ (docs/FIDELITY.md). An adapter's recipe (jobs.adapt's config): no
-    overrides, and its loss section as the loss's keywords."""
+    overrides."""
     from pipelines.adapt.config import load_adapt_config
     from pipelines.config import read_config_file
     from pipelines.pretrain.config import load_train_config
 
     path = ROOT / "configs" / f"{recipe}_official.yaml"
     if "source" in read_config_file(path):
-        return {}, load_adapt_config(path).loss.model_dump()
+        return {}, dict(load_adapt_config(path).loss.params)
     cfg = load_train_config(path)
     return dict(cfg.model.overrides), dict(cfg.loss.params)
 

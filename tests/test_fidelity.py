@@ -14,6 +14,7 @@ No Ray: formulas and single forward passes, and three steps of a bf16 DeepSpeed 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ from models.prolip import masked_rows
 from models.registry import create_model
 from models.tokenizer import tokenize
 from models.towers import random_keep, random_text_mask
-from pipelines.adapt.config import AdaptLossConfig, load_adapt_config
+from pipelines.adapt.config import load_adapt_config
+from pipelines.adapt.loop import build_adapter_set
+from pipelines.config import ConfigError
 from pipelines.pretrain.config import load_train_config
 
 f64 = torch.float64
@@ -693,9 +696,9 @@ def test_probvlm_official_loss_against_official_training_step(lambda_cross, clam
     out = _probvlm_batch(40, clamped)
     T1, T2 = 1.0, 5e-2  # train_ProbVLM's defaults
     cfg, paper = _adapt_recipes()
-    _shared_only(cfg.loss.model_dump(), paper.loss.model_dump(), {"lambda_cross": lambda_cross})
-    assert cfg.loss.l1 == T1 / T2  # the adapter's loss has no GGD weight: the official loss divided by T2
-    loss = create_loss("probvlm", **{**cfg.loss.model_dump(), "lambda_cross": lambda_cross})
+    _shared_only(cfg.loss.params, paper.loss.params, {"lambda_cross": lambda_cross})
+    assert cfg.loss.params["l1"] == T1 / T2  # the recipe's ggd weight is 1: the official loss divided by T2
+    loss = create_loss(cfg.loss_name(), **{**cfg.loss.params, "lambda_cross": lambda_cross})
     ours = loss(out)["loss"] * T2
     # ExplainableML/ProbVLM @ cb69f28, src/train_probVLM.py, train_ProbVLM (one step)
     Cri = _OfficialTempCombLoss()
@@ -750,13 +753,17 @@ def test_probvlm_loss_parts_and_adapter_config_keys():
     base = create_loss("probvlm", l1=2.0, lambda_cross=0.3)(out)["loss"].item()
     with_cross = create_loss("probvlm", l1=2.0, lambda_cross=0.3, l1_cross=True)(out)["loss"].item()
     assert with_cross - base == pytest.approx(2.0 * 0.3 * cross, rel=1e-10)  # the cross L1 weighted l1 * lambda
-    # the adapter's loss section carries the switches to the loss unchanged
-    section = _adapt_recipes()[0].loss
-    loss = create_loss("probvlm", **section.model_dump())
+    # the adapter's loss section ({name, params}, checked against the loss like pretraining's) carries the switches
+    # to the loss unchanged; the paper's form by default; a wrong value or key, or the flat keys, is one line
+    official = _adapt_recipes()[0]
+    loss = build_adapter_set(official, 8).losses["adapter"]
     assert (loss.approx_form, loss.stabilise, loss.l1_cross) == ("linear", True, True)
-    assert AdaptLossConfig().model_dump()["approx_form"] == "eq16"
-    with pytest.raises(ValueError):
-        AdaptLossConfig(approx_form="taylor")
+    assert build_adapter_set(_adapt_recipes()[1], 8).losses["adapter"].approx_form == "eq16"
+    for wrong, said in ((["loss.params.approx_form=taylor"], "loss.params: loss 'probvlm': approx_form must be one of"),
+                        (["loss.params.lambda=0.1"], "loss.params.lambda: unknown key for loss 'probvlm'"),
+                        (["loss.lambda_cross=0.1"], "the loss's parameters go under loss.params")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_adapt_config(ROOT / "configs" / "probvlm_demo.yaml", wrong)
 
 
 # ---------------------------------------------------------------------------------------------------- configs

@@ -77,7 +77,7 @@ def test_adapter_fit_resumes_from_its_saved_state_exactly(tmp_path):
     from pipelines.adapt.loop import AdapterFit, build_adapter_set
     from pipelines.fit.loop import run_steps
 
-    cfg = load_adapt_config(CONFIG, ["adapter.hidden=16", "loss.lambda_cross=0.01"])
+    cfg = load_adapt_config(CONFIG, ["adapter.hidden=16", "loss.params.lambda_cross=0.01"])
     g = torch.Generator().manual_seed(0)
     batches = [torch.nn.functional.normalize(torch.randn(8, 2, 6, generator=g), dim=-1) for _ in range(8)]
 
@@ -145,7 +145,9 @@ def test_a_new_adapter_head_is_a_module_a_loss_and_one_register_call(tmp_path):
     register_loss("isotropic_mls")(IsotropicMLS)
     register_adapter("isotropic", AdapterKind(Isotropic, "isotropic_mls", ("hidden",), method="isotropic_mls"))
     try:
-        cfg = load_adapt_config(CONFIG, ["adapter.head=isotropic", "adapter.hidden=4", "adapter.baseline=pfe"])
+        # the demo's loss params are ProbVLM's loss's: the new head's loss takes its own (none here)
+        cfg = load_adapt_config(CONFIG, ["adapter.head=isotropic", "adapter.hidden=4", "adapter.baseline=pfe",
+                                         "loss.params={}"])
         fit = AdapterFit(build_adapter_set(cfg, 6), cfg.train.model_copy(update={"lr": 1e-2, "steps": 4}))
         g = torch.Generator().manual_seed(0)
         before = {k: v.clone() for k, v in fit.net.adapters["adapter"].state_dict().items()}
@@ -184,8 +186,8 @@ def test_adapted_model_saves_and_reloads_without_pickle(tmp_path):
 
 
 def test_configs_load_and_name_bad_keys(tmp_path):
-    cfg = load_adapt_config(CONFIG, ["train.steps=7", "loss.lambda_cross=0.5"])
-    assert cfg.train.steps == 7 and cfg.loss.lambda_cross == 0.5 and cfg.adapter.baseline == "pfe"
+    cfg = load_adapt_config(CONFIG, ["train.steps=7", "loss.params.lambda_cross=0.5"])
+    assert cfg.train.steps == 7 and cfg.loss.params["lambda_cross"] == 0.5 and cfg.adapter.baseline == "pfe"
     assert load_adapt_config(ROOT / "configs" / "probvlm_openclip_b16.yaml").source.model == "open_clip:ViT-B-16"
     with pytest.raises(ConfigError, match="^adapter.hiddn: unknown key"):
         load_adapt_config(CONFIG, ["adapter.hiddn=3"])
@@ -714,7 +716,7 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
     only once the fit has trained back to step 90 and checkpointed there: an outage with restarts in it, as users
     meet them. A notice of preemption (the hook's file, no time left) comes with the failure: the restart saves at its
     first step, 46, hands the notice to Ray Train and waits; the next restart resumes there (pipelines.fit.notices, the
-    core's, composed by the adapter as by pretraining). The restart never reads the store and its loop never waits for it (rank 0's outbox: its queue travels
+    core's, composed by the adapter as by pretraining), and each restart says why in its line (the core's attempt). The restart never reads the store and its loop never waits for it (rank 0's outbox: its queue travels
     with the checkpoint, and what is left at the fit's end goes to the driver, which delivers it as the run ends). The
     job succeeds, the run ends FINISHED, and, read from MLflow after the job, each per-step metric's history holds
     every step 1-100 exactly once: the steps the first attempt had delivered (46-~89) are not written again by the
@@ -809,6 +811,12 @@ def test_a_restarted_fit_logs_each_step_once(ray_local, digits_root, restartable
     assert [(m.step, m.value) for m in client.get_metric_history(res.mlflow_run_id, "preemptions")] == \
         [(NOTICE_STEP, 1)]
     assert res.model_file.is_file() and "digits_retrieval/i2t_calib_score" in res.metrics
+    # the attempts as the core's journal keeps them (pipelines.fit.attempts), and each restart's line saying why
+    journal = json.loads((Path(run_folder(str(storage), name)) / "attempts.json").read_text())
+    assert [(a["from_step"], (a.get("notice") or {}).get("step")) for a in journal] == \
+        [(0, None), (RESTART_CHECKPOINT, NOTICE_STEP), (NOTICE_STEP, None)], journal
+    assert "injected failure at step" in json.loads(run.data.tags["probvlp.attempt.2"])["why"]
+    assert json.loads(run.data.tags["probvlp.attempt.3"])["why"] == f"a notice of preemption (file) at step {NOTICE_STEP}"
     failed_at_ms = marker.stat().st_mtime * 1000
     for key in PER_STEP:
         history = client.get_metric_history(res.mlflow_run_id, key)

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipelines.config import (ConfigError, EvalTask, JobDocument, RunConfig, Section, absolute_path,
-                              format_validation_error, read_config_file)
+from pipelines.config import (ConfigError, EvalTask, JobDocument, LossConfig, RunConfig, Section, absolute_path,
+                              check_kwargs, format_validation_error, keyword_types, read_config_file)
 from pipelines.fit.config import LoopConfig
 
 
@@ -70,18 +70,20 @@ class AdapterConfig(Section):
         return self
 
 
-class AdaptLossConfig(Section):
-    # ProbVLM Eq. 8: L_rec^V + L_rec^T + lambda_cross L_cross (1e-4 as the paper); optional L1 reconstruction term.
-    lambda_cross: float = Field(1e-4, ge=0)
-    l1: float = Field(0.0, ge=0)
-    # ProbVLM Eq. 16's first-order form of the power term.
-    approx: bool = False
-    # Official ProbVLM's choices (docs/FIDELITY.md): "linear" drops Eq. 16's 1 - beta; stabilise adds 1e-4 to
-    # 1/alpha and beta and clamps the power term to [1e-4, 1e3]; l1_cross puts the L1 term on the cross pairs too,
-    # weighted lambda_cross like the rest of the cross term.
-    approx_form: Literal["eq16", "linear"] = "eq16"
-    stabilise: bool = False
-    l1_cross: bool = False
+class AdaptLossConfig(LossConfig):
+    """The adapter head's loss as pretraining's: `name` (a registry loss, models.losses; None: the head's own, ProbVLM's
+    for `probvlm`) and `params`, its constructor's keywords, checked against its signature (ProbVLM's: lambda_cross,
+    Eq. 8's 1e-4; l1; ggd; approx, Eq. 16; and the official code's approx_form, stabilise, l1_cross: docs/FIDELITY.md).
+    The baseline trains with its own loss's defaults."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _params_under_params(cls, data: Any) -> Any:
+        flat = sorted(set(data) - {"name", "params"}) if isinstance(data, dict) else []
+        if flat:
+            raise ValueError(f"the loss's parameters go under loss.params (loss: {{params: {{{flat[0]}: ...}}}}); "
+                             f"found {', '.join(flat)}")
+        return data
 
 
 class AdaptTrainConfig(LoopConfig):
@@ -124,6 +126,7 @@ class AdaptDocument(JobDocument):
 
     @model_validator(mode="after")
     def _checks(self) -> "AdaptDocument":
+        self._check_loss()
         spec = self.source
         if not spec.model.startswith("open_clip:") and (spec.weights is not None or spec.build is not None or spec.overrides):
             raise ValueError("source.weights / build / overrides: only for open_clip:<arch> sources")
@@ -132,6 +135,27 @@ class AdaptDocument(JobDocument):
                 raise ValueError(f"eval.tasks: {task.name!r}: loss tasks need the source's training loss; "
                                  "the adapter is scored on retrieval and zeroshot tasks")
         return self
+
+    def loss_name(self) -> str:
+        """The adapter head's loss: loss.name, else the head's own (models.probvlm.AdapterKind.loss)."""
+        from models.probvlm import adapter_kind  # deferred: torch, for a config's validation only
+
+        return self.loss.name or adapter_kind(self.adapter.head).loss
+
+    def _check_loss(self) -> None:
+        from models.losses import list_losses, loss_class  # deferred, as loss_name
+
+        name = self.loss_name()
+        if name not in list_losses():
+            raise ValueError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
+        try:
+            check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), self.loss.params)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        try:  # the values too (a small module: its constructor checks them)
+            loss_class(name)(**self.loss.params)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"loss.params: loss {name!r}: {err}") from None
 
     def default_tasks(self) -> list[EvalTask]:
         return [EvalTask(name="heldout", kind="retrieval")]  # no loss task: the adapter has no training loss

@@ -70,7 +70,8 @@ def build_adapter_set(cfg, dim: int) -> AdapterSet:
     a = cfg.adapter
     heads = {"adapter": a.head, **({"baseline": a.baseline} if a.baseline != "none" else {})}
     adapters = {k: build_adapter(h, dim, **adapter_options(h, a)) for k, h in heads.items()}
-    losses = {k: create_loss(adapter_kind(h).loss, **(cfg.loss.model_dump() if adapter_kind(h).loss_section else {}))
+    # the adapter's loss as the config names it, with its params; the baseline's own, with its defaults
+    losses = {k: create_loss(cfg.loss_name(), **cfg.loss.params) if k == "adapter" else create_loss(adapter_kind(h).loss)
               for k, h in heads.items()}
     return AdapterSet(adapters, losses)
 

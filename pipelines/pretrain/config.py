@@ -4,14 +4,13 @@
 """
 from __future__ import annotations
 
-import inspect
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipelines.config import ConfigError, ExperimentDocument, format_validation_error, read_config_file
+from pipelines.config import (ConfigError, ExperimentDocument, check_kwargs, format_validation_error, keyword_types,
+                              read_config_file)
 from pipelines.fit.config import LoopConfig
 
 
@@ -134,8 +133,8 @@ def _check_loss(cfg: TrainDocument) -> None:
     name = loss_name(cfg)
     if name not in list_losses():
         raise ConfigError(f"loss.name: unknown loss {name!r}; known: {', '.join(list_losses())}")
-    _check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), cfg.loss.params)
-    _check_kwargs("model.overrides", f"model {cfg.model.name!r}", override_types(cfg.model.name), cfg.model.overrides)
+    check_kwargs("loss.params", f"loss {name!r}", keyword_types(loss_class(name)), cfg.loss.params)
+    check_kwargs("model.overrides", f"model {cfg.model.name!r}", override_types(cfg.model.name), cfg.model.overrides)
     try:
         check_overrides(cfg.model.name, **cfg.model.overrides)
     except (TypeError, ValueError) as err:
@@ -157,27 +156,6 @@ def _check_openclip_init(cfg: TrainDocument) -> None:
     if "visual.vit.norm_pre.weight" not in objective.model.state_dict():
         raise ConfigError("model.init_from_openclip: CLIP weights need CLIP's ln_pre; "
                           "set model.overrides.vision_pre_norm: true")
-
-
-def keyword_types(cls: type) -> dict[str, Any]:
-    """The keyword parameters of `cls`'s constructor and their annotated types (Any where unannotated)."""
-    sig = inspect.signature(cls.__init__)
-    hints = typing.get_type_hints(cls.__init__)
-    return {name: hints.get(name, Any) for name, p in sig.parameters.items()
-            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
-def _check_kwargs(prefix: str, what: str, types: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """Names and types of `kwargs` against `types` (name -> annotation), as one-line ConfigErrors."""
-    for key, value in kwargs.items():
-        if key not in types:
-            raise ConfigError(f"{prefix}.{key}: unknown key for {what}; known: {', '.join(types)}")
-        if types[key] is not Any:
-            try:
-                # Strict for everything but ints where a float is expected (YAML writes 10 for 10.0).
-                TypeAdapter(types[key]).validate_python(value, strict=not isinstance(value, int) or isinstance(value, bool))
-            except ValidationError as err:
-                raise ConfigError(f"{prefix}.{key}: {err.errors()[0]['msg']} (got {value!r})") from None
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainDocument:
