@@ -88,7 +88,7 @@ def _full_state(engine, scheduler) -> dict[str, torch.Tensor]:
 def _phase(rank: int, world: int, port: int, job: dict) -> None:
     """One world of `world` gloo ranks: load `job["load"]` (if any; through reshard), record the state, train, save."""
     from pipelines.storage import fs_path
-    from pipelines.pretrain import reshard, state
+    from pipelines.pretrain import deepspeed_checkpoint as state, reshard
     from pipelines.fit.progress import Progress
     from pipelines.pretrain.engine import skip_inference_comm_op
 
