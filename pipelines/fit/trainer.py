@@ -25,11 +25,11 @@ class FromDriver:
     its restarts from a later command's), the marker of train.fail_once_at_step (once per MLflow run), and the
     stage's own inputs (`stage`)."""
 
-    config: dict[str, Any]
-    mlflow_uri: str
-    mlflow_run_id: str
-    job: str
-    failure_marker: str
+    config: dict[str, Any] = field(repr=False)  # may hold credentials, as the URI may: never printed
+    mlflow_uri: str = field(repr=False)
+    mlflow_run_id: str = ""
+    job: str = ""
+    failure_marker: str = ""
     stage: dict[str, Any] = field(default_factory=dict)
 
     def loop_config(self) -> dict[str, Any]:
