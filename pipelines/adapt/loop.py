@@ -154,7 +154,8 @@ class AdapterCheckpoints:
         """Every rank reports; rank 0's report carries the checkpoint (the adapters are the same on every rank), in the
         one order of every save: what MLflow has not got yet first, into the run's storage, then the checkpoint, so
         that whichever checkpoint a restart resumes from, the metrics up to its step travel with it. `at_once` (a
-        notice's): every rank returns once Ray Train has registered it."""
+        notice's): every rank returns once Ray Train has registered it. The loop's `metrics` (its step, no
+        evaluation between steps here) give way to the fit's own report."""
         p, world = self.fit.progress, self.fit.world
         seconds = time.perf_counter() - self.start
         done = p.step - self.first_step
