@@ -58,9 +58,10 @@ demo: $(STAMP)
 # (tests/conftest.py; xdist would otherwise start the groups with the most tests first). Every deadline in the tests
 # scales with the machine's measured speed (tests/pace.py; PROBVLP_TEST_SLOWNESS sets it).
 TEST_WORKERS ?= 2
+DURATIONS ?= 20
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=$(DURATIONS) tests
 
 # The tests on nodes that share no disk (marker cluster: a local autoscaling cluster, isolated raylets, S3 on
 # loopback; their fixtures in tests/multinode.py) and the outage of a tracking server under a running job, in one

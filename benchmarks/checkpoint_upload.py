@@ -1,4 +1,4 @@
-"""What a periodic checkpoint costs the training loop (pipelines.pretrain.deepspeed_checkpoint): uploaded at once against behind training.
+"""What a periodic checkpoint costs the training loop (pipelines.zero.checkpoint_files): uploaded at once against behind training.
 
 Run (one JSON line per storage and mode; with --write, its section of docs/BENCHMARKS.md):
 
@@ -8,7 +8,7 @@ Two CPU Ray Train workers (gloo) build the pretraining workers' engine on the mo
 DeepSpeed config) and step on one fixed random batch. Per storage (this machine's disk; moto's S3 server on
 127.0.0.1) and mode, one Ray Train run: `--steps` steps with a checkpoint every `--every` steps, saved at once (`sync`:
 the shard written, uploaded, registered before the loop goes on) or behind training (`behind`: the loop waits for the
-shard's snapshot on the node, pipelines.pretrain.deepspeed_checkpoint.save(behind=True)), against the same steps with no checkpoint
+shard's snapshot on the node, pipelines.zero.checkpoint_files.save(behind=True)), against the same steps with no checkpoint
 (`never`, run first and last: the ratios are to their mean). Per run: steps/s over the loop, its ratio to `never`, the
 seconds each periodic save blocked the loop, then one more save timed alone: the snapshot (the shard written where
 `snapshot_root` puts it), the whole save at once, and the upload behind training (from the report to Ray Train's
@@ -46,9 +46,9 @@ def _timed(fn) -> float:
 def _loop(config: dict) -> None:
     from benchmarks.engine import build_engine, random_batch
     from models.gather import World
-    from pipelines.pretrain import deepspeed_checkpoint as state
+    from pipelines.zero import checkpoint_files as state
     from pipelines.fit.progress import Progress
-    from pipelines.pretrain.deepspeed_fit import train_step
+    from pipelines.zero.fit import train_step
 
     torch.set_num_threads(1)
     world = World.current()

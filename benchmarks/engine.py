@@ -1,5 +1,5 @@
 """The pretraining workers' DeepSpeed engine for a benchmark's ranks (torch.distributed already set up): a model of the
-registry and the engine the workers build (pipelines.pretrain.engine), in fp32."""
+registry and the engine the workers build (pipelines.zero.engine), in fp32."""
 from __future__ import annotations
 
 import torch
@@ -7,13 +7,14 @@ import torch
 
 def build_engine(model: str, stage: int, world: int):
     """(engine, model) on every rank, with the same initial weights."""
-    from pipelines.pretrain import engine
     from pipelines.pretrain.config import TrainDocument
+    from pipelines.pretrain.objective import training_objective
+    from pipelines.zero.engine import build_engine as zero_engine
 
     cfg = TrainDocument.from_dict({"model": {"name": model}, "train": {"num_workers": world, "zero_stage": stage}})
     torch.manual_seed(0)
-    objective = engine.training_objective(cfg)
-    return engine.build_engine(cfg, objective)[0], objective.model
+    objective = training_objective(cfg)
+    return zero_engine(cfg.train, objective)[0], objective.model
 
 
 def random_batch(model, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""What resharding a ZeRO checkpoint costs (pipelines.pretrain.reshard): the universal conversion's time and storage.
+"""What resharding a ZeRO checkpoint costs (pipelines.zero.reshard): the universal conversion's time and storage.
 
 Run (prints one JSON line per ZeRO stage; docs/SCALING.md "Elastic training" quotes it):
 
@@ -46,7 +46,7 @@ def _bytes(folder: Path) -> int:
 
 def main() -> None:
     from models.registry import create_model
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
     from tests.helpers import free_port
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

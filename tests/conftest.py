@@ -65,6 +65,19 @@ def ray_local(s3):
 
 
 @pytest.fixture
+def no_notice():
+    """The notices this process has received are per process (a worker's, or pytest's for the in-process tests):
+    none before or after a test."""
+    from pipelines.fit import preemption
+
+    preemption._LOCAL.sources.clear()
+    preemption._LOCAL.handed = False
+    yield
+    preemption._LOCAL.sources.clear()
+    preemption._LOCAL.handed = False
+
+
+@pytest.fixture
 def mlflow_uri(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 

@@ -333,7 +333,7 @@ def test_micro_batches_must_split_the_batch_evenly():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.pretrain.deepspeed_fit.cached_step)
+# two processes (gloo): every method in float64, then DeepSpeed steps (pipelines.zero.fit.cached_step)
 # ---------------------------------------------------------------------------------------------------------------
 WORLD = 2
 DS_CASE = "prob_llip"  # masked draws, and the mixer's parameters in the whole-batch stage (gathered by ZeRO-3)
@@ -370,8 +370,8 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     import deepspeed
 
     from pipelines.pretrain.config import TrainDocument
-    from pipelines.pretrain.deepspeed_fit import cached_step
-    from pipelines.pretrain.engine import deepspeed_config, full_state_dict
+    from pipelines.zero.fit import cached_step
+    from pipelines.zero.engine import deepspeed_config, full_state_dict
 
     name, overrides, loss, params = CASES[DS_CASE]
     cfg = TrainDocument.from_dict({"model": {"name": name, "overrides": {**SMALL, **overrides}},
@@ -382,7 +382,7 @@ def _deepspeed_step(rank: int, world: World, stage: int, bf16: bool, accum: bool
     obj = Objective(create_model(name, **SMALL, **overrides), create_loss(loss, **params)).train()
     # SGD: the update is the gradient itself (Adam's first step would hide a gradient scaled by 1/k)
     engine, *_ = deepspeed.initialize(model=obj, optimizer=torch.optim.SGD(obj.parameters(), lr=0.5),
-                                      config=deepspeed_config(cfg, bf16), dist_init_required=False)
+                                      config=deepspeed_config(cfg.train, bf16), dist_init_required=False)
     images, tokens = inputs(MICRO * K * WORLD, seed=1)
     local = slice(rank * MICRO * K, (rank + 1) * MICRO * K)
     images, tokens = images[local].float(), tokens[local]
@@ -409,7 +409,7 @@ def _two_workers(rank: int, port: int, out_dir: str) -> None:
     try:
         world = World.current()
         result = {"float64": _float64_methods(rank, world), "deepspeed": {}}
-        from pipelines.pretrain.engine import skip_inference_comm_op
+        from pipelines.zero.engine import skip_inference_comm_op
 
         skip_inference_comm_op()
         torch.manual_seed(0)

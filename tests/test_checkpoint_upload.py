@@ -1,4 +1,4 @@
-"""Checkpoints uploaded behind training (pipelines.pretrain.deepspeed_checkpoint): the loop goes on while an upload is in flight and
+"""Checkpoints uploaded behind training (pipelines.zero.checkpoint_files): the loop goes on while an upload is in flight and
 waits at the next save (one upload at a time); a kill during an upload resumes from the checkpoint before and ends
 bit for bit as an uninterrupted run; a checkpoint due by one rank's clock is saved by every rank at the same step; a
 cluster run that never checkpoints says so."""
@@ -177,8 +177,8 @@ def test_a_cluster_run_without_checkpoints_says_so_in_one_line(every, every_s, s
 def test_a_restart_removes_only_the_uploads_cut_short(tmp_path):
     """At attempt 3's start, resumed from step 20: the folders of earlier attempts past step 20 were never registered
     (a restart resumes from the latest that was) and go; the one it resumed from, earlier ones, this attempt's and
-    anything not named by pipelines.pretrain.deepspeed_checkpoint stay."""
-    from pipelines.pretrain.deepspeed_checkpoint import checkpoint_name, remove_cut_short
+    anything not named by pipelines.zero.checkpoint_files stay."""
+    from pipelines.zero.checkpoint_files import checkpoint_name, remove_cut_short
 
     names = {checkpoint_name(10, 1): "stays", checkpoint_name(20, 1): "stays", checkpoint_name(30, 1): "goes",
              checkpoint_name(30, 2) + "_2": "goes", checkpoint_name(40, 3): "stays", "checkpoint_2026-11-29_08-00-00.1":
@@ -200,7 +200,7 @@ def test_the_snapshot_goes_to_memory_where_a_checkpoint_fits_twice_else_to_the_t
     import tempfile
     from types import SimpleNamespace
 
-    from pipelines.pretrain.deepspeed_checkpoint import SHM, snapshot_root
+    from pipelines.zero.checkpoint_files import SHM, snapshot_root
 
     def engine(params: int):
         return SimpleNamespace(module=torch.nn.Linear(params, 1, bias=False))

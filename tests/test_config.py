@@ -31,7 +31,7 @@ def test_demo_config_loads_and_overrides():
     elastic = load_train_config(ROOT / "configs" / "demo.yaml",
                                 ["train.num_workers=[1, 4]", "train.zero_stage=0"]).train
     assert elastic.num_workers == (1, 4) and elastic.elastic and elastic.max_workers == 4
-    for stage in (1, 2, 3):  # resharded on a resize (pipelines.pretrain.reshard, tests/test_reshard.py)
+    for stage in (1, 2, 3):  # resharded on a resize (pipelines.zero.reshard, tests/test_reshard.py)
         assert load_train_config(ROOT / "configs" / "demo.yaml",
                                  ["train.num_workers=[1, 4]", f"train.zero_stage={stage}"])
     again = TrainDocument.from_dict(cfg.to_dict())

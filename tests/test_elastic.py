@@ -41,7 +41,7 @@ STEPS = 5000
 # whole CPUs it holds): the run trains all the while the test waits, beside the other pytest worker. Ray Train looks
 # for room to grow every 2 s.
 # ZeRO-2: every resize restarts from a checkpoint of the other world size, which the training worker's restore converts
-# (pipelines.pretrain.deepspeed_checkpoint.restore -> pipelines.pretrain.reshard.load).
+# (pipelines.zero.checkpoint_files.restore -> pipelines.zero.reshard.load).
 # A notice's save is followed by training on to a last save before the deadline where it leaves room (the drain's
 # does): each scenario's restart resumes from its attempt's last save, which the test reads in the journal.
 ELASTIC = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.log_every=1", "train.zero_stage=2",
@@ -383,7 +383,7 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
 
 
 # ZeRO-2 / ZeRO-3 (make test-long: two runs of a few minutes each). The same resizes; every conversion's checkpoint
-# (its marker, pipelines.pretrain.reshard) is copied as soon as it appears, before run.keep_checkpoints deletes it.
+# (its marker, pipelines.zero.reshard) is copied as soon as it appears, before run.keep_checkpoints deletes it.
 # The run is stopped past this step (and regrown). Its loss sits at chance, log(batch), until step ~100-250 (the
 # initial collapse, docs/RESULTS.md "Training each method"; later at 2 workers than at 1): at step 200 the held-out
 # top-1 was 0.19, at 600 0.74 (ZeRO-2, 1 worker for steps 11-220) and 0.40 (ZeRO-3, 2 workers from step 31).
@@ -399,7 +399,7 @@ def test_zero_run_resizes_with_its_optimizer_state_and_learns(stage, two_node_ra
     """ZeRO-2 / ZeRO-3 with [1, 2] workers: each resize converts the checkpoint it restarts from once (2 -> 1, then
     1 -> 2) and the converted fp32 weights and Adam moments equal those gathered from the checkpoint's partitions;
     every step is logged once; the model of the last checkpoint learns (held-out zero-shot top-1)."""
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
 
     checkpoints, copies = f"{BUCKET}/elastic/{tmp_path.name}/elastic", tmp_path / "converted"
 
@@ -438,7 +438,7 @@ def resized_run_checks(client: MlflowClient, s3, checkpoints: str, copies: Path,
     from models.objective import build_objective
     from pipelines.digits.dataset import NAMES, specific_captions
     from pipelines.digits.arrays import digit_arrays
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
     from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
     run = client.search_runs([client.get_experiment_by_name("test-elastic").experiment_id])[0]

@@ -843,10 +843,10 @@ def test_bf16_autocast_leaves_heads_mixer_and_pooling_in_float32():
 
 def test_bf16_training_is_deepspeed_torch_autocast():
     from pipelines.pretrain.config import TrainDocument
-    from pipelines.pretrain.engine import deepspeed_config
+    from pipelines.zero.engine import deepspeed_config
 
     cfg = TrainDocument.from_dict({"model": {"name": "prolip_tiny"}})
-    on, off = deepspeed_config(cfg, True), deepspeed_config(cfg, False)
+    on, off = deepspeed_config(cfg.train, True), deepspeed_config(cfg.train, False)
     assert on["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not off["torch_autocast"]["enabled"]
     assert "bf16" not in on  # DeepSpeed's bf16 engine would cast the float32 heads' parameters to bf16
 
@@ -856,7 +856,7 @@ import json, os, torch, deepspeed
 from models.objective import build_objective
 from models.tokenizer import tokenize
 from pipelines.pretrain.config import load_train_config
-from pipelines.pretrain.engine import deepspeed_config, skip_inference_comm_op
+from pipelines.zero.engine import deepspeed_config, skip_inference_comm_op
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 skip_inference_comm_op()
 torch.manual_seed(0)
@@ -864,7 +864,7 @@ cfg = load_train_config("configs/prolip_tiny.yaml",
                         ["train.precision=bf16", "train.batch_size=8", "train.num_workers=1"])
 objective = build_objective(cfg)
 engine, *_ = deepspeed.initialize(model=objective, optimizer=torch.optim.AdamW(objective.parameters(), lr=1e-3),
-                                  config=deepspeed_config(cfg, True))
+                                  config=deepspeed_config(cfg.train, True))
 dtypes = {{}}
 for name, module in objective.named_modules():
     if isinstance(module, torch.nn.Linear):

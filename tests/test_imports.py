@@ -12,11 +12,13 @@ LAYERS = {"models": 0, "pipelines": 1, "jobs": 2}
 # pipelines/ by floor: a module imports its own floor or lower ones. The shared ground (config, tracking, the Ray
 # runtime, progress lines, plotting, object storage paths, compat: Ray's and DeepSpeed's private names), the data readers,
 # downloading, the bundled digits (downloaded, then cut into eval sets), a job's inputs made ready and checked (the
-# digits, the eval tasks' data), the training core (fit: the loop, the optimizer, the step's rules, the trainer; no
-# DeepSpeed), evaluating (whose job prepares its inputs), training (DeepSpeed's: which evaluates), and the two over
+# digits, the eval tasks' data), the training core (fit: the loop, the optimizer, the step's rules, the trainer, the
+# fault machinery; no DeepSpeed), DeepSpeed's engine and checkpoints for any stage (zero: nothing of a stage's model,
+# data or evaluation), evaluating (whose job prepares its inputs), pretraining (which evaluates), and the two over
 # training: tuning (trials are training runs) and the adapter (which trains on a trained model's embeddings).
 STAGES = {"config": 0, "compat": 0, "tracking": 0, "storage": 0, "result": 0, "cluster": 0, "console": 0, "plotting": 0, "data": 1,
-          "download": 2, "digits": 3, "inputs": 4, "fit": 4, "digits_fit": 4, "evaluate": 5, "pretrain": 6, "tune": 7, "adapt": 7}
+          "download": 2, "digits": 3, "inputs": 4, "fit": 4, "digits_fit": 4, "zero": 5, "evaluate": 6, "pretrain": 7,
+          "tune": 8, "adapt": 8}
 # Upward imports to go: any other upward import fails; one listed here that no longer occurs fails too, so that the
 # list only shrinks (empty now: a new upward import is a module in the wrong place).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -144,9 +146,9 @@ def test_studies_do_not_import_the_tests():
 def test_the_checks_catch_what_they_look_for():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    edges = {"pipelines.data.reader": {"pipelines.pretrain.deepspeed_checkpoint", "pipelines.config"},
-             "pipelines.pretrain.deepspeed_checkpoint": {"pipelines.data.reader", "models.registry"}}
-    assert upward_stage_imports(edges) == {("pipelines.data.reader", "pipelines.pretrain.deepspeed_checkpoint")}
+    edges = {"pipelines.data.reader": {"pipelines.zero.checkpoint_files", "pipelines.config"},
+             "pipelines.zero.checkpoint_files": {"pipelines.data.reader", "models.registry"}}
+    assert upward_stage_imports(edges) == {("pipelines.data.reader", "pipelines.zero.checkpoint_files")}
 
 
 # What the stages over training may take from pipelines.pretrain: a sweep runs pretraining jobs (their driver and
@@ -164,8 +166,8 @@ def test_the_stages_over_training_take_the_core_not_deepspeeds_internals():
 
 
 def test_the_training_core_loads_no_deepspeed():
-    """In a fresh Python: every module of pipelines/fit/ imported, and DeepSpeed (hence pipelines.pretrain's engine,
-    state and step) is not among the loaded modules."""
+    """In a fresh Python: every module of pipelines/fit/ imported, and DeepSpeed (hence pipelines.zero's engine,
+    checkpoints and step) is not among the loaded modules."""
     import subprocess
     import sys
 
@@ -181,3 +183,21 @@ def test_the_training_core_loads_no_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"importing the training core loaded: {out.stdout.strip()[:500]}"
+
+
+def test_deepspeeds_pieces_load_no_stage():
+    """In a fresh Python: every module of pipelines/zero/ imported (what a new DeepSpeed stage composes), and no
+    stage's module is loaded with them: not pretraining's, not the evaluation's, not the digits'."""
+    import subprocess
+    import sys
+
+    pieces = sorted(m for m in modules() if m.startswith("pipelines.zero"))
+    assert "pipelines.zero.checkpoints" in pieces and "pipelines.zero.engine" in pieces
+    stages = ("pipelines.pretrain", "pipelines.evaluate", "pipelines.digits", "pipelines.tune", "pipelines.adapt")
+    code = ("import importlib, sys\n"
+            f"for name in {pieces!r}: importlib.import_module(name)\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({stages!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.strip().splitlines()[-1]  # DeepSpeed prints its accelerator's line first
+    assert loaded == "[]", f"importing pipelines.zero loaded: {loaded[:500]}"

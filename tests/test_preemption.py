@@ -18,16 +18,6 @@ from tests.helpers import Hold, pretrain_beside, registered, wait_for
 from tests.small_runs import REFERENCE, assert_identical, config, load_state
 
 
-@pytest.fixture
-def no_notice():
-    """The notices this process has received are per process (a worker's): none before or after a test."""
-    preemption._LOCAL.sources.clear()
-    preemption._LOCAL.handed = False
-    yield
-    preemption._LOCAL.sources.clear()
-    preemption._LOCAL.handed = False
-
-
 def test_the_hooks_file_is_a_notice_with_its_deadline(no_notice, tmp_path, monkeypatch):
     """$PROBVLP_PREEMPTION_NOTICE_FILE: nothing while the file is absent; once written (the seconds left), a notice
     from "file" whose deadline is counted from the file's time; notify() adds a source of its own."""

@@ -1,4 +1,4 @@
-"""A save at once (a notice's) returns only once Ray Train has registered the checkpoint (pipelines.pretrain.deepspeed_checkpoint.save:
+"""A save at once (a notice's) returns only once Ray Train has registered the checkpoint (pipelines.zero.checkpoint_files.save:
 every rank waits for it after its own upload), so the restart the notice asks for resumes from it. Ray Train registers
 a checkpoint once every rank's part is uploaded; the test holds rank 1's upload, and a rank 0 that did not wait would
 hand its notice to Ray meanwhile, whose restart would resume from the checkpoint before."""
@@ -12,14 +12,14 @@ import ray
 from mlflow import MlflowClient
 from ray.util.state import list_tasks
 
-from pipelines.pretrain.deepspeed_checkpoint import checkpoint_name
+from pipelines.zero.checkpoint_files import checkpoint_name
 from tests.helpers import pretrain_beside, registered, wait_for
 from tests.small_runs import config
 from tests.test_guard_notice_loop import ONLY_ZEROSHOT, steps_trained
 from tests.test_preemption import journal
 
 RANK1_PART = "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # rank 1's file of a ZeRO checkpoint (rank 0 has its own)
-# What a rank waiting for the registration calls (pipelines.pretrain.deepspeed_checkpoint.wait_for_uploads): the controller's method
+# What a rank waiting for the registration calls (pipelines.zero.checkpoint_files.wait_for_uploads): the controller's method
 REGISTRATION_WAIT = "TrainController.get_all_reported_checkpoints"
 
 

@@ -1,5 +1,5 @@
 """A ZeRO-1 / ZeRO-2 / ZeRO-3 checkpoint saved by 2 gloo ranks loads at 1 rank (and a 1-rank one at 2) through its universal
-form (pipelines.pretrain.reshard): parameters, fp32 master weights, Adam moments, LR schedule and step equal those the
+form (pipelines.zero.reshard): parameters, fp32 master weights, Adam moments, LR schedule and step equal those the
 saving engine held, gathered by DeepSpeed's own full-state accessors; training continues from there."""
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ def _config(world: int, stage: int):
 
 
 def _engine(world: int, stage: int):
-    """The engine the training workers build (pipelines.pretrain.engine), on a tiny CLIP."""
-    from pipelines.pretrain.engine import build_engine, training_objective
+    """The engine the training workers build (pipelines.zero.engine), on a tiny CLIP."""
+    from pipelines.pretrain.objective import training_objective
+    from pipelines.zero.engine import build_engine
 
     cfg = _config(world, stage)
     torch.manual_seed(0)
-    return build_engine(cfg, training_objective(cfg))
+    return build_engine(cfg.train, training_objective(cfg))
 
 
 def _train(engine, world: int, steps: int, seed: int) -> None:
@@ -88,9 +89,9 @@ def _full_state(engine, scheduler) -> dict[str, torch.Tensor]:
 def _phase(rank: int, world: int, port: int, job: dict) -> None:
     """One world of `world` gloo ranks: load `job["load"]` (if any; through reshard), record the state, train, save."""
     from pipelines.storage import fs_path
-    from pipelines.pretrain import deepspeed_checkpoint as state, reshard
+    from pipelines.zero import checkpoint_files as state, reshard
     from pipelines.fit.progress import Progress
-    from pipelines.pretrain.engine import skip_inference_comm_op
+    from pipelines.zero.engine import skip_inference_comm_op
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -165,7 +166,7 @@ def test_resized_state_equals_the_saving_engines(resized):
 
 
 def test_resize_records_the_conversion_and_leaves_the_checkpoint_untouched(resized):
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
 
     recs = resized["records"]
     assert recs[0] is None
@@ -185,7 +186,7 @@ def test_resize_records_the_conversion_and_leaves_the_checkpoint_untouched(resiz
 
 
 def test_the_shards_are_written_without_checksums_and_the_option_is_left_as_it_was(resized):
-    """pipelines.pretrain.deepspeed_checkpoint.write_shard: torch.save's zip records carry no CRC-32 (half the snapshot's time, which
+    """pipelines.zero.checkpoint_files.write_shard: torch.save's zip records carry no CRC-32 (half the snapshot's time, which
     the loop waits for) and every file above loaded all the same; the process's own setting is restored after
     (`_phase`)."""
     import zipfile
@@ -222,7 +223,7 @@ def test_training_continues_after_each_resize(resized):
 def test_a_failed_conversion_leaves_the_checkpoint_and_no_marker(resized, tmp_path):
     # a checkpoint whose rank-1 optimizer file never arrived: the conversion fails before anything reaches storage
     from pipelines.storage import fs_path
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
 
     checkpoint = tmp_path / "ck"
     shutil.copytree(resized["root"] / "w2", checkpoint, ignore=shutil.ignore_patterns(reshard.UNIVERSAL, reshard.MARKER))
@@ -241,7 +242,7 @@ def test_a_failed_conversion_leaves_the_checkpoint_and_no_marker(resized, tmp_pa
 def test_an_interrupted_conversion_is_redone(resized, tmp_path):
     # what a conversion stopped during its upload leaves: part of the folder, no marker
     from pipelines.storage import fs_path
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
 
     checkpoint = tmp_path / "ck"
     shutil.copytree(resized["root"] / "w1", checkpoint)
@@ -284,7 +285,7 @@ def test_the_two_rank_conversion_holds_its_partitions_bit_for_bit(resized, tmp_p
     # 2 -> 1 stored its conversion in memory only (the fixture's object store): convert a copy of the 2-rank checkpoint
     # again, so that `make test` holds each joined tensor to its two halves, not only the engine that loaded them
     from pipelines.storage import fs_path
-    from pipelines.pretrain import reshard
+    from pipelines.zero import reshard
     from tests.zero_state import gathered_partitions, universal_state
 
     checkpoint = tmp_path / "w2"

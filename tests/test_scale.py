@@ -18,7 +18,7 @@ from pipelines.config import STATE_DIR, ConfigError
 from pipelines.pretrain.config import load_train_config
 from pipelines.pretrain.job import run_pretrain
 from tests.helpers import Hold, failed_evaluation_keeps_the_model, pretrain_beside, wait_for
-from tests.test_preemption import no_notice, train_workers  # noqa: F401 - no_notice: a fixture
+from tests.test_preemption import train_workers
 from tests.small_runs import (
     REFERENCE,
     ROOT,

@@ -1,4 +1,4 @@
-"""The memory a snapshot in /dev/shm may take (pipelines.pretrain.deepspeed_checkpoint.available_memory): the host's MemAvailable, or
+"""The memory a snapshot in /dev/shm may take (pipelines.zero.checkpoint_files.available_memory): the host's MemAvailable, or
 less where this process's cgroup (a Kubernetes container's limit) has less room, read from cgroup v2 and v1 trees.
 The trees here are folders laid out as the kernel's, in tmp_path; one test reads this machine's own."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipelines.pretrain import deepspeed_checkpoint as state
-from pipelines.pretrain.deepspeed_checkpoint import CgroupMemory, available_memory, cgroup_memory, host_available_memory
+from pipelines.zero import checkpoint_files as state
+from pipelines.zero.checkpoint_files import CgroupMemory, available_memory, cgroup_memory, host_available_memory
 
 GiB = 2**30
 V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for no limit (4-KiB pages)
@@ -106,7 +106,7 @@ def test_cgroup_v1_memory_controller(tmp_path):
 
 def _real_leaf() -> tuple[Path, Path, tuple[str, str]] | None:
     """This process's memory cgroup folder, the mount above it, and its limit and usage files, read here apart from
-    pipelines.pretrain.deepspeed_checkpoint: v2 where /sys/fs/cgroup has the memory controller, else v1's memory hierarchy."""
+    pipelines.zero.checkpoint_files: v2 where /sys/fs/cgroup has the memory controller, else v1's memory hierarchy."""
     lines = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
     mount = Path("/sys/fs/cgroup")
     controllers = mount / "cgroup.controllers"

@@ -1,5 +1,5 @@
 """A killed upload's snapshot (a folder `probvlp-snapshot-<pid>-*` that Ray Train would have deleted once uploaded) is
-removed at the next job's start on every node that holds one (pipelines.pretrain.snapshot_sweep, awaited by the driver
+removed at the next job's start on every node that holds one (pipelines.zero.snapshot_sweep, awaited by the driver
 before its workers start), not only where a later training worker starts: a node that gets none would keep it in its
 memory (/dev/shm) for as long as it runs. A live process's snapshot stays."""
 from __future__ import annotations
@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.pretrain.deepspeed_checkpoint import SNAPSHOTS
+from pipelines.zero.checkpoint_files import SNAPSHOTS
 from tests.pace import scaled
 from tests.small_runs import ROOT, config
 from tests.test_guard_notice_loop import ONLY_ZEROSHOT
 
-# One line of pipelines.pretrain.snapshot_sweep's, with the count per node: "1 on node 127.0.0.1 0123abcd, 2 on node ..."
+# One line of pipelines.zero.snapshot_sweep's, with the count per node: "1 on node 127.0.0.1 0123abcd, 2 on node ..."
 REMOVED = re.compile(r"^\[checkpoint\] removed (\d+) snapshot\(s\) of killed uploads at the job's start: (.*)$", re.M)
 # A driver of its own for the two-node cluster (the pytest process may hold the session's local Ray): per line of
 # its input, [folder, timeout_s], the sweep's result as one JSON line after what the sweep printed.
 SWEEP = """
 import json, sys, ray
-from pipelines.pretrain.snapshot_sweep import SnapshotSweep
+from pipelines.zero.snapshot_sweep import SnapshotSweep
 ray.init(address=sys.argv[1], logging_level="ERROR")
 for line in sys.stdin:
     folder, timeout_s = json.loads(line)
@@ -45,7 +45,7 @@ def dead_pid() -> int:
 
 
 def plant(folder: Path, pid: int, name: str = "xyz") -> Path:
-    """A snapshot folder as pipelines.pretrain.deepspeed_checkpoint.save names them, of process `pid`, with a shard file inside."""
+    """A snapshot folder as pipelines.zero.checkpoint_files.save names them, of process `pid`, with a shard file inside."""
     snapshot = folder / f"{SNAPSHOTS}{pid}-{name}"
     (snapshot / "state").mkdir(parents=True)
     (snapshot / "state" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 1024)

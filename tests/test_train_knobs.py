@@ -1,5 +1,5 @@
 """train.grad_checkpointing and train.compile: the same loss and gradients as without, and the config keys reach
-the model the trainer builds (pipelines.pretrain.engine.training_objective, which pipelines.pretrain.worker calls)."""
+the model the trainer builds (pipelines.pretrain.objective.training_objective, which pipelines.pretrain.worker calls)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from models.registry import METHODS
 from models.tokenizer import tokenize
 from pipelines.config import ConfigError
 from pipelines.pretrain.config import TrainDocument
-from pipelines.pretrain.engine import training_objective
+from pipelines.pretrain.objective import training_objective
 
 CAPTIONS = ["the digit seven", "a handwritten digit four", "an odd digit", "a photo of the number three",
             "two", "a drawing of the digit 9 written by hand"]

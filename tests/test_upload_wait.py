@@ -1,4 +1,4 @@
-"""Every wait for a checkpoint's registration is bounded (train.upload_timeout_s, pipelines.pretrain.deepspeed_checkpoint
+"""Every wait for a checkpoint's registration is bounded (train.upload_timeout_s, pipelines.zero.checkpoint_files
 .wait_for_uploads): an upload stuck on one rank fails the attempt in one line, and Ray Train restarts from the last
 registered checkpoint (run.max_failures), instead of every rank waiting at the next save for ever."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import ray.train
 
 from pipelines.config import ConfigError
-from pipelines.pretrain import deepspeed_checkpoint as state
+from pipelines.zero import checkpoint_files as state
 from pipelines.fit.attempts import Journal
 from pipelines.storage import run_folder
-from pipelines.pretrain.deepspeed_checkpoint import checkpoint_name
+from pipelines.zero.checkpoint_files import checkpoint_name
 from tests.helpers import registered
 from tests.pace import scaled
 from tests.small_runs import config

@@ -99,8 +99,8 @@ import numpy as np, torch, deepspeed
 from models.tokenizer import tokenize
 from pipelines.pretrain.config import load_train_config
 from pipelines.digits.arrays import config_sampler, digit_arrays
-from pipelines.pretrain.engine import training_objective
-from pipelines.pretrain.engine import deepspeed_config, skip_inference_comm_op
+from pipelines.pretrain.objective import training_objective
+from pipelines.zero.engine import deepspeed_config, skip_inference_comm_op
 rank, steps, per_rank = int(os.environ["RANK"]), int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 skip_inference_comm_op()
@@ -115,7 +115,7 @@ for recipe in sys.argv[3:]:
         t = cfg.train
         opt = torch.optim.AdamW(objective.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                 weight_decay=t.weight_decay)
-        ds = deepspeed_config(cfg, False)
+        ds = deepspeed_config(cfg.train, False)
         if stage == 3:  # partitioned as a full-size model's parameters are: by default a parameter under 1e5 elements
             # stays whole on every rank (nearly all of a tiny model's), and gathered ones stay until memory runs short
             ds["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0,

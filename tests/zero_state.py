@@ -1,5 +1,5 @@
 """The whole optimizer state of a DeepSpeed ZeRO checkpoint, read from its files without DeepSpeed: the reference the
-resharding tests hold the universal conversion (pipelines.pretrain.reshard) against."""
+resharding tests hold the universal conversion (pipelines.zero.reshard) against."""
 from __future__ import annotations
 
 import math

@@ -209,14 +209,10 @@ def adapt_loop(config: dict[str, Any]) -> None:
                       cfg.run.audit_steps_to)
     logger = None
     if rank == 0:
-        notices.begin(attempt)
-        notices.guard(fit.progress.step)
-        attempt.under_way()
-        # what an earlier attempt had not delivered, first; the steps after the checkpoint come again, and what MLflow
-        # has of them is not logged twice
-        logger = rank0_logger(sent.mlflow_uri, sent.mlflow_run_id, fit.progress.step,
-                              cfg.tracking.flush_timeout_s, outbox)
-        notices.logger = logger
+        # the core's order (the guard, the heartbeat, then the logger: what an earlier attempt had not delivered
+        # first; the steps after the checkpoint come again, and what MLflow has of them is not logged twice)
+        logger = notices.begin(attempt, fit.progress.step, lambda: rank0_logger(
+            sent.mlflow_uri, sent.mlflow_run_id, fit.progress.step, cfg.tracking.flush_timeout_s, outbox))
         if checkpoint:
             attempt.say_resumed(fit.progress.step, logger, cfg.run.name, cfg.run.storage_path,
                                 t.last_step - fit.progress.step, f"nothing left to train (train.steps {t.steps})")

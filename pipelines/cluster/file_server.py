@@ -12,15 +12,21 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+HOLD_S = 600.0  # the longest a request past `serve_first` waits for `open()`
+
 
 class _Handler(SimpleHTTPRequestHandler):
     counter: Counter
     lock: threading.Lock
     delay_s: float = 0.0
+    gate: "LoopbackServer"
 
     def do_GET(self):  # noqa: N802 (http.server naming)
         with self.lock:
             self.counter[self.path] += 1
+            held = self.gate.serve_first is not None and sum(self.counter.values()) > self.gate.serve_first
+        if held:
+            self.gate.opened.wait(HOLD_S)
         if self.delay_s:
             time.sleep(self.delay_s)
         super().do_GET()
@@ -35,10 +41,13 @@ class _Server(ThreadingHTTPServer):
 
 
 class LoopbackServer:
-    """`with LoopbackServer(folder) as srv:` serves folder at srv.base_url; srv.requests counts GETs by path."""
+    """`with LoopbackServer(folder) as srv:` serves folder at srv.base_url; srv.requests counts GETs by path.
+    `serve_first`: only that many GETs are answered at once, the later ones wait until `open()` (tests: a download
+    held part way, whatever the machine's speed)."""
 
-    def __init__(self, folder: str | Path, delay_s: float = 0.0):
-        self.folder, self.delay_s = str(folder), delay_s
+    def __init__(self, folder: str | Path, delay_s: float = 0.0, serve_first: int | None = None):
+        self.folder, self.delay_s, self.serve_first = str(folder), delay_s, serve_first
+        self.opened = threading.Event()
         self.requests: Counter = Counter()
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -53,13 +62,19 @@ class LoopbackServer:
         return f"{self.base_url}/{name}"
 
     def start(self) -> "LoopbackServer":
-        handler = type("Handler", (_Handler,), {"counter": self.requests, "lock": self._lock, "delay_s": self.delay_s})
+        handler = type("Handler", (_Handler,), {"counter": self.requests, "lock": self._lock, "delay_s": self.delay_s,
+                                                "gate": self})
         self._server = _Server(("127.0.0.1", 0), partial(handler, directory=self.folder))
         self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-http", daemon=True)
         self._thread.start()
         return self
 
+    def open(self) -> None:
+        """Every GET held past `serve_first`, and every later one, answered."""
+        self.opened.set()
+
     def stop(self) -> None:
+        self.opened.set()  # a held request's thread ends
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -10,6 +10,6 @@ drain), `attempts` (the run's journal of attempts, its heartbeat, the failures' 
 `data_wait` (the time the loop waits for data), `faults` (the failure and holds put in on purpose), `notices` (the
 notice's save, training on, the guard, the watchers: composed by pretraining's worker and the adapter), `registered`
 (Ray Train's registration of a checkpoint, waited for within a bound); `trainer` (the Ray Train
-TorchTrainer of a job), `launch` (the driver's steps every training stage takes) and `in_process` (a fit in this
-process, for tests and studies). No DeepSpeed here: pipelines.pretrain adds its engine's step, state and resharding;
-pipelines.adapt its adapters."""
+TorchTrainer of a job, and what the driver hands its workers) and `launch` (the driver's steps every training stage
+takes, and what the workers hand back). No DeepSpeed here: pipelines.zero adds its engine, step, checkpoints and
+resharding for any stage that trains with it; pipelines.adapt its adapters."""

@@ -32,7 +32,7 @@ from models.gather import World
 from pipelines.compat.ray_private import default_preemption_deadline_s
 from pipelines.config import RunConfig
 from pipelines.fit import attempts
-from pipelines.fit.faults import NOTICE_SAVED
+from pipelines.fit.faults import ATTEMPT_START, NOTICE_SAVED
 from pipelines.fit.preemption import NOTICE_MARGIN_S, Notice
 from pipelines.fit.progress import Progress
 
@@ -71,10 +71,25 @@ class Notices:
         final checkpoint, recorded in the run's storage) is never a notice again."""
         self.notice.taken_file_mtime = max(progress.notice_file_mtime, attempts.taken_file_mtime(self.folder))
 
-    def begin(self, attempt: attempts.Attempt, hold: Callable[[str], None] | None = None) -> None:
-        """Rank 0, the attempt begun (its number and journal), and its hold (tests only). Its MLflow logger (`logger`)
-        is set once it exists: after the guard, which may stop the attempt first."""
+    def begin(self, attempt: attempts.Attempt, step: int, logger_for: Callable[[], Any], *,
+              started: threading.Event | None = None, hold: Callable[[str], None] | None = None,
+              then: Callable[[], None] | None = None) -> Any:
+        """Rank 0, the attempt begun at `step` (its journal entry written), in the one order of every stage: the guard
+        (which may stop the attempt first), the watcher of the start's notices (`started`: set by the first step),
+        the hold (tests only), the stage's own (`then`: pretraining removes the uploads a restart cut short), the
+        heartbeat, then the MLflow logger (`logger_for()`: what an earlier attempt had not delivered first), which the
+        notices' records go through. Returns the logger."""
         self.attempt, self.journal, self.hold = attempt.number, attempt.journal, hold
+        self.guard(step)
+        if started is not None:
+            self.watch_start(started, step)
+        if hold:
+            hold(ATTEMPT_START)
+        if then:
+            then()
+        attempt.under_way()
+        self.logger = logger_for()
+        return self.logger
 
     def guard(self, step: int) -> None:
         """Rank 0 at the attempt's start: the attempts of this job right before this one that resumed from `step` and

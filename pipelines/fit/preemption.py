@@ -1,6 +1,6 @@
 """Notices of preemption, from every source a user has, turned into one rank-local flag per training worker.
 
-The flag costs no collective of its own: the step's all-reduce (pipelines.pretrain.deepspeed_fit) carries it beside the
+The flag costs no collective of its own: the step's all-reduce (pipelines.zero.fit) carries it beside the
 non-finite-loss flag, so every rank agrees at the same step boundary that some node is about to go, and the run saves
 its normal checkpoint there (pipelines.pretrain.worker). The sources:
 

@@ -11,43 +11,24 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipelines.config import (ConfigError, ExperimentDocument, check_kwargs, format_validation_error, keyword_types,
                               read_config_file)
-from pipelines.fit.config import LoopConfig
+from pipelines.zero.config import ZeroConfig
 
 
-class TrainConfig(LoopConfig):
+class TrainConfig(ZeroConfig):
     """The pretraining stage's train section: the training core's knobs (LoopConfig: steps, AdamW, schedule, clipping,
-    non-finite policy) and DeepSpeed's workers, batch, precision, checkpoints and evaluation."""
+    non-finite policy), DeepSpeed's (ZeroConfig: batch, ZeRO stage, accumulation, checkpoints) and pretraining's own:
+    the workers, precision, logging, evaluation, the towers' activation checkpointing and compilation."""
 
     # An int, or [min, max] for elastic training: Ray Train runs as many workers as the cluster holds, at least
     # min, at most max, and restarts at another size from the last checkpoint when nodes come or go (any ZeRO stage:
-    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.pretrain.reshard; per-worker batch and learning rate kept:
+    # a ZeRO-1/2/3 checkpoint is resharded, pipelines.zero.reshard; per-worker batch and learning rate kept:
     # docs/SCALING.md "Elastic training").
     num_workers: int | tuple[int, int] = 2
     # Elastic runs: how often Ray Train checks, while the workers run, whether more of them would fit now.
     elastic_resize_interval_s: float = Field(60.0, gt=0)
-    batch_size: int = Field(64, ge=1, description="per worker")
     steps: int = Field(1000, ge=1)
-    zero_stage: int = Field(2, ge=0, le=3)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    # Micro-batches per optimizer step, by feature-cache accumulation (models.accumulate): the loss of each step is
-    # that of one batch of grad_accum x batch_size x workers samples (every one a negative of every other), with the
-    # activations of one micro-batch; ~1/3 more tower compute. docs/SCALING.md "Batch".
-    grad_accum: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
-    # Checkpoint every N optimizer steps, or every this many seconds of the attempt's training since its last
-    # checkpoint, whichever comes first (0: never that way; the final checkpoint always). Uploaded to run.storage_path
-    # behind training (pipelines.pretrain.deepspeed_checkpoint); docs/SCALING.md "Checkpoints" says how to choose them.
-    checkpoint_every: int = Field(0, ge=0)
-    checkpoint_every_s: float = Field(600.0, ge=0)
-    # Where each rank writes its shard before the upload: "auto" (the node's memory, /dev/shm, where it has room for a
-    # whole checkpoint twice over, else $TMPDIR), or a folder (a local SSD).
-    checkpoint_snapshot_dir: str = "auto"
-    # The longest a rank waits for Ray Train to register a checkpoint (every rank's part uploaded): before the next
-    # save behind training, and in a save at once. Past it the attempt fails in one line and Ray Train restarts it
-    # from the last registered checkpoint (run.max_failures): an upload stuck on one rank costs this long, not the run
-    # (held at that save for ever). 1800 s: over 20x the 80 s a 2.4-GB checkpoint took to a slow S3 server
-    # (docs/BENCHMARKS.md "Checkpoints"), room for checkpoints or storage that much larger or slower.
-    upload_timeout_s: float = Field(1800.0, gt=0)
     # Run the eval tasks every N steps, reported to Ray (Tune schedulers use it); 0: only at the end.
     eval_every: int = Field(0, ge=0)
     # Fault injection for testing recovery: one worker raises when this step completes, once per MLflow run.

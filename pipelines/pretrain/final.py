@@ -17,11 +17,11 @@ from pipelines.fit import attempts
 from pipelines.fit.faults import FINAL_EVALUATION
 from pipelines.fit.notices import Notices
 from pipelines.pretrain import export
-from pipelines.pretrain.checkpoints import Checkpoints
 from pipelines.pretrain.config import TrainDocument
-from pipelines.pretrain.engine import gathered_weights
 from pipelines.pretrain.evaluation import Evaluation
 from pipelines.pretrain.step_metrics import StepMetrics
+from pipelines.zero.checkpoints import Checkpoints
+from pipelines.zero.engine import gathered_weights
 
 
 class FinalPhase:

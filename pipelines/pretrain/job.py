@@ -24,7 +24,7 @@ from pipelines.data.worker_reader import WorkerShards
 from pipelines.data.eval_tasks import driver_texts, task_paths
 from pipelines.storage import outbox_folder
 from pipelines.pretrain.data_health import run_stats_name
-from pipelines.pretrain.snapshot_sweep import SnapshotSweep
+from pipelines.zero.snapshot_sweep import SnapshotSweep
 from pipelines.fit.launch import Launch
 from pipelines.data.eval_tasks import eval_dataset_name
 from pipelines.result import JobResult

@@ -11,9 +11,9 @@ import torch
 from pipelines.fit.faults import EVALUATION
 from pipelines.fit.loop import Points
 from pipelines.fit.notices import Notices
-from pipelines.pretrain import deepspeed_checkpoint
-from pipelines.pretrain.engine import gathered_weights
 from pipelines.pretrain.evaluation import Evaluation
+from pipelines.zero import checkpoint_files
+from pipelines.zero.engine import gathered_weights
 
 
 class StepEvaluation:
@@ -32,7 +32,7 @@ class StepEvaluation:
         return self(stoppable=True)
 
     def report(self, metrics: dict[str, Any]) -> None:
-        deepspeed_checkpoint.report(metrics)
+        checkpoint_files.report(metrics)
 
     def __call__(self, stoppable: bool = False) -> dict[str, float] | None:
         """Every eval task's metrics (collective: rank 0 evaluates gathered weights, all ranks get them; a failing

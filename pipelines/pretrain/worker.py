@@ -1,7 +1,7 @@
 """What each Ray Train worker runs (`train_loop`, a `TrainWorker`): DeepSpeed over the model+loss, Ray Data batches,
 rank-0 MLflow logging. The driver side is `pipelines.pretrain.job`.
 
-The loop is the training core's (pipelines.fit.loop.run_steps): the DeepSpeed engine is its Fit (`deepspeed_fit.DeepSpeedFit`)
+The loop is the training core's (pipelines.fit.loop.run_steps): the DeepSpeed engine is its Fit (`pipelines.zero.fit.DeepSpeedFit`)
 and the worker composes the components it asks, each of which owns its state and says when it is due: the step's
 metrics (`step_metrics`: the log, the data's health and wait), the evaluation between steps (`step_evaluation`, over
 rank 0's `evaluation`), the checkpoints (`checkpoints`: the clock, the upload in flight, the one save order), the
@@ -21,29 +21,27 @@ import ray.train
 import torch
 
 from models.gather import World
-from models.openclip_weights import load_openclip_weights, read_openclip_state
 from pipelines import storage
 from pipelines.data.device_augment import model_images
 from pipelines.data.eval_tasks import eval_dataset_name, use_texts
 from pipelines.data.worker_reader import dataset_shard, use_worker_datasets
 from pipelines.fit.attempts import Attempt
 from pipelines.fit.data_wait import DataWait
-from pipelines.fit.faults import ATTEMPT_START, HOLDS, fail_once, hold_at
+from pipelines.fit.faults import HOLDS, fail_once, hold_at
 from pipelines.fit.loop import EmptyEpoch, epoch_batches, run_steps
 from pipelines.fit.notices import Notices
 from pipelines.fit.progress import Progress
 from pipelines.fit.trainer import FromDriver
-from pipelines.pretrain import deepspeed_checkpoint
-from pipelines.pretrain.checkpoints import Checkpoints
 from pipelines.pretrain.config import TrainDocument
 from pipelines.pretrain.data_health import DataHealth
-from pipelines.pretrain.engine import build_engine, training_objective
 from pipelines.pretrain.evaluation import Evaluation
 from pipelines.pretrain.final import FinalPhase
-from pipelines.pretrain.deepspeed_fit import DeepSpeedFit
+from pipelines.pretrain.objective import pretraining_engine
 from pipelines.pretrain.step_evaluation import StepEvaluation
 from pipelines.pretrain.step_metrics import StepMetrics
-
+from pipelines.zero import checkpoint_files
+from pipelines.zero.checkpoints import Checkpoints
+from pipelines.zero.fit import DeepSpeedFit
 
 def device_name(device: torch.device) -> str:
     """e.g. `cuda:0 (NVIDIA H200)` or `cpu`: where the run trained and evaluated."""
@@ -73,9 +71,9 @@ class TrainWorker:
         tasks = cfg.resolved_tasks()
         if self.rank == 0:  # MLflow's import (~1 CPU-s) while the engine is built: the other ranks' first step waits
             threading.Thread(target=importlib.import_module, args=("pipelines.tracking",), daemon=True).start()
-        self.engine, self.scheduler = self._build_engine()
-        deepspeed_checkpoint.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
-        self.progress, resharded = deepspeed_checkpoint.restore(self.engine) or (Progress(), None)
+        self.engine, self.scheduler = pretraining_engine(cfg, self.world, self.rank, self.use_bf16)
+        checkpoint_files.remove_stale_snapshots(self.t.checkpoint_snapshot_dir)  # a killed process's, never uploaded
+        self.progress, resharded = checkpoint_files.restore(self.engine) or (Progress(), None)
         checkpoint = ray.train.get_checkpoint()
         self.restored_step = self.progress.step if checkpoint is not None else None
         self.notices.resumed(self.progress)
@@ -98,7 +96,7 @@ class TrainWorker:
         evaluation = Evaluation(cfg, tasks, self.device, self.use_bf16, self.logger) if self.rank == 0 else None
         self.evaluation = StepEvaluation(self.engine, self.progress, evaluation, self.notices, self.rank, self.device,
                                          self.t.eval_every, hold)
-        self.notices.save_with(self.progress, self._save_on_notice, lambda: deepspeed_checkpoint.report(
+        self.notices.save_with(self.progress, self._save_on_notice, lambda: checkpoint_files.report(
             {"step": self.progress.step, **self.evaluation()}))
         self.final = FinalPhase(cfg, self.engine, self.progress, self.rank, self.device, self.folder, job,
                                 self.checkpoints, self.notices, self.metrics, evaluation, self.logger, hold)
@@ -117,46 +115,23 @@ class TrainWorker:
                 self.logger.tag(f"probvlp.resharded.step_{self.progress.step}", json.dumps(resharded))
 
     def _begin(self, mlflow_uri: str, run_id: str) -> None:
-        """Rank 0, the attempt begun (its journal entry written): the guard, the start's notice watcher, the hold
-        (tests), the uploads a restart cut short removed, the heartbeat, then the logger (what an earlier attempt had
-        not delivered first; its steps after this checkpoint come again)."""
+        """Rank 0, the attempt begun: the core's order (Notices.begin), with pretraining's removal of the uploads a
+        restart cut short before the heartbeat."""
         from pipelines.fit.step_log import rank0_logger  # deferred: MLflow in rank 0's process only
 
-        cfg = self.cfg
-        self.notices.begin(self.attempt, hold=self.hold)
-        self.notices.guard(self.progress.step)
-        self.notices.watch_start(self.started, self.progress.step)
-        if self.hold:  # tests only (faults.hold_at): the attempt has begun, before its first step
-            self.hold(ATTEMPT_START)
-        cut = deepspeed_checkpoint.remove_cut_short(f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}", self.progress.step,
-                                           self.attempt.number)
-        if cut:
-            print(f"[checkpoint] removed {len(cut)} checkpoint upload(s) that a restart cut short: {', '.join(cut)}",
-                  flush=True)
-        self.attempt.under_way()
-        self.logger = rank0_logger(mlflow_uri, run_id, self.progress.step, cfg.tracking.flush_timeout_s,
-                                   self.outbox_folder)
-        self.notices.logger = self.logger
+        cfg, step = self.cfg, self.progress.step
 
-    def _build_engine(self):
-        cfg = self.cfg
-        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        objective = training_objective(cfg)
-        if cfg.model.init_from_openclip and ray.train.get_checkpoint() is None:  # a resume restores its own weights
-            fresh = load_openclip_weights(objective.model, self._read_openclip_state(cfg.model.init_from_openclip))
-            if self.rank == 0:
-                print(f"[probvlp] towers from {cfg.model.init_from_openclip}; {len(fresh)} tensors keep their "
-                      "own initialisation", flush=True)
-        return build_engine(cfg, objective, self.use_bf16)
+        def remove_cut_uploads() -> None:
+            cut = checkpoint_files.remove_cut_short(f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}", step,
+                                                    self.attempt.number)
+            if cut:
+                print(f"[checkpoint] removed {len(cut)} checkpoint upload(s) that a restart cut short: "
+                      f"{', '.join(cut)}", flush=True)
 
-    def _read_openclip_state(self, source: str) -> dict[str, torch.Tensor]:
-        """open_clip downloads into a per-machine cache: one rank per node fetches it, the others then read the cache."""
-        if not source.startswith("open_clip:") or self.world.size == 1:
-            return read_openclip_state(source)
-        first_on_node = ray.train.get_context().get_local_rank() == 0
-        state = read_openclip_state(source) if first_on_node else None
-        torch.distributed.barrier()
-        return state if first_on_node else read_openclip_state(source)
+        self.logger = self.notices.begin(
+            self.attempt, step, lambda: rank0_logger(mlflow_uri, run_id, step, cfg.tracking.flush_timeout_s,
+                                                     self.outbox_folder),
+            started=self.started, hold=self.hold, then=remove_cut_uploads)
 
     @property
     def last_step(self) -> int:
@@ -195,7 +170,7 @@ class TrainWorker:
         component."""
         p = self.progress
         if p.evaluate_at == p.step and p.step == self.restored_step:  # the notice's save came before its evaluation
-            deepspeed_checkpoint.report({"step": p.step, **self.evaluation()})
+            checkpoint_files.report({"step": p.step, **self.evaluation()})
         p.evaluate_at = -1
         if p.step >= self.last_step:
             return

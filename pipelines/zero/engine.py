@@ -1,5 +1,6 @@
-"""The pretraining workers' DeepSpeed engine: the objective with the training knobs, the training core's AdamW and
-schedule (pipelines.fit.optim), DeepSpeed's config, and the full weights of a (possibly partitioned) module."""
+"""A DeepSpeed stage's engine: any objective (a module whose forward returns the loss) under the training core's AdamW
+and schedule (pipelines.fit.optim), DeepSpeed's config from a ZeroConfig, and the full weights of a (possibly
+partitioned) module."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,11 +8,10 @@ from typing import Any
 import torch
 
 from models._imports import without
-from models.objective import Objective, build_training_objective
 from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
 from pipelines.fit.optim import optimizer_for, schedule_for
-from pipelines.pretrain.config import TrainDocument
-from pipelines.pretrain.deepspeed_checkpoint import use_weights_only_loading
+from pipelines.zero.checkpoint_files import use_weights_only_loading
+from pipelines.zero.config import ZeroConfig
 
 # DeepSpeed tries MLflow for its autotuner as it loads (a second of CPU in every worker): only rank 0 logs, and
 # it imports MLflow itself (pipelines.tracking, when it builds its logger).
@@ -19,19 +19,14 @@ with without("mlflow"):
     import deepspeed
 
 
-def training_objective(cfg: TrainDocument) -> Objective:
-    """cfg's model and loss with train.grad_checkpointing and train.compile applied."""
-    return build_training_objective(cfg, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
-
-
-def build_engine(cfg: TrainDocument, objective: torch.nn.Module, use_bf16: bool = False):
-    """(engine, its scheduler): DeepSpeed over `objective` with cfg's AdamW and schedule, checkpoints loaded
+def build_engine(t: ZeroConfig, objective: torch.nn.Module, use_bf16: bool = False):
+    """(engine, its scheduler): DeepSpeed over `objective` with t's AdamW and schedule, checkpoints loaded
     weights-only. torch.distributed already set up on every rank."""
-    optimizer = optimizer_for(objective, cfg.train)
+    optimizer = optimizer_for(objective, t)
     skip_inference_comm_op()
     engine, _, _, scheduler = deepspeed.initialize(
-        model=objective, optimizer=optimizer, lr_scheduler=schedule_for(optimizer, cfg.train),
-        config=deepspeed_config(cfg, use_bf16), dist_init_required=False)
+        model=objective, optimizer=optimizer, lr_scheduler=schedule_for(optimizer, t),
+        config=deepspeed_config(t, use_bf16), dist_init_required=False)
     use_weights_only_loading(engine)
     return engine, scheduler
 
@@ -46,12 +41,11 @@ def skip_inference_comm_op() -> None:
         skip_shm_comm_op_build()
 
 
-def deepspeed_config(cfg: TrainDocument, use_bf16: bool) -> dict[str, Any]:
+def deepspeed_config(t: ZeroConfig, use_bf16: bool) -> dict[str, Any]:
     """bf16 is DeepSpeed's torch autocast, not its bf16 engine: the engine casts every parameter to bf16
     (its keep_in_fp32_modules keeps buffers only), where the sigma heads, the mixer and the losses'
     scale / bias must stay float32 (models.heads); under autocast the parameters stay float32 and the
     towers' matmuls run in bf16 (their gradients are reduced in bf16)."""
-    t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.batch_size,
         # train.grad_accum is ours (feature-cache accumulation, `cached_step`): DeepSpeed sees one backward per

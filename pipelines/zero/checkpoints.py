@@ -1,4 +1,4 @@
-"""A pretraining attempt's checkpoints, on every rank: when one is due by the clock (train.checkpoint_every_s), the
+"""A DeepSpeed attempt's checkpoints, on every rank: when one is due by the clock (train.checkpoint_every_s), the
 upload in flight, and the one order of every save, the periodic ones, a notice's and the final one:
 
 1. rank 0's MLflow calls not delivered yet, into the run's storage beside the checkpoint about to be written (whichever
@@ -8,7 +8,7 @@ upload in flight, and the one order of every save, the periodic ones, a notice's
    checkpoint once every rank's part is in: behind training for a periodic save, before the save returns otherwise;
 4. rank 0's journal of attempts: the step reached and the last registered checkpoint, one write a save.
 
-The shard itself, the upload and its wait are pipelines.pretrain.deepspeed_checkpoint's."""
+The shard itself, the upload and its wait are pipelines.zero.checkpoint_files's."""
 from __future__ import annotations
 
 import os
@@ -16,15 +16,15 @@ import time
 from typing import Any
 
 from pipelines.fit.progress import Progress
-from pipelines.pretrain import deepspeed_checkpoint
-from pipelines.pretrain.config import TrainConfig
+from pipelines.zero import checkpoint_files
+from pipelines.zero.config import ZeroConfig
 
 
 class Checkpoints:
     """One attempt's saves (every rank). `logger`, `journal`: rank 0's (None on the others); `attempt`: rank 0's
     number of the attempt, which names its checkpoint folders (the other ranks' names do not count)."""
 
-    def __init__(self, engine, progress: Progress, t: TrainConfig, rank: int, attempt: int, outbox_folder: str,
+    def __init__(self, engine, progress: Progress, t: ZeroConfig, rank: int, attempt: int, outbox_folder: str,
                  logger=None, journal=None):
         self.engine, self.progress, self.t, self.rank, self.attempt = engine, progress, t, rank, attempt
         self.outbox_folder, self.logger, self.journal = outbox_folder, logger, journal
@@ -62,7 +62,7 @@ class Checkpoints:
         waited, registered = self._wait_for_upload(step) if behind else (0.0, {})  # 2
         progress.evaluate_at = step if evaluate_at else -1
         try:  # 3
-            snapshot = deepspeed_checkpoint.save(self.engine, progress, metrics, behind=behind, name=self._name(step),
+            snapshot = checkpoint_files.save(self.engine, progress, metrics, behind=behind, name=self._name(step),
                                         snapshots=self.t.checkpoint_snapshot_dir,
                                         upload_timeout_s=self.t.upload_timeout_s)
         finally:
@@ -90,16 +90,16 @@ class Checkpoints:
                   "(one upload at a time: train.checkpoint_every or checkpoint_every_s shorter than an upload?)",
                   flush=True)
             self.journal.update(waiting_for_upload=previous)
-        deepspeed_checkpoint.wait_for_uploads(previous, self.t.upload_timeout_s)
+        checkpoint_files.wait_for_uploads(previous, self.t.upload_timeout_s)
         self.upload = None
         registered = {"checkpoint_step": previous, **({"waiting_for_upload": None} if slow else {})}
         return time.perf_counter() - start, registered
 
     def _name(self, step: int) -> str | None:
-        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.pretrain.deepspeed_checkpoint.checkpoint_name)."""
+        """The checkpoint's folder in the run's storage (rank 0's counts; pipelines.zero.checkpoint_files.checkpoint_name)."""
         if self.rank != 0:
             return None
-        name = base = deepspeed_checkpoint.checkpoint_name(step, self.attempt)
+        name = base = checkpoint_files.checkpoint_name(step, self.attempt)
         while name in self.names:  # the same step saved twice (a notice at a step that applied nothing)
             name = f"{base}_{len(self.names)}"
         self.names.add(name)

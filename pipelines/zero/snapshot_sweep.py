@@ -1,6 +1,6 @@
 """What killed uploads left on the cluster's nodes, removed at a job's start.
 
-A periodic checkpoint's snapshot waits for its upload in a folder of its node (pipelines.pretrain.deepspeed_checkpoint.save), in memory
+A periodic checkpoint's snapshot waits for its upload in a folder of its node (pipelines.zero.checkpoint_files.save), in memory
 where it is in /dev/shm, and Ray Train deletes it once uploaded; a process killed before that leaves it there. A
 training worker removes those of its own node when it starts (state.remove_stale_snapshots), so a node that gets no
 later training worker would keep them for as long as it runs: the driver of every job sweeps every alive node too.
@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 TIMEOUT_S = 30.0  # from the launch: a node that has not answered by then is skipped
-# Each rank's snapshot waits for its upload in a folder of this name (pipelines.pretrain.deepspeed_checkpoint.snapshot_root; Ray Train
+# Each rank's snapshot waits for its upload in a folder of this name (pipelines.zero.checkpoint_files.snapshot_root; Ray Train
 # deletes it once uploaded)
 SNAPSHOTS = "probvlp-snapshot-"
 SHM = "/dev/shm"

@@ -29,16 +29,16 @@ from pipelines.compat.deepspeed_private import use_weights_only_checkpoint_loadi
 from pipelines.fit.progress import Progress
 from pipelines.fit.registered import UploadTimeout, wait_for_uploads  # noqa: F401 - the workers' names
 from pipelines.storage import fs_path
-from pipelines.pretrain import reshard
-from pipelines.pretrain.config import TrainConfig
+from pipelines.zero import reshard
+from pipelines.zero.config import ZeroConfig
 # the snapshot folders' names, and their removal after a kill: in the torch-free module the job's sweep runs on every node
-from pipelines.pretrain.snapshot_sweep import SHM, SNAPSHOTS, remove_stale_snapshots  # noqa: F401 - the worker's name
+from pipelines.zero.snapshot_sweep import SHM, SNAPSHOTS, remove_stale_snapshots  # noqa: F401 - the worker's name
 
 TAG = "state"
 _NAMED = re.compile(r"checkpoint_(?P<step>\d{8})_attempt(?P<attempt>\d{3,})(_\d+)?")
 # cgroup v1's "no limit" is its page counter's maximum in bytes (9223372036854771712 with 4-KiB pages): at least this
 _CGROUP_V1_UNLIMITED = 1 << 62
-UPLOAD_TIMEOUT_S: float = TrainConfig.model_fields["upload_timeout_s"].default
+UPLOAD_TIMEOUT_S: float = ZeroConfig.model_fields["upload_timeout_s"].default
 
 
 def use_weights_only_loading(engine) -> None:
@@ -219,7 +219,7 @@ def remove_cut_short(run_dir: str, resumed_step: int, attempt: int) -> list[str]
 
 def restore(engine) -> tuple[Progress, dict | None] | None:
     """Load Ray Train's latest checkpoint (after a worker failure, a re-run with the same run name, or an elastic
-    resize: a ZeRO-1/2/3 checkpoint of another world size loads resharded, pipelines.pretrain.reshard). Returns the
+    resize: a ZeRO-1/2/3 checkpoint of another world size loads resharded, pipelines.zero.reshard). Returns the
     progress and the resharding's record (None where the checkpoint loaded as saved)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
