@@ -24,6 +24,7 @@ from PIL import Image
 from pipelines.download.config import DownloadConfig, load_download_config
 from pipelines.download.job import download_shards
 from pipelines.download.plan import plan
+from pipelines.download.shard import shard_name
 from pipelines.cluster.file_server import LoopbackServer
 from pipelines.download.urls import DownloadError
 from tests.helpers import jpeg
@@ -211,8 +212,8 @@ def test_parquet_and_jsonl_inputs(ray_local, site, tmp_path):
 def test_kill_and_resume(ray_local, tmp_path):
     """SIGKILL the whole `jobs.download` process group mid-way, re-run: same samples as an
     uninterrupted run, and no URL of a shard finished before the kill is fetched again. The server answers the first
-    three shards' images (one shard at a time: max_parts_in_flight 1) and holds the fourth's until the kill: the job
-    is killed part way whatever the machine's speed."""
+    three parts' images (one part, one shard, at a time: max_parts_in_flight 1) and holds the fourth's until the kill:
+    the job is killed part way whatever the machine's speed."""
     folder = tmp_path / "site"
     folder.mkdir()
     n = 48
@@ -227,12 +228,16 @@ def test_kill_and_resume(ray_local, tmp_path):
         reference = DownloadConfig(input=str(table), output=str(tmp_path / "reference"), **common)
         download_shards(reference, local_only=True)
         server.requests.clear()
-        server.serve_first = 12  # 3 shards of 4, then held until server.open()
 
         out = tmp_path / "out"
         cfg_file = tmp_path / "download.yaml"
         cfg_file.write_text(yaml.safe_dump({"download": {"input": str(table), "output": str(out), **common},
                                             "ray": {"num_cpus": 2}}))
+        # planned here, the job reuses the plan: its parts (about 4 rows each: URLs go to buckets by hash) in the
+        # order they run; the first three answered, the fourth's images held until server.open()
+        manifest = plan(load_download_config(cfg_file).download)
+        first = manifest["parts"][:3]
+        server.serve_first = sum(part["rows"] for part in first)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         proc = subprocess.Popen([sys.executable, "-m", "jobs.download", "--config", str(cfg_file)], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -249,7 +254,8 @@ def test_kill_and_resume(ray_local, tmp_path):
         finished = {p.name[: -len("_stats.json")] for p in out.glob("*_stats.json")}
         stamps = {name: (out / f"{name}.tar").stat().st_mtime_ns for name in finished}
         total = json.loads((out / "_parts" / "_manifest.json").read_text())["parts"]
-        assert len(finished) == 3 < len(total), "killed while the fourth shard's images were held"
+        assert finished == {shard_name(part["shard"], manifest["shard_digits"]) for part in first}, finished
+        assert len(finished) < len(total), "killed while the fourth shard's images were held"
         before = dict(server.requests)
         server.open()
 

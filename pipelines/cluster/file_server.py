@@ -12,7 +12,7 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-HOLD_S = 600.0  # the longest a request past `serve_first` waits for `open()`
+HOLD_S = 600.0  # the longest a request held past `serve_first` stays unanswered
 
 
 class _Handler(SimpleHTTPRequestHandler):
@@ -24,9 +24,11 @@ class _Handler(SimpleHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server naming)
         with self.lock:
             self.counter[self.path] += 1
-            held = self.gate.serve_first is not None and sum(self.counter.values()) > self.gate.serve_first
-        if held:
-            self.gate.opened.wait(HOLD_S)
+            held = (self.gate.serve_first is not None and not self.gate.opened.is_set()
+                    and sum(self.counter.values()) > self.gate.serve_first)
+        if held:  # never answered: its client is gone (killed) by the time the test lets the server go on
+            self.gate.stopped.wait(HOLD_S)
+            return
         if self.delay_s:
             time.sleep(self.delay_s)
         super().do_GET()
@@ -42,12 +44,13 @@ class _Server(ThreadingHTTPServer):
 
 class LoopbackServer:
     """`with LoopbackServer(folder) as srv:` serves folder at srv.base_url; srv.requests counts GETs by path.
-    `serve_first`: only that many GETs are answered at once, the later ones wait until `open()` (tests: a download
-    held part way, whatever the machine's speed)."""
+    `serve_first`: only that many GETs are answered, the later ones are held, never answered, until `open()`; from
+    then on every GET is (tests: a download held part way whatever the machine's speed, killed, then resumed; the
+    killed download's held requests stay held, so a process of it that outlives the kill asks for nothing more)."""
 
     def __init__(self, folder: str | Path, delay_s: float = 0.0, serve_first: int | None = None):
         self.folder, self.delay_s, self.serve_first = str(folder), delay_s, serve_first
-        self.opened = threading.Event()
+        self.opened, self.stopped = threading.Event(), threading.Event()
         self.requests: Counter = Counter()
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -70,11 +73,11 @@ class LoopbackServer:
         return self
 
     def open(self) -> None:
-        """Every GET held past `serve_first`, and every later one, answered."""
+        """Every GET from now on answered (those held stay so)."""
         self.opened.set()
 
     def stop(self) -> None:
-        self.opened.set()  # a held request's thread ends
+        self.stopped.set()  # the held requests' threads end, unanswered
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
