@@ -43,6 +43,7 @@ from pipelines.zero import checkpoint_files
 from pipelines.zero.checkpoints import Checkpoints
 from pipelines.zero.fit import DeepSpeedFit
 
+
 def device_name(device: torch.device) -> str:
     """e.g. `cuda:0 (NVIDIA H200)` or `cpu`: where the run trained and evaluated."""
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
