@@ -6,10 +6,9 @@ attempt fails, and `logger.close(keep_to=folder)` at the end, after which the dr
 (`Launch.run(pending_in=folder)`). Pretraining's workers and the adapter's build their logger here."""
 from __future__ import annotations
 
-import os
-
-from pipelines.tracking import OUTBOX_DIR, StepLogger
-from pipelines.tracking.outbox import load
+from pipelines.tracking import StepLogger
+from pipelines.tracking.logger import process_outbox
+from pipelines.tracking.outbox import files_folder, load
 
 
 def rank0_logger(uri: str, run_id: str, resumed_from: int, flush_timeout_s: float, folder: str) -> StepLogger:
@@ -18,7 +17,7 @@ def rank0_logger(uri: str, run_id: str, resumed_from: int, flush_timeout_s: floa
     replayed steps those the store holds are dropped once it answers. Neither the restart nor the loop ever waits for
     the store (no read of the run here: a restart during an outage trains on); the end waits for delivery up to
     `flush_timeout_s`, and only while the store answers when handing over to `folder`."""
-    # where this process's outbox keeps its artifact copies (StepLogger's folder): the carried calls' files go there
-    files = OUTBOX_DIR / f"{run_id}-{os.getpid()}" / "files"
+    # the carried calls' artifact copies go where this process's outbox (StepLogger's) keeps its own
+    files = files_folder(process_outbox(run_id))
     return StepLogger(uri, run_id, None, resumed_from=resumed_from, background=True, flush_timeout_s=flush_timeout_s,
                       carried=load(folder, files, resumed_from, drop_ends=True))

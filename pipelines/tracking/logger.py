@@ -17,6 +17,12 @@ from pipelines.tracking.store import hide_credentials, worker_client
 OUTBOX_DIR = STATE_DIR / "tracking_outbox"  # rank 0's outbox queue past its memory bound, and its artifact copies
 
 
+def process_outbox(run_id: str) -> Path:
+    """This process's outbox folder for the run (under OUTBOX_DIR): its queue past the memory bound and its artifact
+    copies (pipelines.tracking.outbox.files_folder)."""
+    return OUTBOX_DIR / f"{run_id}-{os.getpid()}"
+
+
 class StepLogger:
     """Per-step metrics, tags and artifacts of a run.
 
@@ -42,7 +48,7 @@ class StepLogger:
         self.outbox = None
         if background:
             head, ops = carried or ({}, [])
-            self.outbox = Outbox(self.client, run_id, hide_credentials(uri), OUTBOX_DIR / f"{run_id}-{os.getpid()}",
+            self.outbox = Outbox(self.client, run_id, hide_credentials(uri), process_outbox(run_id),
                                  replay_from=resumed_from, carried=ops, unreachable_s=head.get("unreachable_s", 0.0))
         elif resumed_from > 0:
             data = self.client.get_run(run_id).data

@@ -249,6 +249,11 @@ def _what(op: dict) -> str:
     return f"the run's {next(iter(op))}"
 
 
+def files_folder(folder: Path) -> Path:
+    """Where an outbox in `folder` keeps its copies of the artifacts it has not delivered."""
+    return folder / "files"
+
+
 @dataclasses.dataclass
 class OutboxReport:
     unreachable_s: float
@@ -280,7 +285,7 @@ class Outbox:
         no_links_with_credentials(uri)
         self.replay_from = replay_from
         self.folder = folder
-        self.files = self.folder / "files"
+        self.files = files_folder(self.folder)
         self.spill = self.folder / "spill.jsonl"
         self.cv = threading.Condition()
         self.queue: deque[dict] = deque()
@@ -795,7 +800,7 @@ def deliver_kept(target: str, uri: str | None = None, timeout_s: float = 600.0, 
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        head, kept = load(target, folder / "files") or ({}, [])
+        head, kept = load(target, files_folder(folder)) or ({}, [])
         ops = iter(kept)
         first = next(ops, None)
         ops = itertools.chain([] if first is None else [first], ops)
