@@ -16,22 +16,11 @@ HOLD_S = 600.0  # the longest a request held past `serve_first` stays unanswered
 
 
 class _Handler(SimpleHTTPRequestHandler):
-    counter: Counter
-    lock: threading.Lock
-    delay_s: float = 0.0
-    gate: "LoopbackServer"
+    site: "LoopbackServer"
 
     def do_GET(self):  # noqa: N802 (http.server naming)
-        with self.lock:
-            self.counter[self.path] += 1
-            held = (self.gate.serve_first is not None and not self.gate.opened.is_set()
-                    and sum(self.counter.values()) > self.gate.serve_first)
-        if held:  # never answered: its client is gone (killed) by the time the test lets the server go on
-            self.gate.stopped.wait(HOLD_S)
-            return
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        super().do_GET()
+        if self.site.answers(self.path):
+            super().do_GET()
 
     def log_message(self, format, *args):  # noqa: A002 - quiet: one line per image would flood logs
         pass
@@ -56,6 +45,20 @@ class LoopbackServer:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
+    def answers(self, path: str) -> bool:
+        """A GET of `path` counted; False where it is held (never answered: its client is gone, killed, by the time
+        the test lets the server go on), True after `delay_s` otherwise."""
+        with self._lock:
+            self.requests[path] += 1
+            held = (self.serve_first is not None and not self.opened.is_set()
+                    and sum(self.requests.values()) > self.serve_first)
+        if held:
+            self.stopped.wait(HOLD_S)
+            return False
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return True
+
     @property
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
@@ -65,8 +68,7 @@ class LoopbackServer:
         return f"{self.base_url}/{name}"
 
     def start(self) -> "LoopbackServer":
-        handler = type("Handler", (_Handler,), {"counter": self.requests, "lock": self._lock, "delay_s": self.delay_s,
-                                                "gate": self})
+        handler = type("Handler", (_Handler,), {"site": self})
         self._server = _Server(("127.0.0.1", 0), partial(handler, directory=self.folder))
         self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-http", daemon=True)
         self._thread.start()
