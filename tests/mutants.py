@@ -432,21 +432,23 @@ def scratch_copy(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def run_tests(root: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[int, str]:
+def run_tests(root: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[int, list[str], str]:
     """pytest over `tests` in `root`, whose packages shadow the checkout's (PYTHONPATH, and the working directory
-    that tests/conftest.py and Ray's workers put first); its exit status and output's tail."""
+    that tests/conftest.py and Ray's workers put first); its exit status, the tests it names as failed (read from its
+    whole report: Ray's lines on stderr can outgrow any tail) and its output's tail."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
            "-m", "not gpu", *tests]
     try:
         out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as err:
-        return 124, (err.stdout or b"")[-2000:].decode(errors="replace") if isinstance(err.stdout, bytes) else ""
-    return out.returncode, (out.stdout + out.stderr)[-3000:]
+        partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return 124, failed_tests(partial), partial[-2000:]
+    return out.returncode, failed_tests(out.stdout), (out.stdout + out.stderr)[-3000:]
 
 
-def failed_tests(output: str) -> list[str]:
-    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+def failed_tests(report: str) -> list[str]:
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", report, flags=re.M)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,9 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(pristine, tree)
             m.apply(tree)
             began = time.monotonic()
-            rc, output = run_tests(tree, m.tests, args.timeout)
+            rc, failed, output = run_tests(tree, m.tests, args.timeout)
             verdict = "killed" if rc == 1 else "survived" if rc == 0 else f"error (pytest exit {rc})"
-            rows.append((m, verdict, failed_tests(output), time.monotonic() - began))
+            rows.append((m, verdict, failed, time.monotonic() - began))
             print(f"{m.name}: {verdict} in {rows[-1][3]:.0f} s{': ' + ', '.join(rows[-1][2]) if rows[-1][2] else ''}",
                   flush=True)
             if verdict != "killed":
