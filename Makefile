@@ -19,6 +19,9 @@ COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra
 # pip byte-compiles the ~20,000 installed modules one at a time; compileall does the same on every core (fresh
 # clones on 2 cores, alternating: 70-104 s, against 98-129 s for pip's own). Its exit status is not checked: like
 # pip, it meets a few files that only a newer Python parses (torch's tests), which stay uncompiled as under pip.
+# Compiling at install is not left to Python's first imports: where PYTHONDONTWRITEBYTECODE is set (this machine and
+# its CI) those write nothing, and every process would compile every module it imports again (12 CPU-s for the
+# 5,714 modules of a training worker, the evaluation, sweep and download jobs, measured 2026-12-06).
 # pip itself at constraints.txt's version, the lock, then the project without its dependencies; packages the lock does
 # not name (dropped by a lock upgrade, or installed by hand) are uninstalled.
 $(STAMP): $(LOCK) pyproject.toml constraints.txt
