@@ -418,6 +418,13 @@ MUTANTS = [
            "task.remote(\n            choice)",
            ("tests/test_stale_snapshots.py::"
             "test_every_node_removes_its_own_and_a_node_that_does_not_answer_is_skipped",)),
+    Mutant("texts-of-one-batch-here",
+           "texts that fit one batch are embedded by the caller's model, not by an actor pool started for them",
+           "pipelines/evaluate/inference.py",
+           "if model is not None and len(texts) <= opts.batch_size:",
+           "if False:",
+           ("tests/test_evaluation.py::"
+            "test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool",)),
 ]
 
 

@@ -231,6 +231,37 @@ def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path
     assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3
 
 
+def text_pools() -> int:
+    """Text-embedding actors this session's Ray has started so far (dead ones too: GCS keeps their records)."""
+    import ray
+    from ray.util.state import list_actors
+
+    return sum("TextEmbedder" in a.class_name for a in list_actors(ray.get_runtime_context().gcs_address,
+                                                                 limit=10_000, raise_on_missing_output=False))
+
+
+def test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool(trained_clip, tmp_path):
+    """A zero-shot task's prompts (a batch or less) are embedded by the model the caller holds: no text actor is
+    started, and the parquet is the one a pool writes for the same strings (a pool's when they exceed a batch)."""
+    from pipelines.evaluate.inference import InferenceOptions, read_embeddings, write_text_embeddings
+
+    _, result, _ = trained_clip
+    folder = download_artifacts(run_id=result.mlflow_run_id, artifact_path="model", dst_path=str(tmp_path / "dl"),
+                                tracking_uri=result.mlflow_uri)
+    file = str(model_file(Path(folder)))
+    model, texts = load_model(file), ["a handwritten 1", "a photo of the number 7", "eight"]
+    before = text_pools()
+    here = read_embeddings(write_text_embeddings(file, texts, tmp_path / "here", InferenceOptions(concurrency=1),
+                                                 model), "index")
+    assert text_pools() == before  # no actor for one batch
+    pooled = read_embeddings(write_text_embeddings(file, texts, tmp_path / "pool",
+                                                   InferenceOptions(concurrency=1, batch_size=2), model), "index")
+    assert text_pools() > before  # two batches: the pool, as for a retrieval task's captions
+    assert here[0] == pooled[0] == {"index": [0, 1, 2], "text": texts}
+    assert here[1].keys() == pooled[1].keys() == {"mu"}
+    np.testing.assert_allclose(here[1]["mu"].numpy(), pooled[1]["mu"].numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_jobs_embed_reads_its_shards_from_s3_and_writes_its_output_there(trained_clip, digits_root, s3, tmp_path):
     """jobs.embed with --data and --out on S3 (moto's server): one row per test image, the embeddings a plain
     in-process loop gives, the distinct captions, skipped.json and the faiss index are objects under --out, and a file

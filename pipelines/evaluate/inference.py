@@ -5,7 +5,8 @@ per actor, loaded once; `num_gpus` per actor on a GPU cluster) -> ``{out}/images
 columns key, captions (one per line), cls, and the model's outputs (mu, logvar for probabilistic
 models, mix for Llip's mixture tokens, flattened) as fixed-size float32 lists, readable by pandas,
 pyarrow or faiss without this project. Texts: the same for a list of strings ->
-``{out}/texts/*.parquet`` (index, text, mu[, logvar]).
+``{out}/texts/*.parquet`` (index, text, mu[, logvar]); a list that fits one batch (a zero-shot task's prompts) is
+embedded by the caller's copy of the model instead, which a pool would spend a process start and a model load on.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pipelines.cluster.check import is_local_path, only_here
 from pipelines.data.eval_reader import REQUIRES, read_eval_shards
 from pipelines.data.eval_tasks import task_paths
 from pipelines.storage import fs_path, uri
-from pipelines.evaluate.in_process import TaskEmbeddings, split_captions, task_texts
+from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
 
@@ -135,9 +136,21 @@ def write_image_embeddings(model_file: str, paths: list[str], image_size: int, o
     return folder
 
 
-def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions) -> str | Path:
-    """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder."""
+def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions,
+                          model: torch.nn.Module | None = None) -> str | Path:
+    """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder. Given `model` (the file's, loaded
+    by the caller), strings that fit one batch are embedded by it here: a pool's actor would start a process and load
+    the model for that one batch (seconds on a CPU, a CUDA context on a GPU), and the columns are the same."""
     folder = _fresh(out, "texts")
+    if model is not None and len(texts) <= opts.batch_size:
+        out_here = embed_texts(model, texts, opts.batch_size)
+        table = pa.table({"index": pa.array(np.arange(len(texts), dtype=np.int64)),
+                          "text": pa.array(texts, pa.string()), **fixed_lists(out_here)})
+        fs, path = fs_path(str(folder))
+        fs.makedirs(path, exist_ok=True)
+        with fs.open(f"{path}/000000.parquet", "wb") as f:
+            pq.write_table(table, f)
+        return folder
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
     _write(ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)), folder)
     return folder
@@ -183,6 +196,6 @@ def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, o
     cols, image = read_embeddings(folder, "key", mixture_tokens)
     captions = split_captions(cols["captions"])
     texts, counts, classnames = task_texts(task, captions)
-    _, text = read_embeddings(write_text_embeddings(model_file, texts, out, opts), "index")
+    _, text = read_embeddings(write_text_embeddings(model_file, texts, out, opts, model), "index")
     return TaskEmbeddings(cols["key"], image, captions, torch.tensor(cols["cls"], dtype=torch.long), texts, text,
                           counts, classnames)

@@ -201,5 +201,5 @@ def _embed(model_ref: str, data: str, split: str | None, out: str | Path, here: 
     if texts:
         captions = distinct_captions(split_captions(cols["captions"]))
         if captions:
-            written = write_text_embeddings(str(source["model"]), captions, out, opts)
+            written = write_text_embeddings(str(source["model"]), captions, out, opts, model)
             log(f"{len(captions)} caption embeddings in {written}")
