@@ -140,8 +140,10 @@ def test_training_on_faulty_shards_finishes_and_counts_every_fault(faulty, reade
 
 def test_past_max_bad_frac_the_run_stops_with_one_line(ray_local, faulty, tmp_path, capsys):
     root, expected, _ = faulty
+    # one worker: rank 0 stops the run on the readers' shared counts (their sum over two readers: the test above)
     rc = jobs.pretrain.main(["--config", DEMO, *overrides(root, tmp_path, "too-bad", "data.max_bad_frac=0.004",
-                                                          "train.steps=40", "train.log_every=2")])
+                                                          "train.steps=40", "train.log_every=2",
+                                                          "train.num_workers=1")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert rc == 2
     assert len(err) == 1, err  # one line (beside Ray's own start-up lines)

@@ -3,7 +3,8 @@ ending by a notice before they train a step stops with NoticeLoop instead of res
 trained a step, or that a kill without a notice ended, is no notice loop. Each run is held as each attempt begins (faults.ATTEMPT_START, before its first step)
 so that what the test does to an attempt (a kill, a notice file written again) happens before that attempt's first
 step whatever the machine's speed; and each test bounds the attempts it acts on, so that a run without its guard
-ends (and fails the test) instead of looping."""
+ends (and fails the test) instead of looping. One training worker: the guard is rank 0's count of the journal's
+attempts (a second rank adds two process starts an attempt; the ranks agreeing on a notice are test_preemption's)."""
 from __future__ import annotations
 
 import os
@@ -48,28 +49,28 @@ def beside(cfg, action, holds: tuple[Hold, ...]):
 def test_attempts_that_a_notice_ends_before_their_first_step_stop_the_run_and_no_other_loss_does(
         ray_local, digits_root, tmp_path):
     """Each attempt is held as it begins (its journal entry written, before its first step):
-    - attempt 1: a training worker is killed there (a node lost, no notice): a failure (run.max_failures), not a
+    - attempt 1: the training worker is killed there (a node lost, no notice): a failure (run.max_failures), not a
       notice loop; attempt 2 is not stopped by the guard.
-    - attempt 2: SIGTERM to both training workers (a notice, run.sigterm_grace_s ahead), seen and recorded by rank 0
-      before any step, then both are killed (their machine gone at the deadline): ended by a notice without progress.
+    - attempt 2: SIGTERM to the training worker (a notice, run.sigterm_grace_s ahead), seen and recorded by rank 0
+      before any step, then it is killed (its machine gone at the deadline): ended by a notice without progress.
     - attempt 3 resumes from the same step with one such attempt behind it (run.max_notices_without_progress 1) and
       stops as it begins (NoticeLoop, one line naming one attempt: the kill's does not count), never reaching its
       hold; no step was trained."""
     name, audit = "stalled", tmp_path / "steps.txt"
-    cfg = config(tmp_path, digits_root, name, "train.steps=1", ONLY_ZEROSHOT, "run.max_failures=2",
-                 f"run.max_notices_without_progress={LIMIT}", f"run.audit_steps_to={audit}")
+    cfg = config(tmp_path, digits_root, name, "train.steps=1", "train.num_workers=1", ONLY_ZEROSHOT,
+                 "run.max_failures=2", f"run.max_notices_without_progress={LIMIT}", f"run.audit_steps_to={audit}")
     start = Hold(tmp_path / "hold", ATTEMPT_START)
     recorded = run_folder(str(tmp_path / "ray"), name) + "/notices/attempt-000002-rank-0.json"
 
     def kill_then_notice_then_kill(done: threading.Event) -> None:
         wait_for("attempt 1 held as it begins", lambda: start.held() >= 1, 300, 0.1)
-        pids = wait_for("two training workers", lambda: len(p := train_workers()) == 2 and p, 60, 0.1)
+        pids = wait_for("the training worker", lambda: len(p := train_workers()) == 1 and p, 60, 0.1)
         os.kill(pids[-1], signal.SIGKILL)
         wait_for("attempt 2 held as it begins (not stopped by the guard)",
                  lambda: done.is_set() or start.held() >= 2, 300, 0.1)
         if done.is_set():
             return
-        pids = wait_for("attempt 2's two training workers", lambda: len(p := train_workers()) == 2
+        pids = wait_for("attempt 2's training worker", lambda: len(p := train_workers()) == 1
                         and not set(p) & set(pids) and p, 60, 0.1)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
@@ -96,9 +97,9 @@ def test_a_notice_at_every_attempts_first_step_is_progress_and_the_run_ends(ray_
     the run is not stopped; attempt 3 trains the rest and the run ends, every step trained once."""
     name, audit, notice = "storm", tmp_path / "steps.txt", tmp_path / "notice"
     notice.write_text("0\n")  # the seconds left: none (Ray Train restarts the run once the save is done)
-    cfg = config(tmp_path, digits_root, name, "train.steps=3", "train.log_every=1", ONLY_ZEROSHOT,
-                 "run.max_failures=0", f"run.max_notices_without_progress={LIMIT}", f"run.notice_file={notice}",
-                 f"run.audit_steps_to={audit}")
+    cfg = config(tmp_path, digits_root, name, "train.steps=3", "train.num_workers=1", "train.log_every=1",
+                 ONLY_ZEROSHOT, "run.max_failures=0", f"run.max_notices_without_progress={LIMIT}",
+                 f"run.notice_file={notice}", f"run.audit_steps_to={audit}")
     start = Hold(tmp_path / "hold", ATTEMPT_START)
     noticed = LIMIT + 1  # the attempts that find a notice at their first step
 

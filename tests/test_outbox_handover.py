@@ -28,18 +28,21 @@ def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
 @pytest.mark.timeout(900)
 def test_a_node_lost_hard_during_an_outage_loses_no_metric(ray_local, digits_root, restartable_mlflow, tmp_path):
     """The tracking server stops once the driver has made the run: rank 0 queues everything it logs.
-    - Attempt 1: once Ray Train has registered a periodic checkpoint past the step the run had reached then, both
-      training workers are killed (SIGKILL), the server still away: only what that checkpoint carried of rank 0's
+    - Attempt 1: once Ray Train has registered a periodic checkpoint past the step the run had reached then, the
+      training worker is killed (SIGKILL), the server still away: only what that checkpoint carried of rank 0's
       queue survives.
     - Attempt 2 resumes from it (held as it begins while a notice file is written: it takes the notice at its first
       step) and saves the notice's checkpoint; rank 0 is held right after that save's registration (NOTICE_SAVED:
-      where the evaluation, the file's hand-over and the wait for the deadline follow) and the workers are killed
+      where the evaluation, the file's hand-over and the wait for the deadline follow) and the worker is killed
       again: only what the notice's save carried survives.
     - Attempt 3 resumes from the notice's checkpoint, the server comes back, and MLflow holds every step's loss
       exactly once: the steps before each checkpoint from the queue it carried, the rest from the restarts.
-    Rank 0 is held in the final evaluation (a Hold) until the test has acted: the run cannot end first, however fast."""
+    Rank 0 is held in the final evaluation (a Hold) until the test has acted: the run cannot end first, however fast.
+    One worker: the queue is rank 0's alone (a second rank would add two process starts an attempt and nothing to
+    what is handed over; two ranks' saves agreeing on a notice are tests/test_preemption.py's)."""
     server, audit, name, notice = restartable_mlflow, tmp_path / "steps.txt", "hardkill", tmp_path / "notice"
-    cfg = config(tmp_path, digits_root, name, *REFERENCE, "train.log_every=1", f"tracking.uri={server.uri}",
+    cfg = config(tmp_path, digits_root, name, *REFERENCE, "train.num_workers=1", "train.log_every=1",
+                 f"tracking.uri={server.uri}",
                  "run.max_failures=2", f"run.audit_steps_to={audit}", f"run.notice_file={notice}")
     client = MlflowClient(server.uri)
     made = Path(run_folder(str(tmp_path / "ray"), name))
