@@ -42,8 +42,8 @@ def test_a_node_lost_hard_during_an_outage_loses_no_metric(ray_local, digits_roo
     what is handed over; two ranks' saves agreeing on a notice are tests/test_preemption.py's)."""
     server, audit, name, notice = restartable_mlflow, tmp_path / "steps.txt", "hardkill", tmp_path / "notice"
     cfg = config(tmp_path, digits_root, name, *REFERENCE, "train.num_workers=1", "train.log_every=1",
-                 f"tracking.uri={server.uri}",
-                 "run.max_failures=2", f"run.audit_steps_to={audit}", f"run.notice_file={notice}")
+                 f"tracking.uri={server.uri}", "run.max_failures=2", f"run.audit_steps_to={audit}",
+                 f"run.notice_file={notice}")
     client = MlflowClient(server.uri)
     made = Path(run_folder(str(tmp_path / "ray"), name))
     end, start = Hold(tmp_path / "hold"), Hold(tmp_path / "start", ATTEMPT_START)

@@ -92,8 +92,13 @@ class TextEmbedder(_Embedder):
     def __call__(self, batch: dict[str, np.ndarray]):
         texts = [str(t) for t in batch["text"]]
         out = self.model.encode_text(to_device(tokenize(texts, self.model.context_length), self.device))
-        return pa.table({"index": pa.array(np.asarray(batch["index"], np.int64)), "text": pa.array(texts, pa.string()),
-                         **fixed_lists(out)})
+        return text_table(batch["index"], texts, out)
+
+
+def text_table(index, texts: list[str], out: dict[str, torch.Tensor]) -> pa.Table:
+    """The texts/ parquet's rows: index, text and the text outputs."""
+    return pa.table({"index": pa.array(np.asarray(index, np.int64)), "text": pa.array(texts, pa.string()),
+                     **fixed_lists(out)})
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,13 +148,7 @@ def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, op
     the model for that one batch (seconds on a CPU, a CUDA context on a GPU), and the columns are the same."""
     folder = _fresh(out, "texts")
     if model is not None and len(texts) <= opts.batch_size:
-        out_here = embed_texts(model, texts, opts.batch_size)
-        table = pa.table({"index": pa.array(np.arange(len(texts), dtype=np.int64)),
-                          "text": pa.array(texts, pa.string()), **fixed_lists(out_here)})
-        fs, path = fs_path(str(folder))
-        fs.makedirs(path, exist_ok=True)
-        with fs.open(f"{path}/000000.parquet", "wb") as f:
-            pq.write_table(table, f)
+        _write_here([text_table(range(len(texts)), texts, embed_texts(model, texts, opts.batch_size))], folder)
         return folder
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
     _write(ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)), folder)
@@ -162,9 +161,16 @@ def _write(ds, folder: str | Path) -> None:
     if not only_here([str(folder)], size_limit=False):
         ds.write_parquet(str(folder))
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, ref in enumerate(ds.to_arrow_refs()):
-        pq.write_table(ray.get(ref), folder / f"{i:06d}.parquet")
+    _write_here((ray.get(ref) for ref in ds.to_arrow_refs()), folder)
+
+
+def _write_here(tables, folder: str | Path) -> None:
+    """Tables as parquet files in `folder` (a local folder or a URI on object storage), written by this process."""
+    fs, path = fs_path(str(folder))
+    fs.makedirs(path, exist_ok=True)
+    for i, table in enumerate(tables):
+        with fs.open(f"{path}/{i:06d}.parquet", "wb") as f:
+            pq.write_table(table, f)
 
 
 def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | None = None):
