@@ -16,12 +16,13 @@ COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra
 
 .PHONY: demo test test-cluster test-fast test-long test-gpu test-mutants install lock lock-upgrade clean bench cluster-up cluster-down
 
-# pip byte-compiles the ~20,000 installed modules one at a time; compileall does the same on every core (fresh
-# clones on 2 cores, alternating: 70-104 s, against 98-129 s for pip's own). Its exit status is not checked: like
-# pip, it meets a few files that only a newer Python parses (torch's tests), which stay uncompiled as under pip.
-# Compiling at install is not left to Python's first imports: where PYTHONDONTWRITEBYTECODE is set (this machine and
-# its CI) those write nothing, and every process would compile every module it imports again (12 CPU-s for the
-# 5,714 modules of a training worker, the evaluation, sweep and download jobs, measured 2026-12-06).
+# Python modules are byte-compiled by the first process that imports them, written beside them (atomically, so
+# processes importing at once are safe) and read by every later one: the project's processes import ~7,000 of the
+# ~23,000 modules installed, so nothing is compiled at install (pip --no-compile; compiling everything took 70-104 s
+# of a 2-minute install on 2 cores). PYTHONDONTWRITEBYTECODE (set on this machine and its CI) would make every
+# process compile what it imports again (12 CPU-s for a training worker's 5,714 modules, measured 2026-12-06): the
+# targets below run without it.
+unexport PYTHONDONTWRITEBYTECODE
 # pip itself at constraints.txt's version, the lock, then the project without its dependencies; packages the lock does
 # not name (dropped by a lock upgrade, or installed by hand) are uninstalled.
 $(STAMP): $(LOCK) pyproject.toml constraints.txt
@@ -32,7 +33,6 @@ $(STAMP): $(LOCK) pyproject.toml constraints.txt
 	@$(PY) -m pip freeze --all --exclude-editable | sed 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' \
 	  | grep -vxF -e pip $$(sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*\)==.*/-e \1/p' $(LOCK) | tr 'A-Z_.' 'a-z--') \
 	  | xargs -r $(PY) -m pip uninstall -y -q
-	@$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -26,6 +26,16 @@ os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="probvlp_torch_ext_
 # .probvlp. Set before pipelines.config is imported (it reads it once); Ray's processes, the local clusters' nodes and
 # the jobs the tests start inherit it. A run that writes into the checkout anyway fails (pytest_sessionfinish).
 os.environ["PROBVLP_HOME"] = tempfile.mkdtemp(prefix="probvlp_home_")
+# A node lost hard (every process of it killed: tests/multinode.py's clusters) is dead to Ray once its GCS's health
+# checks of it fail: every 3 s, 5 in a row by default (14.7 s from the kill, measured); every second, 3 in a row in
+# the tests' Rays (2.6 s). The tests show what a run does once Ray knows, not how soon Ray knows. A node that is
+# alive but slow still fails a check only when it has not answered within the default 10 s.
+os.environ.setdefault("RAY_health_check_period_ms", "1000")
+os.environ.setdefault("RAY_health_check_failure_threshold", "3")
+# Ray Train's controller collects the workers' reports at its poll, every 2 s by default: a job that joins a cluster
+# keeps Ray's default (pipelines.cluster.runtime sets 0.25 s for a local Ray only); the tests' cluster jobs, which
+# inherit this, poll as often as a local run. The driver hands it to the controller (Ray Train propagates it).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # No test may write into the checkout (the project's state folder .probvlp, MLflow's ./mlruns of an experiment created
 # without an artifact location, a benchmark's docs/BENCHMARKS.md, a stray file): the whole checkout is compared
 # before and after a run, ignored files too, but for the folders of the environment and git, and the caches Python
