@@ -114,7 +114,7 @@ def trained_clip(ray_local, digits_root, tmp_path_factory):
         f"train.steps={DEMO_STEPS}", "run.name=test_clip", "run.experiment=test-pretrain",
         "tracking.register_as=probvlp-test-clip",
         # checkpoints by the clock alone (the demo sets no train.checkpoint_every), uploaded behind training
-        "train.checkpoint_every_s=5",
+        "train.checkpoint_every_s=15",
         # 32-px digits learn faster without the crop and jitter (configs/prolip_demo.yaml); the reader's
         # augmentation in a Ray fit is tests/test_scale.py's, the device's tests/test_user_data.py's
         "data.augment=false",

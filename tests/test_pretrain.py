@@ -41,7 +41,7 @@ def test_learns_digits(trained):
 
 
 def test_checkpoints_by_the_clock_are_whole_and_cost_the_loop_only_their_snapshot(trained):
-    """train.checkpoint_every_s=5 and no train.checkpoint_every: the run's checkpoints before its end are the clock's,
+    """train.checkpoint_every_s=15 and no train.checkpoint_every: the run's checkpoints before its end are the clock's,
     each saved by both ranks at one step (their shards in one folder, named by the step that the progress inside
     holds), uploaded behind training; rank 0 logs what each save blocked the loop."""
     cfg, result, _ = trained
