@@ -1,7 +1,7 @@
 """Notices of preemption on one node (pipelines.fit.preemption): the hook's file, the budget Ray Train counts a
 preemption against, and SIGTERM to a training worker on the shared local Ray, which saves at the next step on every
 rank and resumes there. A drain by Ray (reason PREEMPTION) of a node that then goes needs nodes of their own: the
-multi-node tier, tests/test_elastic.py."""
+multi-node tier, tests/test_elastic.py, where a notice with room to train on is shown (the drain's deadline)."""
 from __future__ import annotations
 
 import json
