@@ -29,7 +29,6 @@ from tests.small_runs import SMALL, audited, every_step_once
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150
-END_STEPS = 60
 EXPERIMENT = "test-tracking-outage"
 # The client's retry budget in the job's processes (every Ray process inherits the job's environment): one retry
 # after ~1-2 s, so a call made while the server is down fails within seconds unless something else retries it.
@@ -83,21 +82,21 @@ def run_of(client: MlflowClient, name: str) -> str | None:
 def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_path, monkeypatch, restartable_mlflow):
     """The server stops while the job trains; SIGTERM reaches a training worker during the outage (run.max_failures
     0: only a preemption may restart it); the restart trains on with the server still away (it never reads the
-    store); the server comes back after the restart's first step. Then a second job of the same server: the server
-    stops at ~90% of it and stays away past its end: the job ends rc 0 with one line, the workers released at once,
-    and the one command it names delivers everything and ends the run FINISHED. Counted: the steps every attempt
-    applied (run.audit_steps_to) and every step's metrics as lists (a step logged twice fails)."""
+    store); the server comes back after the restart's first step. It stops again at ~90% of the run and stays away
+    past its end: the job ends rc 0 with one line, the workers released at once, and the one command it names
+    delivers everything and ends the run FINISHED. Counted: the steps every attempt applied (run.audit_steps_to) and
+    every step's metrics as lists (a step logged twice fails)."""
     for key, value in CLIENT_BUDGET.items():  # this process's client too: the test never waits minutes on it
         monkeypatch.setenv(key, value)
-    server = restartable_mlflow  # stopped and started again under the jobs
+    server = restartable_mlflow  # stopped and started again under the job
     uri = server.uri
     client = MlflowClient(uri)
     audit = tmp_path / "steps.txt"
-    common = [f"data.root={digits_root}", f"tracking.uri={uri}", f"run.storage_path={tmp_path / 'ray'}",
-              f"run.experiment={EXPERIMENT}", *SMALL, "train.log_every=1", "train.num_workers=2",
-              "run.max_failures=0"]
-    job, log = start_job(tmp_path, [*common, "run.name=outage", f"train.steps={STEPS}",
-                                    "train.checkpoint_every=50", "run.sigterm_grace_s=3",
+    job, log = start_job(tmp_path, [f"data.root={digits_root}", f"tracking.uri={uri}",
+                                    f"run.storage_path={tmp_path / 'ray'}", f"run.experiment={EXPERIMENT}", *SMALL,
+                                    "train.log_every=1", "train.num_workers=2", "run.max_failures=0",
+                                    "run.name=outage", f"train.steps={STEPS}", "train.checkpoint_every=50",
+                                    "run.sigterm_grace_s=3", "tracking.flush_timeout_s=3",
                                     f"run.audit_steps_to={audit}"], "outage")
     with ended(job):
         rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
@@ -115,9 +114,22 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
         assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
         server.start()  # same database, same port
         up_at = time.time()
+        # the end of the run with the server away: released at once, one line, delivered later by the command it names
+        wait_for("~90% of the run in MLflow", lambda: job.poll() is not None or
+                 max(loss_steps(client, rid) or [0]) >= STEPS * 9 // 10, 300, 0.1)
+        assert job.poll() is None, f"the job ended before the second outage:\n{log.read_text()[-3000:]}"
+        server.stop()
         rc = job.wait(timeout=scaled(600))
         output = log.read_text()
         assert rc == 0, output[-5000:]
+    [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
+    command = line.split("deliver them with: ")[1].strip()
+    assert command.startswith("python -m pipelines.tracking.deliver ") and "pending" in line
+    server.start()
+    assert client.get_run(rid).info.status == "RUNNING"
+    delivered = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True,
+                               env={**os.environ, **CLIENT_BUDGET}, timeout=scaled(120))
+    assert delivered.returncode == 0, delivered.stdout + delivered.stderr
 
     run = client.get_run(rid)
     assert run.info.status == "FINISHED"
@@ -132,44 +144,20 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
         {a: (s[0], s[-1], len(s)) for a, s in steps.items()}
     # the loop never waited for the store: both attempts applied steps while it was away, the restart's too
     assert len([s for s, at in ran[1] if at > down_at]) >= 5 and min(at for _, at in ran[2]) < up_at
-    # every key a step logs is in MLflow at every step, once
+    # every key a step logs is in MLflow at every step, once: through both outages and the later delivery
     every_step_once(client, rid, STEPS)
     restart = json.loads(run.data.tags["probvlp.attempt.2"])
     assert "notice of preemption (SIGTERM)" in restart["why"] and restart["steps_again"] == 0, restart
     assert "[restart] attempt 2 of run outage, after a notice of preemption (SIGTERM)" in output
-    # the outage as both attempts saw it: attempt 1's share travelled with its queue
-    [unreachable] = client.get_metric_history(rid, UNREACHABLE_METRIC)
-    assert sigterm_at - down_at <= unreachable.value <= up_at - down_at + scaled(30)
-    assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable.value, abs=0.1)
+    # the first outage as both attempts saw it (attempt 1's share travelled with its queue), logged when it ended
+    unreachable = sorted(client.get_metric_history(rid, UNREACHABLE_METRIC), key=lambda m: m.step)
+    assert sigterm_at - down_at <= unreachable[0].value <= up_at - down_at + scaled(30), unreachable
+    assert float(run.data.tags[UNREACHABLE_TAG]) == pytest.approx(unreachable[-1].value, abs=0.1)
     assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel", "model/loss.safetensors"}
     first_after = min(t for _, t in ran[2])
     print(f"SIGTERM {sigterm_at - down_at:.1f} s into the outage; saved at step {noticed}, none applied twice; the "
           f"restart's first step {first_after - sigterm_at:.1f} s after the SIGTERM; server back "
-          f"{up_at - down_at:.0f} s after it went; tracking_unreachable_s {unreachable.value}")
-
-    # the end of a run with the server away: released at once, one line, delivered later by the command it names
-    job, log = start_job(tmp_path, [*common, "run.name=end", f"train.steps={END_STEPS}",
-                                    "tracking.flush_timeout_s=3"], "end")
-    with ended(job):
-        rid = wait_for("the second job's MLflow run", lambda: run_of(client, "end"), timeout_s=300)
-        wait_for("~90% of the second run in MLflow", lambda: job.poll() is not None or
-                 max(loss_steps(client, rid) or [0]) >= END_STEPS * 9 // 10, 300, 0.1)
-        server.stop()
-        rc = job.wait(timeout=scaled(300))
-        output = log.read_text()
-        assert rc == 0, output[-5000:]
-    [line] = [line for line in output.splitlines() if "did not answer within tracking.flush_timeout_s" in line]
-    command = line.split("deliver them with: ")[1].strip()
-    assert command.startswith("python -m pipelines.tracking.deliver ") and "pending" in line
-    server.start()
-    assert client.get_run(rid).info.status == "RUNNING"
-    delivered = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True,
-                               env={**os.environ, **CLIENT_BUDGET}, timeout=scaled(120))
-    assert delivered.returncode == 0, delivered.stdout + delivered.stderr
-    run = client.get_run(rid)
-    assert run.info.status == "FINISHED"
-    every_step_once(client, rid, END_STEPS)
-    assert {a.path for a in client.list_artifacts(rid, "model")} >= {"model/MLmodel"}
+          f"{up_at - down_at:.0f} s after it went; tracking_unreachable_s {[m.value for m in unreachable]}")
 
 
 def test_what_a_store_that_never_returns_missed_is_kept_in_order_and_delivered_later(tmp_path, monkeypatch, capsys,
