@@ -387,7 +387,6 @@ def drain(cluster: Cluster, node_id: str, reason: str, deadline_s: float | None 
     the seconds left (a spot reclaim), or IDLE_TERMINATION (an idle node scaled down). It kills nothing."""
     from ray._raylet import GcsClient
     from ray.core.generated import autoscaler_pb2
-
     from ray.exceptions import RpcError
 
     deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
@@ -396,8 +395,8 @@ def drain(cluster: Cluster, node_id: str, reason: str, deadline_s: float | None 
             node_id, autoscaler_pb2.DrainNodeReason.Value(reason), "tests/multinode.py", deadline_ms)
     except RpcError as error:
         # An idle node that accepts an idle drain exits at once, and the GCS, seeing it gone, can cancel its call to
-        # that node before the answer is back ("Cancelling all calls", seen twice in ~20 runs): the node going away
-        # is then the acceptance.
+        # that node before the answer is back ("Cancelling all calls": the elastic run failed so on 2026-12-05 and
+        # -06): the node going away is then the acceptance.
         if reason != "DRAIN_NODE_REASON_IDLE_TERMINATION":
             raise
         wait_for(f"the idle node gone after its drain ({error})", lambda: node_id not in cluster.alive(), 60, 0.2)
