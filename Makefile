@@ -18,8 +18,8 @@ COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra
 
 # Python modules are byte-compiled by the first process that imports them, written beside them (atomically, so
 # processes importing at once are safe) and read by every later one: the project's processes import ~9,300 of the
-# ~23,000 modules installed, so nothing is compiled at install (pip --no-compile; compiling everything took 70-104 s
-# of a 2-minute install on 2 cores). PYTHONDONTWRITEBYTECODE (set on this machine and its CI) would make every
+# ~23,000 modules installed, so nothing is compiled at install (pip --no-compile; the install took ~2 min on 2 cores
+# with all of them compiled, 66-76 s without, 2026-12-06). PYTHONDONTWRITEBYTECODE (set on this machine and its CI) would make every
 # process compile what it imports again (12 CPU-s for a training worker's 5,714 modules, measured 2026-12-06): the
 # targets below run without it.
 unexport PYTHONDONTWRITEBYTECODE
