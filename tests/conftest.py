@@ -208,8 +208,9 @@ SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray
 # module uses names its group).
 SHARED_FIXTURES = ("trained_clip", "user_shards")
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end. Local
-# Rays start under the port lock (pipelines.cluster.runtime), so they can start together.
-LONGEST_FIRST = ("trained_clip", "user_shards", "test_scale")
+# Rays start under the port lock (pipelines.cluster.runtime), so they can start together. The first two hold only
+# `make test-cluster`'s tests (the lost-node recipe's cluster, the elastic run), the rest `make test`'s longest.
+LONGEST_FIRST = ("test_autoscaling", "test_elastic", "trained_clip", "user_shards", "test_scale")
 
 
 def _module(item) -> str:

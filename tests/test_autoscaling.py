@@ -37,7 +37,7 @@ from tests.multinode import BIN, alive_workers, dashboard, nodes, submit, train_
 from tests.small_runs import REFERENCE, SMALL, assert_identical, load_state
 from tests.pace import scaled
 
-# `make test-cluster`: nodes that share no disk, run alone (never beside other Ray work)
+# `make test-cluster`: nodes that share no disk, beside the tier's other modules only (never `make test`'s Ray work)
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
 # The run that conftest's straight_small_run trains uninterrupted (test_scale's bit-exact resume compares with it too).

@@ -8,6 +8,8 @@ import ast
 import importlib.metadata
 import logging
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from pipelines.compat import deepspeed_private, ray_private, resolve
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPAT = ROOT / "pipelines" / "compat"
@@ -119,6 +122,34 @@ def test_each_compat_module_lists_every_private_name_it_uses(library):
         entry == u or entry.startswith(u + ".") or (":" not in name and u.startswith(entry + "."))
         for name, entry in zip(module.PRIVATE_NAMES, listed)))
     assert not unlisted, f"{module.__name__} uses private names its PRIVATE_NAMES does not list: {unlisted}"
+
+
+# In a fresh Python (imports are per process): DeepSpeed's Muon module imported as a training engine's build does,
+# torch.compile recorded instead of run.
+DEFERRED_MUON = """
+import sys, torch
+from pipelines.compat.deepspeed_private import import_muon_with_deferred_compile
+import_muon_with_deferred_compile()
+compiled = []
+torch.compile = lambda fn, **options: compiled.append(fn.__name__) or fn
+from deepspeed.runtime.zero.muon import original_muon as muon
+loaded = "torch._inductor.compile_fx" in sys.modules
+g = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+first = muon.zeropower_via_newtonschulz5(g, 5)
+again = muon.zeropower_via_newtonschulz5(g, 5)
+plain = muon.zeropower_via_newtonschulz5.__wrapped__(g, 5)
+print(loaded, compiled, bool(torch.equal(first, plain) and torch.equal(again, plain)))
+"""
+
+
+def test_deepspeeds_muon_kernels_are_compiled_at_their_first_call_not_at_import():
+    """ZeRO imports DeepSpeed's Muon optimizer at every rank's first step; its kernels' torch.compile wrappers
+    would load torch._inductor (a CPU-second a training process). Deferred: nothing of inductor loaded, and the first
+    call compiles the kernel, once, with the same result."""
+    out = subprocess.run([sys.executable, "-c", DEFERRED_MUON], cwd=ROOT, capture_output=True, text=True,
+                         timeout=scaled(120))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "False ['zeropower_via_newtonschulz5'] True", out.stdout
 
 
 def test_no_private_name_outside_the_compat_modules():

@@ -31,7 +31,7 @@ from tests.small_runs import SMALL, audited
 from tests.zero_state import gathered_partitions, universal_state
 from tests.pace import scaled
 
-# `make test-cluster`: nodes that share no disk, run alone (never beside other Ray work)
+# `make test-cluster`: nodes that share no disk, beside the tier's other modules only (never `make test`'s Ray work)
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent
 # More steps than the test lets it run: the job is stopped once a step run by two workers after the regrowth is

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import inspect
 import io
 import re
@@ -31,6 +32,9 @@ PRIVATE_NAMES = (
     "deepspeed.runtime.engine:DeepSpeedEngine.load_universal_checkpoint",
     "deepspeed.runtime.config:DeepSpeedConfig",
     "deepspeed.checkpoint.ds_to_universal:main",
+    "deepspeed.runtime.compiler:compile",
+    "deepspeed.runtime.zero.muon.muon_optimizer:MuonWithAuxAdam",
+    "deepspeed.runtime.zero.muon.original_muon",
 )
 SHM_COMM_OP = "deepspeed_shm_comm"
 # ds_to_universal.main's arguments (its command line's, parsed), for a checkpoint without tensor parallelism.
@@ -46,6 +50,39 @@ def skip_shm_comm_op_build() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+def import_muon_with_deferred_compile() -> None:
+    """Import DeepSpeed's Muon optimizer with its `torch.compile` decorators deferred to each function's first call.
+    ZeRO-1/2 import it at every rank's first step (ZeRO-3 as it builds its optimizer) to ask whether the optimizer is
+    Muon, and the decorators wrap at import, which loads torch._inductor: about a CPU-second in every training
+    process, at each launch and restart, for kernels that AdamW (the project's optimizer) never runs; a Muon run
+    would still compile each one when it is first called. Public alternative missing: DeepSpeed has no setting
+    that defers it."""
+    import sys
+
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    import torch
+    from deepspeed.runtime import compiler
+
+    def deferred(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+        return call
+
+    decorator = compiler.compile
+    compiler.compile = lambda: deferred
+    try:
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")  # its decorators deferred
+    finally:
+        compiler.compile = decorator
 
 
 def checkpoint_safe_globals() -> list:
@@ -132,6 +169,9 @@ def problems() -> list[str]:
     need("__compatible_ops__" in inspect.getsource(build_shm_op),
          "DeepSpeed's shared-memory comm op no longer asks __compatible_ops__ whether to build")
     need(ShareMemCommBuilder.NAME == SHM_COMM_OP, f"the shared-memory comm op is now {ShareMemCommBuilder.NAME!r}")
+    muon = importlib.util.find_spec("deepspeed.runtime.zero.muon.original_muon")
+    need(muon is not None and "@compiler.compile()" in Path(muon.origin).read_text(),
+         "DeepSpeed's Muon kernels are no longer wrapped by deepspeed.runtime.compiler.compile() at import")
     need({"load", "save"} <= set(vars(TorchCheckpointEngine)), "TorchCheckpointEngine no longer defines load / save")
     need(list(inspect.signature(TorchCheckpointEngine.load).parameters) == ["self", "path", "map_location"],
          "TorchCheckpointEngine.load's arguments changed")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from models._imports import without
-from pipelines.compat.deepspeed_private import skip_shm_comm_op_build
+from pipelines.compat.deepspeed_private import import_muon_with_deferred_compile, skip_shm_comm_op_build
 from pipelines.fit.optim import optimizer_for, schedule_for
 from pipelines.zero.checkpoint_files import use_weights_only_loading
 from pipelines.zero.config import ZeroConfig
@@ -24,6 +24,7 @@ def build_engine(t: ZeroConfig, objective: torch.nn.Module, use_bf16: bool = Fal
     weights-only. torch.distributed already set up on every rank."""
     optimizer = optimizer_for(objective, t)
     skip_inference_comm_op()
+    import_muon_with_deferred_compile()  # ZeRO asks for it at the first step: a CPU-second of torch._inductor saved
     engine, _, _, scheduler = deepspeed.initialize(
         model=objective, optimizer=optimizer, lr_scheduler=schedule_for(optimizer, t),
         config=deepspeed_config(t, use_bf16), dist_init_required=False)
