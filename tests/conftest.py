@@ -208,9 +208,16 @@ SLOW_FIXTURES = {"ray_local", "digits_root", "trained_clip", "user_shards", "ray
 # module uses names its group).
 SHARED_FIXTURES = ("trained_clip", "user_shards")
 # Groups that take longest, started first so that one worker is not left alone with a long one at the end. Local
-# Rays start under the port lock (pipelines.cluster.runtime), so they can start together. The first two hold only
-# `make test-cluster`'s tests (the lost-node recipe's cluster, the elastic run), the rest `make test`'s longest.
-LONGEST_FIRST = ("test_autoscaling", "test_elastic", "trained_clip", "user_shards", "test_scale")
+# Rays start under the port lock (pipelines.cluster.runtime), so they can start together.
+LONGEST_FIRST = ("trained_clip", "user_shards", "test_scale")
+# `make test-cluster`'s order (marker expression "cluster and ..."). pytest-xdist's loadgroup hands a worker one more
+# group whenever at most two of its tests are left: the worker holding the lost-node recipe's cluster (7 tests, ~11
+# min) asks only near its end, while the other, on the elastic run (~6 min), takes a group each time one of its
+# tests ends. The order gives that one the outage runs, the secrets run and the notice during an evaluation, and
+# leaves the adapter's restart and the snapshot sweep for the first: ~13 min each (2026-12-06: 15 min with the
+# elastic worker taking all but one).
+CLUSTER_ORDER = ("test_autoscaling", "test_elastic", "test_tracking_outage", "test_secrets", "test_preemption",
+                 "trained_clip", "test_stale_snapshots")
 
 
 def _module(item) -> str:
@@ -277,7 +284,9 @@ def pytest_collection_modifyitems(config, items):
     groups = {id(item): group_of[_module(item)] for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    marks = config.option.markexpr or ""
+    order = CLUSTER_ORDER if marks.startswith("cluster") else LONGEST_FIRST
+    rank = {g: i for i, g in enumerate(order)}
     items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: file order otherwise
 
 
