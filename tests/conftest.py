@@ -214,8 +214,8 @@ LONGEST_FIRST = ("trained_clip", "user_shards", "test_scale")
 # group whenever at most two of its tests are left: the worker holding the lost-node recipe's cluster (7 tests, ~11
 # min) asks only near its end, while the other, on the elastic run (~6 min), takes a group each time one of its
 # tests ends. The order gives that one the outage runs, the secrets run and the notice during an evaluation, and
-# leaves the adapter's restart and the snapshot sweep for the first: ~13 min each (2026-12-06: 15 min with the
-# elastic worker taking all but one).
+# leaves the adapter's restart and the snapshot sweep for the first (2026-12-06: the two workers ended ~1 min apart,
+# against ~2 with the elastic worker taking all but one module; docs/RESULTS.md).
 CLUSTER_ORDER = ("test_autoscaling", "test_elastic", "test_tracking_outage", "test_secrets", "test_preemption",
                  "trained_clip", "test_stale_snapshots")
 
