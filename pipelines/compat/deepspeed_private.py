@@ -81,6 +81,8 @@ def import_muon_with_deferred_compile() -> None:
     compiler.compile = lambda: deferred
     try:
         importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")  # its decorators deferred
+    except Exception:  # noqa: BLE001 - a DeepSpeed that calls compile() otherwise (problems() says so in the tests):
+        pass  # ZeRO imports the module as DeepSpeed does, at its first step, and the run goes on a second slower
     finally:
         compiler.compile = decorator
 
