@@ -19,9 +19,9 @@ COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra
 # Python modules are byte-compiled by the first process that imports them, written beside them (atomically, so
 # processes importing at once are safe) and read by every later one: the project's processes import ~9,300 of the
 # ~23,000 modules installed, so nothing is compiled at install (pip --no-compile; the install took ~2 min on 2 cores
-# with all of them compiled, 66-76 s without, 2026-12-06). PYTHONDONTWRITEBYTECODE (set on this machine and its CI) would make every
-# process compile what it imports again (12 CPU-s for a training worker's 5,714 modules, measured 2026-12-06): the
-# targets below run without it.
+# with all of them compiled, 66-76 s without, 2026-12-06). PYTHONDONTWRITEBYTECODE (set on this machine and its CI)
+# would make every process compile what it imports again (12 CPU-s for a training worker's 5,714 modules, measured
+# 2026-12-06): the targets below run without it.
 unexport PYTHONDONTWRITEBYTECODE
 # pip itself at constraints.txt's version, the lock, then the project without its dependencies; packages the lock does
 # not name (dropped by a lock upgrade, or installed by hand) are uninstalled.
@@ -74,7 +74,8 @@ test: $(STAMP)
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m "cluster and not long" -n 2 --dist loadgroup --no-loadscope-reorder --durations=0 tests
 
-# No Ray, no training, no servers: formulas, models, metrics, configs, readers (3 min 36 s on 2 cores, 596 tests, 2026-12-06).
+# No Ray, no training, no servers: formulas, models, metrics, configs, readers (3 min 36 s on 2 cores, 596 tests,
+# 2026-12-06).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not pending and not long" tests
 

@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import io
 import re
+import sys
 from pathlib import Path
 
 from pipelines.compat import Shortfalls, unresolved
@@ -59,8 +60,6 @@ def import_muon_with_deferred_compile() -> None:
     process, at each launch and restart, for kernels that AdamW (the project's optimizer) never runs; a Muon run
     would still compile each one when it is first called. Public alternative missing: DeepSpeed has no setting
     that defers it."""
-    import sys
-
     if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
         return
     import torch
