@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,13 @@ _RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\([^)]*\)(?:\x1b\[0m)? ?")
 
 def tracebacks(log: str) -> list[str]:
     """The Python tracebacks in a job's console, each as its lines without Ray's `(actor pid=N)` prefix, leaving out
-    the one Ray itself causes at teardown: a finished actor's SIGTERM landing while Python runs a finaliser, printed as
-    `Exception ignored in ...` with Ray's sigterm_handler raising SystemExit (nothing of the run's own is lost)."""
+    the two Ray itself prints at teardown, where nothing of the run's own is lost:
+    - a finished actor's SIGTERM landing while Python runs a finaliser, printed as `Exception ignored in ...` with
+      Ray's sigterm_handler raising SystemExit;
+    - Ray Train's controller, as its run ends, giving up on stopping its placement-group cleaner within ~12 s
+      (`Failed to stop PlacementGroupCleaner gracefully.`, a GetTimeoutError from `_stop_cleaner`): the cleaner's
+      check of the controller through the state API ran long on a loaded machine; left alone, the cleaner finds the
+      run's placement group already removed once the controller is gone, and exits."""
     lines = [_RAY_PREFIX.sub("", line) for line in log.splitlines()]
     found = []
     for i, line in enumerate(lines):
@@ -82,7 +88,10 @@ def tracebacks(log: str) -> list[str]:
         block = lines[i:end + 1]
         teardown = (i > 0 and lines[i - 1].startswith("Exception ignored in")
                     and any("in sigterm_handler" in x for x in block) and block[-1].startswith("SystemExit"))
-        if not teardown:
+        cleaner = (len(block) > 1 and "ray/train/v2/_internal/callbacks/placement_group_callback.py" in block[1]
+                   and block[1].endswith("in _stop_cleaner")
+                   and block[-1].startswith("ray.exceptions.GetTimeoutError"))
+        if not (teardown or cleaner):
             found.append("\n".join(block))
     return found
 
@@ -149,15 +158,34 @@ class Hold:
         released_file(self.folder, self.point).touch()
 
 
+@contextmanager
+def holds_armed(holds: tuple[Hold, ...]):
+    """Within the block, every run this process launches hands `holds` to its workers in the training loop's config,
+    as no job of the product does."""
+    from pipelines.fit.faults import HOLDS
+    from pipelines.fit.launch import Launch
+
+    fit = Launch.train
+    armed = {point: folder for hold in holds for point, folder in hold.armed().items()}
+
+    def fit_with_holds(self, loop, loop_config, *args, **kwargs):
+        return fit(self, loop, {**loop_config, HOLDS: armed}, *args, **kwargs)
+
+    if holds:
+        Launch.train = fit_with_holds
+    try:
+        yield
+    finally:
+        Launch.train = fit
+
+
 def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
     """`jobs.pretrain`'s run of `cfg` while `action()` (what a test does to the run: a notice, a kill) runs in a thread;
     the thread's error, raised once the run has ended. `holds`: points where rank 0 stops until `action` releases
-    them (handed to the workers in the training loop's config, as no job of the product does); whatever way `action`
-    ends, they are released then, so that the run never waits for ever. Returns the run's result."""
+    them (holds_armed); whatever way `action` ends, they are released then, so that the run never waits for ever.
+    Returns the run's result."""
     import threading
 
-    from pipelines.fit.launch import Launch
-    from pipelines.fit.faults import HOLDS
     from pipelines.pretrain.job import run_pretrain
 
     errors: list[BaseException] = []
@@ -171,20 +199,10 @@ def pretrain_beside(cfg, action, holds: tuple[Hold, ...] = ()):
             for hold in holds:
                 hold.release()
 
-    fit = Launch.train
-    armed = {point: folder for hold in holds for point, folder in hold.armed().items()}
-
-    def fit_with_holds(self, loop, loop_config, *args, **kwargs):
-        return fit(self, loop, {**loop_config, HOLDS: armed}, *args, **kwargs)
-
     thread = threading.Thread(target=act, daemon=True)
     thread.start()
-    if holds:
-        Launch.train = fit_with_holds
-    try:
+    with holds_armed(holds):
         result = run_pretrain(cfg)
-    finally:
-        Launch.train = fit
     thread.join()
     if errors:
         raise errors[0]

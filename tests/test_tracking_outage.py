@@ -23,7 +23,7 @@ import pipelines.tracking.logger as tracking_logger
 import pipelines.tracking.outbox as tracking_outbox
 from pipelines.tracking import StepLogger, deliver
 from pipelines.tracking.outbox import UNREACHABLE_METRIC, UNREACHABLE_TAG
-from tests.helpers import free_port, wait_for
+from tests.helpers import Hold, free_port, wait_for
 from tests.pace import scaled
 from tests.small_runs import SMALL, audited, every_step_once
 
@@ -40,19 +40,30 @@ def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "loss"))
 
 
-def train_workers() -> list[int]:
-    """The training workers' pids (the cluster tier runs alone: the job's Ray is the only one)."""
+def train_workers(job: subprocess.Popen) -> list[int]:
+    """The pids of the job's training workers: processes under the job's own Ray (started by its driver; the other
+    pytest worker's tests run Ray Train workers of their own)."""
     import psutil
 
-    return sorted(p.pid for p in psutil.process_iter(["cmdline"])
-                  if (p.info["cmdline"] or [""])[0].startswith("ray::RayTrainWorker"))
+    pids = []
+    for process in psutil.Process(job.pid).children(recursive=True):
+        try:
+            if (process.cmdline() or [""])[0].startswith("ray::RayTrainWorker"):
+                pids.append(process.pid)
+        except psutil.Error:  # ended since the listing
+            pass
+    return sorted(pids)
 
 
-def start_job(tmp_path: Path, overrides: list[str], name: str) -> tuple[subprocess.Popen, Path]:
+def start_job(tmp_path: Path, overrides: list[str], name: str, hold: Hold | None = None
+              ) -> tuple[subprocess.Popen, Path]:
+    """jobs.pretrain as a process of its own; with `hold`, rank 0 stops at its point until the test releases it."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(CLIENT_BUDGET)
     log = tmp_path / f"{name}.log"
-    job = subprocess.Popen([sys.executable, "-m", "jobs.pretrain", "--config", str(ROOT / "configs" / "demo.yaml"),
+    job_module = ["tests.held_pretrain", str(hold.folder), hold.point, "--", "--config"] if hold else \
+        ["jobs.pretrain", "--config"]
+    job = subprocess.Popen([sys.executable, "-m", *job_module, str(ROOT / "configs" / "demo.yaml"),
                             *(a for kv in overrides for a in ("--set", kv))],
                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return job, log
@@ -75,29 +86,31 @@ def run_of(client: MlflowClient, name: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-# In the tier of the outage tests (`make test-cluster`, run alone): a tracking server stopped and restarted under a
-# job, whose timing the other worker's Ray runs would stretch.
+# In the tier of the outage tests (`make test-cluster`): a tracking server stopped and restarted under a job.
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_path, monkeypatch, restartable_mlflow):
     """The server stops while the job trains; SIGTERM reaches a training worker during the outage (run.max_failures
     0: only a preemption may restart it); the restart trains on with the server still away (it never reads the
-    store); the server comes back after the restart's first step. It stops again at ~90% of the run and stays away
-    past its end: the job ends rc 0 with one line, the workers released at once, and the one command it names
-    delivers everything and ends the run FINISHED. Counted: the steps every attempt applied (run.audit_steps_to) and
-    every step's metrics as lists (a step logged twice fails)."""
+    store); the server comes back after the restart's first step. It stops again once the restart has trained its
+    last step (rank 0 held before its final evaluation, after ~90% of the steps reached MLflow: however fast the
+    restart trains and however slowly its backlog drains, the run cannot end first) and stays away past its end: the
+    job ends rc 0 with one line, the workers released at once, and the one command it names delivers everything and
+    ends the run FINISHED. Counted: the steps every attempt applied (run.audit_steps_to) and every step's metrics as
+    lists (a step logged twice fails)."""
     for key, value in CLIENT_BUDGET.items():  # this process's client too: the test never waits minutes on it
         monkeypatch.setenv(key, value)
     server = restartable_mlflow  # stopped and started again under the job
     uri = server.uri
     client = MlflowClient(uri)
     audit = tmp_path / "steps.txt"
+    final = Hold(tmp_path / "holds")  # the final evaluation: the end of the run waits for the second outage
     job, log = start_job(tmp_path, [f"data.root={digits_root}", f"tracking.uri={uri}",
                                     f"run.storage_path={tmp_path / 'ray'}", f"run.experiment={EXPERIMENT}", *SMALL,
                                     "train.log_every=1", "train.num_workers=2", "run.max_failures=0",
                                     "run.name=outage", f"train.steps={STEPS}", "train.checkpoint_every=50",
                                     "run.sigterm_grace_s=3", "tracking.flush_timeout_s=3",
-                                    f"run.audit_steps_to={audit}"], "outage")
+                                    f"run.audit_steps_to={audit}"], "outage", final)
     with ended(job):
         rid = wait_for("the job's MLflow run", lambda: run_of(client, "outage"), timeout_s=300)
         wait_for("the first steps' metrics in MLflow",
@@ -109,16 +122,19 @@ def test_a_preemption_during_a_tracking_outage_loses_nothing(digits_root, tmp_pa
         wait_for("steps trained with the server away",
                  lambda: max(s for s, _ in audited(audit)[1]) >= reached + 5, 60, 0.1)
         sigterm_at = time.time()
-        os.kill(train_workers()[-1], signal.SIGTERM)
+        os.kill(train_workers(job)[-1], signal.SIGTERM)
         wait_for("the restart's first step", lambda: job.poll() is not None or 2 in audited(audit), 300, 0.2)
         assert job.poll() is None, f"the job ended while the server was down:\n{log.read_text()[-3000:]}"
         server.start()  # same database, same port
         up_at = time.time()
         # the end of the run with the server away: released at once, one line, delivered later by the command it names
-        wait_for("~90% of the run in MLflow", lambda: job.poll() is not None or
-                 max(loss_steps(client, rid) or [0]) >= STEPS * 9 // 10, 300, 0.1)
-        assert job.poll() is None, f"the job ended before the second outage:\n{log.read_text()[-3000:]}"
+        wait_for("the restart's last step, held before the final evaluation",
+                 lambda: job.poll() is not None or final.held(), 300, 0.2)
+        assert job.poll() is None and final.held() == 1, \
+            f"the job ended before its final evaluation:\n{log.read_text()[-3000:]}"
+        wait_for("~90% of the run in MLflow", lambda: max(loss_steps(client, rid) or [0]) >= STEPS * 9 // 10, 300, 0.2)
         server.stop()
+        final.release()
         rc = job.wait(timeout=scaled(600))
         output = log.read_text()
         assert rc == 0, output[-5000:]
@@ -355,16 +371,17 @@ def test_a_record_made_again_by_a_restart_lands_once_and_its_own_events_all_land
     assert [m.step for m in client.get_metric_history(run_id, "preemption_steps_lost")] == [5]
 
 
-# In the tier of the outage tests (`make test-cluster`, run alone): two jobs of their own Ray and a server stopped.
+# In the tier of the outage tests (`make test-cluster`): two jobs of their own Ray and a server stopped.
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_later(digits_root, tmp_path, monkeypatch,
                                                                                  restartable_mlflow):
     """A job stops at step 20 of 40 (train.stop_at_step: KILLED, resumable); the server goes; the same command again
     (all 40 steps) resumes without it: the run's storage names its MLflow run (no search of the store), its reopening
-    is handed to rank 0 with one line, and training goes on while the server is away. The server comes back after the
-    resume's first steps: the run is FINISHED, counted one resume (config_resume_1.yaml beside config.yaml), every
-    step's loss in MLflow once, and each step applied once (run.audit_steps_to)."""
+    is handed to rank 0 with one line, and training goes on while the server is away. The server comes back once the
+    resume has trained its steps (rank 0 held before its final evaluation: the run cannot end first): the run is
+    FINISHED, counted one resume (config_resume_1.yaml beside config.yaml), every step's loss in MLflow once, and each
+    step applied once (run.audit_steps_to)."""
     for key, value in CLIENT_BUDGET.items():
         monkeypatch.setenv(key, value)
     server = restartable_mlflow
@@ -379,12 +396,14 @@ def test_a_resume_with_the_store_away_trains_without_it_and_reopens_the_run_late
     rid = run_of(client, "away")
     assert client.get_run(rid).info.status == "KILLED"
     server.stop()
-    job, log = start_job(tmp_path, common, "second")
+    final = Hold(tmp_path / "holds")
+    job, log = start_job(tmp_path, common, "second", final)
     with ended(job):
-        wait_for("5 steps of the resume with the server away",
-                 lambda: job.poll() is not None or len(audited(audit).get(2, [])) >= 5, 300, 0.2)
+        wait_for("the resume's steps with the server away, held before the final evaluation",
+                 lambda: job.poll() is not None or final.held(), 300, 0.2)
         assert job.poll() is None, log.read_text()[-3000:]
         server.start()
+        final.release()
         rc = job.wait(timeout=scaled(600))
         output = log.read_text()
         assert rc == 0, output[-5000:]
