@@ -421,8 +421,8 @@ MUTANTS = [
     Mutant("texts-of-one-batch-here",
            "texts that fit one batch are embedded by the caller's model, not by an actor pool started for them",
            "pipelines/evaluate/inference.py",
-           "if model is not None and len(texts) <= opts.batch_size:",
-           "if False:",
+           "return model is not None and len(texts) <= opts.batch_size",
+           "return False",
            ("tests/test_evaluation.py::"
             "test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool",)),
 ]

@@ -119,6 +119,11 @@ def journal(s3, storage: str) -> list[dict]:
         return []
 
 
+def journal_notices(s3, storage: str) -> list[int]:
+    """The steps at which the run's notices were saved so far, in order, from its journal on S3."""
+    return [a["notice"]["step"] for a in journal(s3, storage) if "notice" in a]
+
+
 def resumed_after_notices(s3, storage: str) -> dict[int, int]:
     """Each notice's step (the journal's) -> the step the next attempt resumed from: the notice's own, or its last
     save's where the attempt trained on."""
@@ -155,19 +160,21 @@ def drained_then_killed(cluster: Cluster, node: Node, client: MlflowClient, goin
     TIMES["up"] = time.time()
 
 
-def sigterm_then_killed(cluster: Cluster, client: MlflowClient, going) -> None:
+def sigterm_then_killed(cluster: Cluster, client: MlflowClient, going, s3, storage: str) -> None:
     """SIGTERM to the training worker processes of the node added last (a Kubernetes eviction, a SLURM step's
-    signal): the run's notice checkpoint must come within their grace period, at whose end the node is killed; the
-    run then goes on with the one worker of the other node."""
+    signal): the run's notice checkpoint must come within their grace period (seen in the run's journal on S3, where
+    the save records it, not in MLflow, which a loaded relay reaches later), at whose end the node is killed; the run
+    then goes on with the one worker of the other node."""
     node = cluster.nodes[-1]
     pids = wait_for("a training worker on the node added", lambda: going() and node.train_workers(), 120, 0.5)
     TIMES["sigterm"] = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
-    wait_for("the SIGTERM's notice checkpoint", lambda: going() and len(notices(client)) == 2, SIGTERM_GRACE_S, 0.5)
+    wait_for("the SIGTERM's notice checkpoint", lambda: going() and len(journal_notices(s3, storage)) == 2,
+             SIGTERM_GRACE_S, 0.5)
     time.sleep(max(0.0, TIMES["sigterm"] + scaled(SIGTERM_GRACE_S) - time.time()))
     cluster.lose(node)
-    after = max(notices(client))
+    after = journal_notices(s3, storage)[-1]
     wait_for("a checkpointed step run by 1 worker after the SIGTERM",
              lambda: going() and 1 in world_sizes(client)[after:], 300, 1)
 
@@ -311,7 +318,7 @@ def test_elastic_run_saves_on_notice_shrinks_and_grows_back(two_node_ray, s3, di
                                  [*ELASTIC, f"run.sigterm_grace_s={scaled(SIGTERM_GRACE_S):.0f}",
                                   f"run.audit_steps_to={audit}"], s3,
                                  lose=lambda *a: drained_then_killed(*a, outage, s3, storage),
-                                 then=sigterm_then_killed, tracking=outage.uri)
+                                 then=lambda *a: sigterm_then_killed(*a, s3, storage), tracking=outage.uri)
         ran = audited(audit)
     finally:
         shutil.rmtree(audit.parent, ignore_errors=True)

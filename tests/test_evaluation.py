@@ -102,14 +102,20 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
     bench = tmp_path / "wds_digits"
     write_clip_benchmark_set(bench)
     out = tmp_path / "eval"
+    before = embedding_actors("ImageEmbedder"), embedding_actors("TextEmbedder")
     tasks = ('[{name: digits_zeroshot, kind: zeroshot, data: "{data.root}/eval/zeroshot", '
              'templates: "{data.root}/eval/zeroshot/prompts.json"}, '
              '{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}, '
              f'{{name: heldout_loss, kind: loss}}, {{name: mine, kind: zeroshot, data: "{bench}"}}]')
     rc = jobs.evaluate.main(["--model", result.mlflow_run_id, "--config", str(ROOT / "configs" / "demo.yaml"),
                              "--set", f"data.root={digits_root}", "--set", f"tracking.uri={result.mlflow_uri}",
-                             "--set", f"eval.tasks={tasks}", "--out", str(out), "--actors", "2"])
+                             "--set", f"eval.tasks={tasks}", "--out", str(out), "--actors", "2", "--batch-size", "64"])
     assert rc == 0
+    # one image pool for the three tasks' images and one text pool (the retrieval captions, past a batch of 64; the 20
+    # prompts of each zero-shot task are embedded by the job's own copy of the model), each of at most --actors:
+    # every actor loads the model once for all the tasks
+    images, texts = (embedding_actors(kind) - n for kind, n in zip(("ImageEmbedder", "TextEmbedder"), before))
+    assert 1 <= images <= 2 and 1 <= texts <= 2, (images, texts)
     records = json.loads((out / "results.json").read_text())
     got = {f"{r['task']}/{r['metric']}": r["value"] for r in records}
     logged = MlflowClient(result.mlflow_uri).get_run(result.mlflow_run_id).data.metrics
@@ -231,13 +237,18 @@ def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path
     assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3
 
 
-def text_pools() -> int:
-    """Text-embedding actors this session's Ray has started so far (dead ones too: GCS keeps their records)."""
+def embedding_actors(kind: str = "TextEmbedder") -> int:
+    """Embedding actors of `kind` (TextEmbedder, ImageEmbedder) this session's Ray has started so far (dead ones too:
+    GCS keeps their records)."""
     import ray
     from ray.util.state import list_actors
 
-    return sum("TextEmbedder" in a.class_name for a in list_actors(ray.get_runtime_context().gcs_address,
-                                                                 limit=10_000, raise_on_missing_output=False))
+    return sum(kind in a.class_name for a in list_actors(ray.get_runtime_context().gcs_address, limit=10_000,
+                                                         raise_on_missing_output=False))
+
+
+def text_pools() -> int:
+    return embedding_actors("TextEmbedder")
 
 
 def test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool(trained_clip, tmp_path):

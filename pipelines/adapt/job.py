@@ -31,7 +31,7 @@ from pipelines.data.reader import shard_paths
 from pipelines.data.tars import iter_tar_samples
 from pipelines.digits.shards import prepare_digits, write_digit_pairs
 from pipelines.evaluate import EvaluationError
-from pipelines.evaluate.inference import InferenceOptions, embed_task
+from pipelines.evaluate.inference import InferenceOptions, embed_tasks
 from pipelines.evaluate.tasks import prefixed, write_plots
 from pipelines.inputs import check_eval_tasks
 from pipelines.fit.launch import Launch
@@ -183,9 +183,13 @@ def evaluate_adapted(cfg: AdaptDocument, source: Source, models: dict, tasks, ou
     metrics: dict[str, float] = {}
     plots: list[Path] = []
     adapter_results = {}
+    try:
+        embeddings = embed_tasks(str(source.path), source.model, list(tasks), out / "eval", opts)
+    except Exception as err:  # noqa: BLE001 - one pass embeds every task: the error names them all
+        raise EvaluationError.of(", ".join(t.name for t in tasks), err) from err
     for task in tasks:
         try:
-            emb = embed_task(str(source.path), source.model, task, out / "eval" / task.name, opts)
+            emb = embeddings[task.name]
             results = score_adapted(models, task, emb, cfg.eval.calibration_bins)
         except Exception as err:  # noqa: BLE001 - any failure of a task is reported by its name
             raise EvaluationError.of(task.name, err) from err

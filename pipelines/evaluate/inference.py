@@ -7,6 +7,9 @@ models, mix for Llip's mixture tokens, flattened) as fixed-size float32 lists, r
 pyarrow or faiss without this project. Texts: the same for a list of strings ->
 ``{out}/texts/*.parquet`` (index, text, mu[, logvar]); a list that fits one batch (a zero-shot task's prompts) is
 embedded by the caller's copy of the model instead, which a pool would spend a process start and a model load on.
+An evaluation of several tasks (`embed_tasks`) reads them all through one image pool and one text pool, each row
+labelled with its task, and writes each task's rows under ``{out}/{task}/``: every actor loads the model once for all
+the tasks, not once per task.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray.data
 import torch
@@ -32,6 +36,7 @@ from pipelines.storage import fs_path, uri
 from pipelines.evaluate.in_process import TaskEmbeddings, embed_texts, split_captions, task_texts
 
 OUTPUT_KEYS = ("mu", "logvar", "mix", "query")  # query: Llip's hidden-state query (query_from: hidden)
+TASK = "task"  # the column that names each row's task in a pass over several tasks (dropped from what is written)
 
 
 @dataclass
@@ -80,9 +85,9 @@ class ImageEmbedder(_Embedder):
     @torch.no_grad()
     def __call__(self, batch: dict[str, np.ndarray]):
         out = self.model.encode_image(to_device(torch.from_numpy(to_model_input(batch["image"])), self.device))
-        return pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
-                         "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
-                         "cls": pa.array(np.asarray(batch["cls"], np.int64)), **fixed_lists(out)})
+        return _with_task(batch, pa.table({"key": pa.array([str(k) for k in batch["key"]], pa.string()),
+                                           "captions": pa.array([str(c) for c in batch["captions"]], pa.string()),
+                                           "cls": pa.array(np.asarray(batch["cls"], np.int64)), **fixed_lists(out)}))
 
 
 class TextEmbedder(_Embedder):
@@ -92,7 +97,17 @@ class TextEmbedder(_Embedder):
     def __call__(self, batch: dict[str, np.ndarray]):
         texts = [str(t) for t in batch["text"]]
         out = self.model.encode_text(to_device(tokenize(texts, self.model.context_length), self.device))
-        return text_table(batch["index"], texts, out)
+        return _with_task(batch, text_table(batch["index"], texts, out))
+
+
+def _with_task(batch: dict[str, np.ndarray], table: pa.Table) -> pa.Table:
+    """`table` with the batch's task column, when the batch has one (a pass over several tasks)."""
+    return table.append_column(TASK, pa.array([str(t) for t in batch[TASK]], pa.string())) if TASK in batch else table
+
+
+def _labelled(batch: dict[str, np.ndarray], task: str) -> dict[str, np.ndarray]:
+    batch[TASK] = np.full(len(batch["key"]), task, dtype=object)
+    return batch
 
 
 def text_table(index, texts: list[str], out: dict[str, torch.Tensor]) -> pa.Table:
@@ -141,13 +156,18 @@ def write_image_embeddings(model_file: str, paths: list[str], image_size: int, o
     return folder
 
 
+def embedded_here(texts: list[str], opts: InferenceOptions, model: torch.nn.Module | None) -> bool:
+    """Strings embedded by the caller's model rather than a pool: those that fit one batch, the model at hand."""
+    return model is not None and len(texts) <= opts.batch_size
+
+
 def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions,
                           model: torch.nn.Module | None = None) -> str | Path:
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder. Given `model` (the file's, loaded
     by the caller), strings that fit one batch are embedded by it here: a pool's actor would start a process and load
     the model for that one batch (seconds on a CPU, a CUDA context on a GPU), and the columns are the same."""
     folder = _fresh(out, "texts")
-    if model is not None and len(texts) <= opts.batch_size:
+    if embedded_here(texts, opts, model):
         _write_here([text_table(range(len(texts)), texts, embed_texts(model, texts, opts.batch_size))], folder)
         return folder
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
@@ -175,7 +195,11 @@ def _write_here(tables, folder: str | Path) -> None:
 
 def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | None = None):
     """Parquet written above -> (table columns as numpy / lists, outputs as tensors), rows sorted by `order_by`."""
-    table = pq.read_table(str(folder))
+    return embeddings_of(pq.read_table(str(folder)), order_by, mixture_tokens, folder)
+
+
+def embeddings_of(table: pa.Table, order_by: str, mixture_tokens: int | None, folder: str | Path):
+    """read_embeddings of a table in hand (written to `folder`)."""
     if table.num_rows == 0:
         raise ValueError(f"{folder}: no embeddings")
     table = table.sort_by(order_by)
@@ -191,17 +215,61 @@ def read_embeddings(folder: str | Path, order_by: str, mixture_tokens: int | Non
     return columns, outputs
 
 
-def embed_task(model_file: str, model: torch.nn.Module, task, out: str | Path, opts: InferenceOptions,
-               stats_name: str | None = None):
-    """One eval task's embeddings through the actor pools, written under {out} and read back
-    (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order as the in-process path); the samples
-    the task cannot use skipped and counted under `stats_name`."""
+def _under(out: str | Path, name: str) -> str | Path:
+    return Path(out) / name if is_local_path(str(out)) else f"{str(out).rstrip('/')}/{name}"
+
+
+def _pooled(ds, cls, model_file: str, opts: InferenceOptions) -> pa.Table | None:
+    """Every batch of `ds` through one actor pool of `cls`, as one table in this process (None: no rows)."""
+    tables = [ray.get(ref) for ref in ds.map_batches(**_pool(cls, model_file, opts)).to_arrow_refs()]
+    tables = [t for t in tables if t.num_rows]
+    return pa.concat_tables(tables) if tables else None
+
+
+def _rows_of(table: pa.Table | None, task: str) -> pa.Table:
+    """`task`'s rows of a pass over several tasks, without the task column."""
+    if table is None:
+        return pa.table({})
+    return table.filter(pc.equal(table[TASK], task)).drop_columns([TASK])
+
+
+def embed_tasks(model_file: str, model: torch.nn.Module, tasks: list, out: str | Path, opts: InferenceOptions,
+                stats_names: dict[str, str] | None = None) -> dict[str, TaskEmbeddings]:
+    """Eval tasks' embeddings by batch inference: every task's images through one actor pool, then the texts of every
+    task past a batch through one more (a task's texts within a batch, a zero-shot task's prompts, by `model`, the
+    caller's copy of the file's model), each actor loading the model once for all of them; each task's rows written
+    under {out}/{task}/images|texts and read back (pipelines.evaluate.tasks.TaskEmbeddings, in the same canonical order
+    as the in-process path). What a task cannot use is skipped and counted under its `stats_names` entry."""
+    if not tasks:
+        return {}
+    stats_names = stats_names or {}
     mixture_tokens = getattr(model, "mixture_tokens", None)
-    folder = write_image_embeddings(model_file, task_paths(task), model.img_size, out, opts, stats_name=stats_name,
-                                    require=REQUIRES[task.kind])
-    cols, image = read_embeddings(folder, "key", mixture_tokens)
-    captions = split_captions(cols["captions"])
-    texts, counts, classnames = task_texts(task, captions)
-    _, text = read_embeddings(write_text_embeddings(model_file, texts, out, opts, model), "index")
-    return TaskEmbeddings(cols["key"], image, captions, torch.tensor(cols["cls"], dtype=torch.long), texts, text,
-                          counts, classnames)
+    parts = [read_eval_shards(task_paths(t), model.img_size, stats_name=stats_names.get(t.name),
+                              batch_size=opts.batch_size, cache_max_mb=0, uint8=True, require=REQUIRES[t.kind])
+             .map_batches(_labelled, fn_kwargs={"task": t.name}, batch_format="numpy") for t in tasks]
+    images = _pooled(parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0], ImageEmbedder, model_file, opts)
+    found, pooled_texts = {}, []
+    for task in tasks:
+        folder = _fresh(_under(out, task.name), "images")
+        rows = _rows_of(images, task.name)
+        _write_here([rows] if rows.num_rows else [], folder)
+        cols, image = embeddings_of(rows, "key", mixture_tokens, folder)
+        captions = split_captions(cols["captions"])
+        texts, counts, classnames = task_texts(task, captions)
+        found[task.name] = (cols, image, captions, texts, counts, classnames)
+        if not embedded_here(texts, opts, model):
+            pooled_texts += [{TASK: task.name, "index": i, "text": t} for i, t in enumerate(texts)]
+    text_rows = _pooled(ray.data.from_items(pooled_texts), TextEmbedder, model_file, opts) if pooled_texts else None
+    embedded = {}
+    for task in tasks:
+        cols, image, captions, texts, counts, classnames = found[task.name]
+        folder = _fresh(_under(out, task.name), "texts")
+        if not embedded_here(texts, opts, model):
+            rows = _rows_of(text_rows, task.name)
+        else:
+            rows = text_table(range(len(texts)), texts, embed_texts(model, texts, opts.batch_size))
+        _write_here([rows] if rows.num_rows else [], folder)
+        _, text = embeddings_of(rows, "index", None, folder)
+        embedded[task.name] = TaskEmbeddings(cols["key"], image, captions, torch.tensor(cols["cls"], dtype=torch.long),
+                                             texts, text, counts, classnames)
+    return embedded

@@ -36,7 +36,7 @@ from pipelines.data.stats import (drop_stats, reader_stats, report_lines, report
                                   skipped_keys)
 from pipelines.evaluate.config import EvaluateDocument
 from pipelines.evaluate.in_process import distinct_captions, split_captions
-from pipelines.evaluate.inference import (InferenceOptions, embed_task, read_embeddings, write_image_embeddings,
+from pipelines.evaluate.inference import (InferenceOptions, embed_tasks, read_embeddings, write_image_embeddings,
                                           write_text_embeddings)
 from pipelines.evaluate.tasks import held_out_loss, prefixed, score_task, write_plots
 from pipelines.inputs import prepare_inputs
@@ -115,11 +115,13 @@ def evaluate_tasks(cfg: EvaluateDocument, source: dict, out: Path, opts: Inferen
     results = {}
     # each task's reader counts under a name of this evaluation's own (`pipelines.data.stats`)
     stats_names = {t.name: f"evaluate-{uuid.uuid4().hex[:12]}/{t.name}" for t in tasks}
+    embedded = [t for t in tasks if t.kind != "loss"]
+    embeddings = embed_tasks(str(source["model"]), model, embedded, out, opts, stats_names)
     for task in tasks:
         if task.kind == "loss":
             metrics[f"{task.name}/loss"] = held_out_loss_of(cfg, model, source, task, stats_names[task.name])
             continue
-        emb = embed_task(str(source["model"]), model, task, out / task.name, opts, stats_names[task.name])
+        emb = embeddings[task.name]
         if task.kind == "retrieval" and model.probabilistic and task.analyses:
             emb.levels = read_caption_levels(task, emb.keys)  # json only; the actors' parquet carries no levels
         results[task.name] = score_task(model, task, emb, cfg.eval.calibration_bins)
