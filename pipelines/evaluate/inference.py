@@ -132,13 +132,19 @@ def _pool(cls, model_file: str, opts: InferenceOptions) -> dict:
                 num_cpus=None if opts.num_gpus else opts.threads)
 
 
+def _under(out: str | Path, name: str) -> str | Path:
+    """`{out}/{name}`: a local Path, or a URI on object storage."""
+    return Path(out) / name if is_local_path(str(out)) else f"{str(out).rstrip('/')}/{name}"
+
+
 def _fresh(out: str | Path, name: str) -> str | Path:
     """`{out}/{name}` emptied (a local Path, or a URI on object storage): Ray Data adds its files beside any already
     there, so a rerun would double the rows."""
-    if is_local_path(str(out)):
-        shutil.rmtree(Path(out) / name, ignore_errors=True)
-        return Path(out) / name
-    fs, path = fs_path(f"{str(out).rstrip('/')}/{name}")
+    folder = _under(out, name)
+    if isinstance(folder, Path):
+        shutil.rmtree(folder, ignore_errors=True)
+        return folder
+    fs, path = fs_path(folder)
     if fs.exists(path):
         fs.rm(path, recursive=True)
     return uri(fs, path)
@@ -161,6 +167,11 @@ def embedded_here(texts: list[str], opts: InferenceOptions, model: torch.nn.Modu
     return model is not None and len(texts) <= opts.batch_size
 
 
+def _texts_here(model: torch.nn.Module, texts: list[str], opts: InferenceOptions) -> pa.Table:
+    """The texts/ rows of `texts`, embedded by the caller's model in this process."""
+    return text_table(range(len(texts)), texts, embed_texts(model, texts, opts.batch_size))
+
+
 def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, opts: InferenceOptions,
                           model: torch.nn.Module | None = None) -> str | Path:
     """Strings -> {out}/texts/*.parquet through an actor pool; returns the folder. Given `model` (the file's, loaded
@@ -168,7 +179,7 @@ def write_text_embeddings(model_file: str, texts: list[str], out: str | Path, op
     the model for that one batch (seconds on a CPU, a CUDA context on a GPU), and the columns are the same."""
     folder = _fresh(out, "texts")
     if embedded_here(texts, opts, model):
-        _write_here([text_table(range(len(texts)), texts, embed_texts(model, texts, opts.batch_size))], folder)
+        _write_here([_texts_here(model, texts, opts)], folder)
         return folder
     items = [{"index": i, "text": t} for i, t in enumerate(texts)]
     _write(ray.data.from_items(items).map_batches(**_pool(TextEmbedder, model_file, opts)), folder)
@@ -181,7 +192,12 @@ def _write(ds, folder: str | Path) -> None:
     if not only_here([str(folder)], size_limit=False):
         ds.write_parquet(str(folder))
         return
-    _write_here((ray.get(ref) for ref in ds.to_arrow_refs()), folder)
+    _write_here(_tables(ds), folder)
+
+
+def _tables(ds):
+    """The dataset's blocks as pyarrow tables in this process, sent through the object store one at a time."""
+    return (ray.get(ref) for ref in ds.to_arrow_refs())
 
 
 def _write_here(tables, folder: str | Path) -> None:
@@ -215,14 +231,9 @@ def embeddings_of(table: pa.Table, order_by: str, mixture_tokens: int | None, fo
     return columns, outputs
 
 
-def _under(out: str | Path, name: str) -> str | Path:
-    return Path(out) / name if is_local_path(str(out)) else f"{str(out).rstrip('/')}/{name}"
-
-
 def _pooled(ds, cls, model_file: str, opts: InferenceOptions) -> pa.Table | None:
     """Every batch of `ds` through one actor pool of `cls`, as one table in this process (None: no rows)."""
-    tables = [ray.get(ref) for ref in ds.map_batches(**_pool(cls, model_file, opts)).to_arrow_refs()]
-    tables = [t for t in tables if t.num_rows]
+    tables = [t for t in _tables(ds.map_batches(**_pool(cls, model_file, opts))) if t.num_rows]
     return pa.concat_tables(tables) if tables else None
 
 
@@ -256,18 +267,16 @@ def embed_tasks(model_file: str, model: torch.nn.Module, tasks: list, out: str |
         cols, image = embeddings_of(rows, "key", mixture_tokens, folder)
         captions = split_captions(cols["captions"])
         texts, counts, classnames = task_texts(task, captions)
-        found[task.name] = (cols, image, captions, texts, counts, classnames)
-        if not embedded_here(texts, opts, model):
+        here = embedded_here(texts, opts, model)
+        found[task.name] = (cols, image, captions, texts, counts, classnames, here)
+        if not here:
             pooled_texts += [{TASK: task.name, "index": i, "text": t} for i, t in enumerate(texts)]
     text_rows = _pooled(ray.data.from_items(pooled_texts), TextEmbedder, model_file, opts) if pooled_texts else None
     embedded = {}
     for task in tasks:
-        cols, image, captions, texts, counts, classnames = found[task.name]
+        cols, image, captions, texts, counts, classnames, here = found[task.name]
         folder = _fresh(_under(out, task.name), "texts")
-        if not embedded_here(texts, opts, model):
-            rows = _rows_of(text_rows, task.name)
-        else:
-            rows = text_table(range(len(texts)), texts, embed_texts(model, texts, opts.batch_size))
+        rows = _texts_here(model, texts, opts) if here else _rows_of(text_rows, task.name)
         _write_here([rows] if rows.num_rows else [], folder)
         _, text = embeddings_of(rows, "index", None, folder)
         embedded[task.name] = TaskEmbeddings(cols["key"], image, captions, torch.tensor(cols["cls"], dtype=torch.long),
