@@ -11,6 +11,26 @@ LOCK   := requirements.lock
 # torch cap), with the pip that installs .venv, both pinned in constraints.txt; in a venv of its own, being no package
 # of the project's. No hashes: pip-compile downloads every file of a release to hash it (tens of GB for torch's).
 TOOLS  := .venv-tools
+UV     := $(TOOLS)/bin/uv
+# uv reads no pip configuration: the indexes and wheel folders pip is configured with (pip config files and PIP_*
+# variables, as `pip config list` shows them) are handed to it (UV_FROM_PIP, expanded by the recipe's shell), so that a
+# machine set up for pip installs from the same places; every index on an equal footing, as pip treats them (uv's
+# default takes a package from the first index that has it, at any version).
+UV_FROM_PIP = $$($(PYTHON) -c "$$PIP_TO_UV")
+define PIP_TO_UV
+import re, subprocess, sys
+config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+flag = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links"}
+args = {}
+# a PIP_* variable (":env:") wins over a file
+for line in sorted(config.splitlines(), key=lambda line: not line.startswith(":env:")):
+    m = re.match(r"[^.]*[.]([a-z-]+)='(.*)'$$", line)
+    key = m and m.group(1)
+    if key in flag and not (key == "index-url" and any(a.startswith("--index-url") for a in args)):
+        args.update(dict.fromkeys(f"{flag[key]}={value}" for value in m.group(2).split()))
+print(" ".join(["--index-strategy=unsafe-best-match", *args]))
+endef
+export PIP_TO_UV
 COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra dev -c constraints.txt \
 	--strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links -o $(LOCK) pyproject.toml
 
@@ -18,29 +38,28 @@ COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(TOOLS)/bin/pip-compile -q --extra
 
 # Python modules are byte-compiled by the first process that imports them, written beside them (atomically, so
 # processes importing at once are safe) and read by every later one: the project's processes import ~9,300 of the
-# ~23,000 modules installed, so nothing is compiled at install (pip --no-compile; the install took ~2 min on 2 cores
-# with all of them compiled, 66-76 s without, 2026-12-06). PYTHONDONTWRITEBYTECODE (set on this machine and its CI)
-# would make every process compile what it imports again (12 CPU-s for a training worker's 5,714 modules, measured
+# ~23,000 modules installed, so nothing is compiled at install (uv compiles nothing unless asked; pip took ~2 min on 2
+# cores with all of them compiled, 66-76 s without, 2026-12-06). PYTHONDONTWRITEBYTECODE (set on this machine and its
+# CI) would make every process compile what it imports again (12 CPU-s for a training worker's 5,714 modules, measured
 # 2026-12-06): the targets below run without it.
 unexport PYTHONDONTWRITEBYTECODE
-# pip itself at constraints.txt's version, the lock, then the project without its dependencies; packages the lock does
-# not name (dropped by a lock upgrade, or installed by hand) are uninstalled.
-$(STAMP): $(LOCK) pyproject.toml constraints.txt
+# The lock installed by uv (constraints.txt pins it; in the tools' venv, being no package of the project's): its ~220
+# packages (6.6 GB with torch's CUDA libraries) took 26 s on 2 cores from an empty cache, against ~70 s for pip
+# (2026-12-07), and `uv pip sync` uninstalls what the lock does not name (dropped by a lock upgrade, or installed by
+# hand). Then pip at constraints.txt's version and the project itself, editable, without dependencies.
+$(STAMP): $(LOCK) pyproject.toml constraints.txt $(UV)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt -r $(LOCK)
-	$(PY) -m pip install -q --no-compile --no-deps -e .
-	@$(PY) -m pip freeze --all --exclude-editable | sed 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' \
-	  | grep -vxF -e pip $$(sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*\)==.*/-e \1/p' $(LOCK) | tr 'A-Z_.' 'a-z--') \
-	  | xargs -r $(PY) -m pip uninstall -y -q
+	$(UV) pip sync -q --python $(PY) $(UV_FROM_PIP) $(LOCK)
+	$(UV) pip install -q --python $(PY) $(UV_FROM_PIP) -c constraints.txt pip
+	$(UV) pip install -q --python $(PY) $(UV_FROM_PIP) --no-deps -e .
 	@touch $(STAMP)
 
 install: $(STAMP)
 
-$(TOOLS)/bin/pip-compile: constraints.txt
+$(TOOLS)/bin/pip-compile $(UV): constraints.txt
 	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
-	$(TOOLS)/bin/python -m pip install -q -c constraints.txt pip pip-tools
-	@touch $@
+	$(TOOLS)/bin/python -m pip install -q -c constraints.txt pip pip-tools uv
+	@touch $(TOOLS)/bin/pip-compile $(UV)
 
 # After editing pyproject.toml's dependencies or constraints.txt: recompile the lock, keeping every other pin.
 lock: $(TOOLS)/bin/pip-compile
