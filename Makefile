@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 # under constraints.txt; tests/test_lock.py fails when .venv or pyproject drifts from it.
 LOCK   := requirements.lock
 # The lock's compiler, pip-compile (pip-tools): pip's own resolver and configuration (this machine's wheels and its
-# torch cap), with the pip that installs .venv, both pinned in constraints.txt; in a venv of its own, being no package
-# of the project's. No hashes: pip-compile downloads every file of a release to hash it (tens of GB for torch's).
+# torch cap), both pinned in constraints.txt; in a venv of its own with uv, the installer, being no packages of the
+# project's. No hashes: pip-compile downloads every file of a release to hash it (tens of GB for torch's).
 TOOLS  := .venv-tools
 UV     := $(TOOLS)/bin/uv
 # uv reads no pip configuration: the indexes and wheel folders pip is configured with (pip config files and PIP_*

@@ -83,7 +83,7 @@ def test_the_lock_satisfies_pyproject():
 
 def test_the_lock_and_the_environment_hold_the_constraints_pins():
     """torch, Ray, DeepSpeed, faiss in the lock at constraints.txt's versions; pip, installed beside the lock, too
-    (pip-tools lives in the Makefile's tools venv)."""
+    (pip-tools and uv live in the Makefile's tools venv)."""
     lock = locked()
     wrong = []
     for name, version in sorted(constraints().items()):
