@@ -13,7 +13,7 @@ LOCK   := requirements.lock
 TOOLS  := .venv-tools
 UV     := $(TOOLS)/bin/uv
 # uv reads no pip configuration: the indexes and wheel folders pip is configured with (pip config files and PIP_*
-# variables, as `pip config list` shows them) are handed to it (UV_FROM_PIP, expanded by the recipe's shell), so that a
+# variables, as `pip config list` shows them) are handed to it (UV_FROM_PIP, run once by the recipe's shell), so that a
 # machine set up for pip installs from the same places; every index on an equal footing, as pip treats them (uv's
 # default takes a package from the first index that has it, at any version).
 UV_FROM_PIP = $$($(PYTHON) -c "$$PIP_TO_UV")
@@ -49,9 +49,10 @@ unexport PYTHONDONTWRITEBYTECODE
 # hand). Then pip at constraints.txt's version and the project itself, editable, without dependencies.
 $(STAMP): $(LOCK) pyproject.toml constraints.txt $(UV)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(UV) pip sync -q --python $(PY) $(UV_FROM_PIP) $(LOCK)
-	$(UV) pip install -q --python $(PY) $(UV_FROM_PIP) -c constraints.txt pip
-	$(UV) pip install -q --python $(PY) $(UV_FROM_PIP) --no-deps -e .
+	from_pip=$(UV_FROM_PIP) && \
+	$(UV) pip sync -q --python $(PY) $$from_pip $(LOCK) && \
+	$(UV) pip install -q --python $(PY) $$from_pip -c constraints.txt pip && \
+	$(UV) pip install -q --python $(PY) $$from_pip --no-deps -e .
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -237,7 +237,7 @@ def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path
     assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3
 
 
-def embedding_actors(kind: str = "TextEmbedder") -> int:
+def embedding_actors(kind: str) -> int:
     """Embedding actors of `kind` (TextEmbedder, ImageEmbedder) this session's Ray has started so far (dead ones too:
     GCS keeps their records)."""
     import ray
@@ -245,10 +245,6 @@ def embedding_actors(kind: str = "TextEmbedder") -> int:
 
     return sum(kind in a.class_name for a in list_actors(ray.get_runtime_context().gcs_address, limit=10_000,
                                                          raise_on_missing_output=False))
-
-
-def text_pools() -> int:
-    return embedding_actors("TextEmbedder")
 
 
 def test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool(trained_clip, tmp_path):
@@ -261,13 +257,13 @@ def test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_po
                                 tracking_uri=result.mlflow_uri)
     file = str(model_file(Path(folder)))
     model, texts = load_model(file), ["a handwritten 1", "a photo of the number 7", "eight"]
-    before = text_pools()
+    before = embedding_actors("TextEmbedder")
     here = read_embeddings(write_text_embeddings(file, texts, tmp_path / "here", InferenceOptions(concurrency=1),
                                                  model), "index")
-    assert text_pools() == before  # no actor for one batch
+    assert embedding_actors("TextEmbedder") == before  # no actor for one batch
     pooled = read_embeddings(write_text_embeddings(file, texts, tmp_path / "pool",
                                                    InferenceOptions(concurrency=1, batch_size=2), model), "index")
-    assert text_pools() > before  # two batches: the pool, as for a retrieval task's captions
+    assert embedding_actors("TextEmbedder") > before  # two batches: the pool, as for a retrieval task's captions
     assert here[0] == pooled[0] == {"index": [0, 1, 2], "text": texts}
     assert here[1].keys() == pooled[1].keys() == {"mu"}
     np.testing.assert_allclose(here[1]["mu"].numpy(), pooled[1]["mu"].numpy(), rtol=1e-5, atol=1e-6)

@@ -155,11 +155,16 @@ def write_image_embeddings(model_file: str, paths: list[str], image_size: int, o
     """Shards -> {out}/images/*.parquet through an actor pool; returns the folder. What the reader skipped is
     counted under `stats_name`; require: see `EvalDecode` (None: every sample with a readable image)."""
     folder = _fresh(out, "images")
-    # streamed (one pass), images moved as uint8 and scaled in the actor
-    ds = read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
-                          uint8=True, require=require)
-    _write(ds.map_batches(**_pool(ImageEmbedder, model_file, opts)), folder)
+    _write(_eval_images(paths, image_size, opts, stats_name, require).map_batches(**_pool(ImageEmbedder, model_file,
+                                                                                           opts)), folder)
     return folder
+
+
+def _eval_images(paths: list[str], image_size: int, opts: InferenceOptions, stats_name: str | None,
+                 require: str | None):
+    """The shards' samples for an image pool: streamed (one pass), images moved as uint8 and scaled in the actor."""
+    return read_eval_shards(paths, image_size, stats_name=stats_name, batch_size=opts.batch_size, cache_max_mb=0,
+                            uint8=True, require=require)
 
 
 def embedded_here(texts: list[str], opts: InferenceOptions, model: torch.nn.Module | None) -> bool:
@@ -255,8 +260,7 @@ def embed_tasks(model_file: str, model: torch.nn.Module, tasks: list, out: str |
         return {}
     stats_names = stats_names or {}
     mixture_tokens = getattr(model, "mixture_tokens", None)
-    parts = [read_eval_shards(task_paths(t), model.img_size, stats_name=stats_names.get(t.name),
-                              batch_size=opts.batch_size, cache_max_mb=0, uint8=True, require=REQUIRES[t.kind])
+    parts = [_eval_images(task_paths(t), model.img_size, opts, stats_names.get(t.name), REQUIRES[t.kind])
              .map_batches(_labelled, fn_kwargs={"task": t.name}, batch_format="numpy") for t in tasks]
     images = _pooled(parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0], ImageEmbedder, model_file, opts)
     found, pooled_texts = {}, []
