@@ -110,6 +110,16 @@ def wait_for(what: str, probe, timeout_s: float = 300, every_s: float = 0.5):
                          f"speed): {what}")
 
 
+def actors_started(kind: str) -> int:
+    """Actors whose class name holds `kind` (DatasetManager, TextEmbedder, ...) that this process's Ray has started so
+    far, dead ones too (the GCS keeps their records): what a test counts before and after what it runs."""
+    import ray
+    from ray.util.state import list_actors
+
+    return sum(kind in a.class_name for a in list_actors(ray.get_runtime_context().gcs_address, limit=10_000,
+                                                         raise_on_missing_output=False))
+
+
 def wait_http(url: str, proc, timeout: float = 120) -> None:
     """Wait until `url` answers (any HTTP status) while the server process `proc` runs (`timeout` scaled as
     wait_for's)."""

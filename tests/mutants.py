@@ -425,6 +425,12 @@ MUTANTS = [
            "return False",
            ("tests/test_evaluation.py::"
             "test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool",)),
+    Mutant("no-idle-dataset-manager",
+           "a run given no Ray dataset starts no DatasetManager actor (one process an attempt fewer)",
+           "pipelines/compat/ray_private.py",
+           "            if self.datasets:\n                return callbacks",
+           "            if True:\n                return callbacks",
+           ("tests/test_bad_shards.py::test_training_on_faulty_shards_finishes_and_counts_every_fault[trained]",)),
 ]
 
 

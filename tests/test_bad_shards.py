@@ -20,6 +20,7 @@ import jobs.evaluate
 import jobs.pretrain
 from pipelines.digits.dataset import NAMES, iter_digits, retrieval_captions, specific_captions
 from pipelines.data.stats import slug
+from tests.helpers import actors_started
 from tests.faults import FORMS, good_sample, sample_faults, write_split, write_tar
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,14 +79,18 @@ def files_by_reason(expected) -> dict[str, int]:
 
 
 def fit(root: Path, tmp: Path, name: str, *extra: str):
+    """The run's exit code, what it printed, its MLflow run and URI, its folder, and how many DatasetManager actors
+    (Ray Train's, splitting Ray datasets among the workers) it started."""
     out = io.StringIO()
+    managers = actors_started("DatasetManager")
     with contextlib.redirect_stdout(out):
         rc = jobs.pretrain.main(["--config", DEMO, *overrides(root, tmp, name, *extra)])
+    managers = actors_started("DatasetManager") - managers
     uri = f"sqlite:///{tmp}/mlflow.db"
     client = MlflowClient(uri)
     run = client.search_runs([client.get_experiment_by_name("bad-shards").experiment_id],
                              filter_string=f"tags.`probvlp.run_name` = '{name}'")[0]
-    return rc, out.getvalue(), run, uri, tmp
+    return rc, out.getvalue(), run, uri, tmp, managers
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +109,11 @@ def trained_by_ray_data(ray_local, faulty, tmp_path_factory):
 @pytest.mark.parametrize("reader", ["trained", "trained_by_ray_data"])
 def test_training_on_faulty_shards_finishes_and_counts_every_fault(faulty, reader, request):
     _, expected, zs_faults = faulty
-    rc, printed, run, uri, tmp = request.getfixturevalue(reader)
+    rc, printed, run, uri, tmp, managers = request.getfixturevalue(reader)
     assert rc == 0, printed[-3000:]
     assert run.info.status == "FINISHED"
+    # Ray Train's DatasetManager, one an attempt, only for a run that hands it Ray datasets (pipelines.fit.trainer)
+    assert managers == (1 if reader == "trained_by_ray_data" else 0), managers
     metrics = run.data.metrics
     for dataset, exp in (("train", expected["train"]), ("eval_heldout", expected["test"]),
                          ("eval_heldout_loss", expected["test"])):
@@ -160,7 +167,7 @@ def test_past_max_bad_frac_the_run_stops_with_one_line(ray_local, faulty, tmp_pa
 
 def test_jobs_evaluate_reports_what_it_skipped(faulty, trained, tmp_path, capsys):
     root, expected, _ = faulty
-    _, _, run, uri, tmp = trained
+    _, _, run, uri, tmp, _ = trained
     out = tmp_path / "eval"
     rc = jobs.evaluate.main(["--model", f"runs:/{run.info.run_id}/model", "--config", DEMO, "--out", str(out),
                              "--actors", "1", *overrides(root, tmp, "bad-eval")])
@@ -186,7 +193,7 @@ def test_jobs_evaluate_reports_what_it_skipped(faulty, trained, tmp_path, capsys
 
 def test_jobs_embed_embeds_every_good_sample_and_lists_the_rest(faulty, trained, tmp_path, capsys):
     root, expected, _ = faulty
-    _, _, run, uri, _ = trained
+    _, _, run, uri, _, _ = trained
     out = tmp_path / "embed"
     rc = jobs.embed.main(["--model", f"runs:/{run.info.run_id}/model", "--data", str(root), "--split", "train",
                           "--out", str(out), "--actors", "1", "--no-texts", "--tracking-uri", uri])

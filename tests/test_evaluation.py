@@ -25,7 +25,7 @@ from pipelines.data.eval_tasks import check_task, task_paths
 from pipelines.evaluate.in_process import embed_task_locally
 from pipelines.tracking import model_file
 from pipelines.tune.config import load_tune_config
-from tests.helpers import BUCKET
+from tests.helpers import BUCKET, actors_started
 from tests.zeroshot_reference import prompt_class_embeddings, zero_shot_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
     bench = tmp_path / "wds_digits"
     write_clip_benchmark_set(bench)
     out = tmp_path / "eval"
-    before = embedding_actors("ImageEmbedder"), embedding_actors("TextEmbedder")
+    before = actors_started("ImageEmbedder"), actors_started("TextEmbedder")
     tasks = ('[{name: digits_zeroshot, kind: zeroshot, data: "{data.root}/eval/zeroshot", '
              'templates: "{data.root}/eval/zeroshot/prompts.json"}, '
              '{name: digits_retrieval, kind: retrieval, data: "{data.root}/eval/retrieval"}, '
@@ -114,7 +114,7 @@ def test_evaluate_job_reproduces_training_metrics_and_reads_clip_benchmark_sets(
     # one image pool for the three tasks' images and one text pool (the retrieval captions, past a batch of 64; the 20
     # prompts of each zero-shot task are embedded by the job's own copy of the model), each of at most --actors:
     # every actor loads the model once for all the tasks
-    images, texts = (embedding_actors(kind) - n for kind, n in zip(("ImageEmbedder", "TextEmbedder"), before))
+    images, texts = (actors_started(kind) - n for kind, n in zip(("ImageEmbedder", "TextEmbedder"), before))
     assert 1 <= images <= 2 and 1 <= texts <= 2, (images, texts)
     records = json.loads((out / "results.json").read_text())
     got = {f"{r['task']}/{r['metric']}": r["value"] for r in records}
@@ -237,16 +237,6 @@ def test_embedding_again_into_the_same_folder_replaces_it(trained_clip, tmp_path
     assert columns["index"] == [0, 1, 2] and outputs["mu"].shape[0] == 3
 
 
-def embedding_actors(kind: str) -> int:
-    """Embedding actors of `kind` (TextEmbedder, ImageEmbedder) this session's Ray has started so far (dead ones too:
-    GCS keeps their records)."""
-    import ray
-    from ray.util.state import list_actors
-
-    return sum(kind in a.class_name for a in list_actors(ray.get_runtime_context().gcs_address, limit=10_000,
-                                                         raise_on_missing_output=False))
-
-
 def test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_pool(trained_clip, tmp_path):
     """A zero-shot task's prompts (a batch or less) are embedded by the model the caller holds: no text actor is
     started, and the parquet is the one a pool writes for the same strings (a pool's when they exceed a batch)."""
@@ -257,13 +247,13 @@ def test_texts_that_fit_one_batch_are_embedded_by_the_callers_model_without_a_po
                                 tracking_uri=result.mlflow_uri)
     file = str(model_file(Path(folder)))
     model, texts = load_model(file), ["a handwritten 1", "a photo of the number 7", "eight"]
-    before = embedding_actors("TextEmbedder")
+    before = actors_started("TextEmbedder")
     here = read_embeddings(write_text_embeddings(file, texts, tmp_path / "here", InferenceOptions(concurrency=1),
                                                  model), "index")
-    assert embedding_actors("TextEmbedder") == before  # no actor for one batch
+    assert actors_started("TextEmbedder") == before  # no actor for one batch
     pooled = read_embeddings(write_text_embeddings(file, texts, tmp_path / "pool",
                                                    InferenceOptions(concurrency=1, batch_size=2), model), "index")
-    assert embedding_actors("TextEmbedder") > before  # two batches: the pool, as for a retrieval task's captions
+    assert actors_started("TextEmbedder") > before  # two batches: the pool, as for a retrieval task's captions
     assert here[0] == pooled[0] == {"index": [0, 1, 2], "text": texts}
     assert here[1].keys() == pooled[1].keys() == {"mu"}
     np.testing.assert_allclose(here[1]["mu"].numpy(), pooled[1]["mu"].numpy(), rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ Imports are inside the functions: this module is imported by Ray Data's logging 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from pathlib import Path
@@ -48,6 +49,8 @@ PRIVATE_NAMES = (
     "ray.data._internal.logging:SessionFileHandler",
     "ray.data._internal.logging:HiddenRecordFilter",
     "ray._private.log:PlainRayHandler",
+    "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._create_default_callbacks",
+    "ray.train.v2._internal.callbacks.datasets:DatasetsCallback",
 )
 
 
@@ -141,6 +144,28 @@ def head_node_ids() -> list[str]:
     from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and HEAD_NODE_RESOURCE_NAME in n.get("Resources", {})]
+
+
+# --- A run's actors (pipelines.fit.trainer) -------------------------------------------------------------------------
+
+@functools.cache
+def without_idle_dataset_manager(trainer_cls: type) -> type:
+    """`trainer_cls` (TorchTrainer) whose runs start no DatasetManager actor when they are given no Ray dataset (the
+    workers read every set themselves: data.reader auto on small sets). Ray Train starts one for each attempt whatever
+    its datasets (~2 CPU-s of a process importing Ray and Ray Data, a restart's start-up longer by as much); with no
+    dataset it has nothing to split and `ray.train.get_dataset_shard` has nothing to give. Public alternative missing:
+    the trainer's default callbacks are fixed in `DataParallelTrainer._create_default_callbacks`."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class Trainer(trainer_cls):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    Trainer.__name__ = Trainer.__qualname__ = trainer_cls.__name__
+    return Trainer
 
 
 # --- The cluster (pipelines.cluster) ---------------------------------------------------------------------------------
@@ -323,6 +348,14 @@ def problems() -> list[str]:
           "runtime_env_agent_port"} <= _params(RayParams), "RayParams' arguments changed")
     need({"head", "shutdown_at_exit", "spawn_reaper"} <= _params(Node), "Node's arguments changed")
     need({"check_alive", "allow_graceful"} <= _params(Node.kill_all_processes), "Node.kill_all_processes' arguments")
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    need("DatasetsCallback(" in inspect.getsource(DataParallelTrainer._create_default_callbacks)
+         and "self.datasets" in inspect.getsource(DataParallelTrainer.__init__),
+         "DataParallelTrainer no longer makes its DatasetsCallback from self.datasets")
+    need(callable(getattr(DatasetsCallback, "before_init_train_context", None)),
+         "DatasetsCallback no longer starts the DatasetManager in before_init_train_context")
     provider = fake_multi_node_provider()
     # what pipelines.cluster.isolated.IsolatedNodeProvider overrides and reads of it
     for method in ("_create_node_with_resources_and_labels", "_terminate_node", "_next_hex_node_id",

@@ -8,6 +8,7 @@ import pyarrow.fs
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from pipelines.compat.ray_private import without_idle_dataset_manager
 from pipelines.config import JobDocument
 
 
@@ -64,7 +65,7 @@ def torch_trainer(loop: Callable[[dict], None], loop_config: dict[str, Any], cfg
     if getattr(t, "elastic_resize_interval_s", None) is not None:
         # [min, max] workers: Ray Train's elastic scaling reconsiders the size every this many seconds
         scaling["elastic_resize_monitor_interval_s"] = t.elastic_resize_interval_s
-    return TorchTrainer(
+    return without_idle_dataset_manager(TorchTrainer)(
         loop,
         train_loop_config=loop_config,
         scaling_config=ray.train.ScalingConfig(**scaling),
