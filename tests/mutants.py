@@ -431,6 +431,12 @@ MUTANTS = [
            "            if self.datasets:\n                return callbacks",
            "            if True:\n                return callbacks",
            ("tests/test_bad_shards.py::test_training_on_faulty_shards_finishes_and_counts_every_fault[trained]",)),
+    Mutant("download-without-torch",
+           "a download task imports img2dataset without torch (webdataset's PyTorch classes, never used there)",
+           "pipelines/download/shard.py",
+           'with without("torch"):',
+           "if True:",
+           ("tests/test_worker_imports.py::test_a_download_task_imports_no_torch",)),
 ]
 
 

@@ -60,7 +60,7 @@ def faulty(tmp_path_factory):
 
 
 def overrides(root: Path, tmp: Path, name: str, *extra: str) -> list[str]:
-    sets = [f"data.source=shards", f"data.root={root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+    sets = ["data.source=shards", f"data.root={root}", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
             f"run.storage_path={tmp}/ray", f"run.name={name}", "run.experiment=bad-shards", "train.steps=12",
             "train.log_every=4", *extra]
     return [a for s in sets for a in ("--set", s)]

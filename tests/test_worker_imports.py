@@ -1,5 +1,6 @@
-"""What a training worker's process imports: every Ray Train worker imports pipelines.pretrain.worker first, so each
-package in it costs CPU-seconds per worker per run (benchmarks/startup.py)."""
+"""What a worker's process imports: every Ray Train worker imports pipelines.pretrain.worker first, and every download
+task img2dataset's downloader, writer and resizer, so each package in them costs CPU-seconds per worker per run
+(benchmarks/startup.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -20,3 +21,12 @@ def test_a_training_worker_imports_no_other_stage_and_no_unused_integration():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          timeout=scaled(120)).stdout.strip().splitlines()[-1]
     assert out == "[]", f"a training worker imports {out}"
+
+
+def test_a_download_task_imports_no_torch():
+    """img2dataset's shard writer (webdataset) imports torch when it is there; a download task never uses it."""
+    code = ("import sys; from pipelines.download.shard import _img2dataset; _img2dataset(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=scaled(120)).stdout.strip().splitlines()[-1]
+    assert out == "[]", f"a download task imports {out}"

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from models._imports import without
 from pipelines.download.config import DownloadConfig
 from pipelines.download.plan import PARTS_DIR
 from pipelines.storage import fs_path, read_json, uri
@@ -44,8 +45,22 @@ class PartResult:
     node: str | None = None  # the Ray node that ran it (the summary says which node did which part)
 
 
+def _img2dataset():
+    """img2dataset's downloader, shard writer and resizer, imported in the Ray task that downloads (after
+    NO_ALBUMENTATIONS_UPDATE is set: albumentations would check PyPI on import). Without torch: the shard writer's
+    webdataset imports torch when it is there, for its PyTorch datasets and loaders, which a download never uses
+    (~2 CPU-s and ~300 MB of each download worker's memory); without it webdataset stands in its own empty classes.
+    A process that has torch already keeps it."""
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    with without("torch"):
+        from img2dataset.downloader import Downloader
+        from img2dataset.resizer import Resizer
+        from img2dataset.writer import WebDatasetSampleWriter
+    return Downloader, Resizer, WebDatasetSampleWriter
+
+
 def _resizer(cfg: DownloadConfig):
-    from img2dataset.resizer import Resizer  # deferred, as in download_part
+    Resizer = _img2dataset()[1]
 
     return Resizer(
         image_size=cfg.image_size, resize_mode=cfg.resize_mode, resize_only_if_bigger=False,
@@ -66,10 +81,7 @@ def remove_folder(fs, path: str) -> None:
 
 def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: int, key_digits: int) -> dict:
     """img2dataset's per-shard downloader on one part, then move the shard into place (a PartResult as a dict)."""
-    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would check PyPI on import
-    # deferred: img2dataset and albumentations load in the Ray task that downloads, after the variable above
-    from img2dataset.downloader import Downloader
-    from img2dataset.writer import WebDatasetSampleWriter
+    Downloader, _, WebDatasetSampleWriter = _img2dataset()
 
     cfg = DownloadConfig.model_validate(settings)
     node = ray.get_runtime_context().get_node_id()
