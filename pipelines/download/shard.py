@@ -49,7 +49,7 @@ def _img2dataset():
     """img2dataset's downloader, shard writer and resizer, imported in the Ray task that downloads (after
     NO_ALBUMENTATIONS_UPDATE is set: albumentations would check PyPI on import). Without torch: the shard writer's
     webdataset imports torch when it is there, for its PyTorch datasets and loaders, which a download never uses
-    (~2 CPU-s and ~300 MB of each download worker's memory); without it webdataset stands in its own empty classes.
+    (~1.5 CPU-s and ~450 MB of each download worker's memory); without it webdataset stands in its own empty classes.
     A process that has torch already keeps it."""
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     with without("torch"):
