@@ -7,6 +7,7 @@ with the CPU-seconds it used (Linux process accounting, acct(2): root only), gro
 A process's record carries its pid and the name of its last thread, not its title: Ray renames its workers after they
 start (`ray::RayTrainWorker`, `ray::TrainController`), so the titles are read from /proc every half second beside
 the command and joined by pid; a process that lived less than that is listed under its thread's name, in brackets.
+A Ray worker back at `ray::IDLE` after its tasks is listed under the last task it ran.
 Counted: the processes that ended before the command did (daemons that outlive it, and the machine's own, are not).
 Unlike a /proc poller's last reading, nothing is lost between two readings. Nothing is timed against a target: the
 table says where to cut (tests/conftest.py's notes, docs/RESULTS.md "Where `make test`'s CPU goes").
@@ -65,9 +66,15 @@ def _titles(seen: dict[int, str], stop: threading.Event) -> None:
                         title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
                 except OSError:
                     continue
-                if title:  # a zombie's is empty
-                    seen[int(entry)] = title
+                remember(seen, int(entry), title)
         stop.wait(0.5)
+
+
+def remember(seen: dict[int, str], pid: int, title: str) -> None:
+    """Keep `title` as `pid`'s, but for a zombie's (empty) and a Ray worker's return to `ray::IDLE` after a task: it
+    keeps the name of the last task or actor it ran, which is what its CPU went to."""
+    if title and not (title.startswith("ray::IDLE") and pid in seen):
+        seen[pid] = title
 
 
 def kind(title: str, thread: str) -> str:

@@ -2,7 +2,7 @@
 was: checked on records packed here, as the kernel lays them out (linux/acct.h)."""
 from __future__ import annotations
 
-from benchmarks.process_cpu import RECORD, kind, records
+from benchmarks.process_cpu import RECORD, kind, records, remember
 
 
 def packed(pid: int, utime: int, stime: int, comm: bytes, version: int = 3) -> bytes:
@@ -23,3 +23,13 @@ def test_processes_are_named_by_actor_module_script_or_thread():
     assert kind("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --x", "python") == "python log_monitor.py"
     assert kind("", "pt_gloo_runloop") == "[pt_gloo_runloop]"
     assert kind("/usr/bin/git status", "git") == "git"
+
+
+def test_a_ray_worker_back_at_idle_keeps_the_name_of_what_it_ran():
+    seen: dict[int, str] = {}
+    for title in ("ray::IDLE", "ray::download_part", "ray::IDLE", ""):  # a task worker's life, then its zombie
+        remember(seen, 7, title)
+    remember(seen, 8, "ray::IDLE")  # a worker that never ran a task stays IDLE
+    remember(seen, 9, "python -m pytest")
+    remember(seen, 9, "ray::RayTrainWorker")  # a fork that took an actor's title takes it
+    assert seen == {7: "ray::download_part", 8: "ray::IDLE", 9: "ray::RayTrainWorker"}
