@@ -164,7 +164,7 @@ def without_idle_dataset_manager(trainer_cls: type) -> type:
                 return callbacks
             return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
-    Trainer.__name__ = Trainer.__qualname__ = trainer_cls.__name__
+    Trainer.__name__ = Trainer.__qualname__ = trainer_cls.__name__  # Ray's messages name the trainer as the user's
     return Trainer
 
 

@@ -59,9 +59,7 @@ def _img2dataset():
     return Downloader, Resizer, WebDatasetSampleWriter
 
 
-def _resizer(cfg: DownloadConfig):
-    Resizer = _img2dataset()[1]
-
+def _resizer(Resizer, cfg: DownloadConfig):
     return Resizer(
         image_size=cfg.image_size, resize_mode=cfg.resize_mode, resize_only_if_bigger=False,
         encode_quality=cfg.encode_quality if cfg.encode_quality is not None else 9 if cfg.encode_format == "png" else 95,
@@ -81,7 +79,7 @@ def remove_folder(fs, path: str) -> None:
 
 def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: int, key_digits: int) -> dict:
     """img2dataset's per-shard downloader on one part, then move the shard into place (a PartResult as a dict)."""
-    Downloader, _, WebDatasetSampleWriter = _img2dataset()
+    Downloader, Resizer, WebDatasetSampleWriter = _img2dataset()
 
     cfg = DownloadConfig.model_validate(settings)
     node = ray.get_runtime_context().get_node_id()
@@ -99,7 +97,7 @@ def download_part(settings: dict[str, Any], part: dict[str, Any], shard_digits: 
     with fs.open(feather, "wb") as f, pa.ipc.new_file(f, table.select(columns).schema) as writer:
         writer.write_table(table.select(columns))
     downloader = Downloader(
-        sample_writer_class=WebDatasetSampleWriter, resizer=_resizer(cfg), thread_count=cfg.threads_per_task,
+        sample_writer_class=WebDatasetSampleWriter, resizer=_resizer(Resizer, cfg), thread_count=cfg.threads_per_task,
         save_caption=cfg.caption_col is not None, extract_exif=cfg.extract_exif, output_folder=uri(fs, tmp),
         column_list=columns, timeout=cfg.timeout, number_sample_per_shard=10**key_digits,
         oom_shard_count=shard_digits, compute_hash=cfg.compute_hash, verify_hash_type=None,
