@@ -8,6 +8,7 @@ from typing import Callable
 
 from pipelines.config import ConfigError, InputError, RunStopped
 from pipelines.evaluate import EvaluationError
+from pipelines.gc_tuning import collect_less
 
 
 def job_parser(prog: str, doc: str) -> argparse.ArgumentParser:
@@ -47,6 +48,7 @@ def job_main(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | N
     returns 1."""
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
+        collect_less()  # before the job's deferred imports (torch, Ray, MLflow)
         try:
             return main(argv)
         except ConfigError as err:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipelines.gc_tuning import collect_less
 from tests.helpers import DEMO_STEPS, files_under, written_between
 from tests.pace import ENV, MOST, scaled, set_factor, slowness
 
@@ -52,6 +53,9 @@ _WRITTEN = pytest.StashKey[list]()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# pytest's processes are the drivers of the runs the tests start in process: the collector as a job's driver has it
+# (jobs.cli.job_main), before the test modules import torch, Ray and MLflow.
+collect_less()
 # The S3 server, the nodes that share no disk and the MLflow servers (tests/multinode.py), for every test module
 pytest_plugins = ["tests.multinode"]
 

@@ -437,6 +437,18 @@ MUTANTS = [
            'with without("torch"):',
            "if True:",
            ("tests/test_worker_imports.py::test_a_download_task_imports_no_torch",)),
+    Mutant("ray-workers-collect-less",
+           "every Ray worker of a job runs with CPython's collector tuned for start-up (its imports ~16% cheaper)",
+           "pipelines/cluster/runtime.py",
+           "    collect_less()\n    quiet_logs()",
+           "    quiet_logs()",
+           ("tests/test_gc_tuning.py::test_every_ray_worker_runs_with_the_tuned_collector",)),
+    Mutant("job-driver-collects-less",
+           "a job's driver runs its main with CPython's collector tuned for start-up",
+           "jobs/cli.py",
+           "        collect_less()  # before",
+           "        pass  # before",
+           ("tests/test_gc_tuning.py::test_a_jobs_main_runs_with_the_tuned_collector",)),
 ]
 
 

@@ -16,7 +16,8 @@ LAYERS = {"models": 0, "pipelines": 1, "jobs": 2}
 # fault machinery; no DeepSpeed), DeepSpeed's engine and checkpoints for any stage (zero: nothing of a stage's model,
 # data or evaluation), evaluating (whose job prepares its inputs), pretraining (which evaluates), and the two over
 # training: tuning (trials are training runs) and the adapter (which trains on a trained model's embeddings).
-STAGES = {"config": 0, "compat": 0, "tracking": 0, "storage": 0, "result": 0, "cluster": 0, "console": 0, "plotting": 0, "data": 1,
+STAGES = {"config": 0, "compat": 0, "tracking": 0, "storage": 0, "result": 0, "cluster": 0, "console": 0, "plotting": 0,
+          "gc_tuning": 0, "data": 1,
           "download": 2, "digits": 3, "inputs": 4, "fit": 4, "digits_fit": 4, "zero": 5, "evaluate": 6, "pretrain": 7,
           "tune": 8, "adapt": 8}
 # Upward imports to go: any other upward import fails; one listed here that no longer occurs fails too, so that the

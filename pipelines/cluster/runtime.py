@@ -13,6 +13,7 @@ from pathlib import Path
 import ray
 
 from pipelines.compat.ray_private import disable_cluster_mode_in_this_process, train_report_logger_name
+from pipelines.gc_tuning import collect_less
 
 # Without this, a single-node Ray (as measured on Linux hosts) advertises the machine's
 # external address and torch.distributed's MASTER_ADDR follows it. Local runs only.
@@ -64,6 +65,13 @@ class DropHarmless(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
+def worker_setup() -> None:
+    """Ray's worker_process_setup_hook for this project's jobs: run in every worker process as it starts, before
+    the task or actor it was started for imports anything."""
+    collect_less()
+    quiet_logs()
+
+
 def quiet_logs() -> None:
     """Keep Ray's routine per-epoch and per-report INFO lines and known harmless warnings out of the console
     (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, as Ray's
@@ -100,7 +108,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard_
     DataContext.get_current().enable_progress_bars = False
     quiet_logs()  # and again, for a ray.data that was imported earlier with Ray's own console handler
     address = address or os.environ.get("RAY_ADDRESS")
-    hook = f"{__name__}.quiet_logs"
+    hook = f"{__name__}.worker_setup"
     if address:
         # merged with the runtime_env of a `ray job submit` (its working_dir stays)
         ray.init(address=address, log_to_driver=True,
