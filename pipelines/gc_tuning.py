@@ -6,7 +6,7 @@ import gc
 
 # CPython collects its youngest generation every 700 net allocations of container objects. A process's start-up
 # allocates millions as it imports (a training worker: torch, Ray Train, DeepSpeed, timm, MLflow), and those
-# collections, each scanning objects that live as long as the process, took ~15-20% of the imports' CPU
+# collections, each scanning objects that live as long as the process, took ~15% of the imports' CPU
 # (benchmarks/import_gc.py; docs/BENCHMARKS.md). Every 50,000 instead: the few cycles a run leaves are still
 # collected, later, and the older generations keep their thresholds.
 YOUNG_GC_THRESHOLD = 50_000

@@ -438,7 +438,7 @@ MUTANTS = [
            "if True:",
            ("tests/test_worker_imports.py::test_a_download_task_imports_no_torch",)),
     Mutant("ray-workers-collect-less",
-           "every Ray worker of a job runs with CPython's collector tuned for start-up (its imports ~16% cheaper)",
+           "every Ray worker of a job runs with CPython's collector tuned for start-up (its imports ~15% cheaper)",
            "pipelines/cluster/runtime.py",
            "    collect_less()\n    quiet_logs()",
            "    quiet_logs()",
