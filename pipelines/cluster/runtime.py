@@ -74,8 +74,8 @@ def worker_setup() -> None:
 
 def quiet_logs() -> None:
     """Keep Ray's routine per-epoch and per-report INFO lines and known harmless warnings out of the console
-    (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, as Ray's
-    worker_process_setup_hook, in every worker process before it imports ray.data."""
+    (Ray's log files keep them); other warnings and errors still show. Runs in the driver and, through Ray's
+    worker_process_setup_hook (`worker_setup`), in every worker process before it imports ray.data."""
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", str(_RAY_DATA_LOGGING))
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per artifact download
     # Ray Train V2 logs every ray.train.report at INFO, metrics dict and all, from every rank.
