@@ -17,4 +17,5 @@ def collect_less() -> None:
     in a job's driver (jobs.cli.job_main) and in every Ray worker
     (pipelines.cluster.runtime.worker_setup)."""
     young, *older = gc.get_threshold()
-    gc.set_threshold(max(young, YOUNG_GC_THRESHOLD), *older)
+    if young:  # 0: the process turned collection off itself, and it stays off
+        gc.set_threshold(max(young, YOUNG_GC_THRESHOLD), *older)
