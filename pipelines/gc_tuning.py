@@ -14,8 +14,7 @@ YOUNG_GC_THRESHOLD = 50_000
 
 def collect_less() -> None:
     """CPython's youngest generation collected every YOUNG_GC_THRESHOLD allocations (never more often than it was):
-    in a job's driver (jobs.cli.job_main) and in every Ray worker
-    (pipelines.cluster.runtime.worker_setup)."""
+    in a job's driver (jobs.cli.job_main) and in every Ray worker (pipelines.cluster.runtime.worker_setup)."""
     young, *older = gc.get_threshold()
     if young:  # 0: the process turned collection off itself, and it stays off
         gc.set_threshold(max(young, YOUNG_GC_THRESHOLD), *older)
